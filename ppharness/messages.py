@@ -1,0 +1,137 @@
+"""Every message that crosses a process boundary, as frozen tagged msgspec structs.
+
+The SPEC's four (InferenceRequest, StageActivation, NextToken, InferenceResponse) keep their names and fields; what the
+harness needs besides them is added as further message types. Hidden states travel as raw little-endian bytes with
+their shape and wire dtype (never JSON, never base64): see ``ppharness.codec`` for framing and tensor packing.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    pass
+
+
+# --- the SPEC's messages ------------------------------------------------------------------------------------------
+
+
+class InferenceRequest(_Msg):
+    """Orchestrator -> stage 0: generate up to ``max_tokens`` tokens after ``prompt``."""
+
+    reply_to: str
+    prompt: str
+    max_tokens: int
+    request_id: str = ""
+
+
+class StageActivation(_Msg):
+    """Stage i -> stage i+1: the hidden state after stage i's blocks for ``seq_len`` positions from ``position``."""
+
+    request_id: str
+    position: int
+    hidden: bytes  # raw little-endian, shape ``shape``, element type ``dtype``
+    seq_len: int
+    is_prefill: bool
+    shape: tuple[int, ...]
+    dtype: str  # wire dtype: "f16" | "bf16" | "f32"
+    plan_id: str
+
+
+class NextToken(_Msg):
+    """Last stage -> stage 0: the sampled token at ``position``; ``done`` ends the request (EOS or max_tokens)."""
+
+    request_id: str
+    token_id: int
+    position: int
+    done: bool
+    plan_id: str
+
+
+class InferenceResponse(_Msg):
+    """Last stage -> ``reply_to``: the detokenized text and token ids, with timings from the stages."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    # Wall-clock of the last stage, monotonic seconds relative to the moment it saw the prefill activation:
+    # token_times[k] is when token k was sampled.
+    token_times: list[float]
+    finish_reason: str  # "eos" | "length"
+
+
+# --- what the harness adds ----------------------------------------------------------------------------------------
+
+
+class RequestOpen(_Msg):
+    """Stage 0 -> down the chain, ahead of the prefill activation: what the last stage needs to finish the request.
+
+    Forwarded hop by hop on the same ordered channel as the activations, so every stage sees it before the prefill.
+    """
+
+    request_id: str
+    reply_to: str
+    max_tokens: int
+    prompt_tokens: int
+    plan_id: str
+
+
+class Join(_Msg):
+    """Node -> seed: I am stage ``stage`` of ``num_stages``, reachable at ``address``, under these names."""
+
+    stage: int
+    num_stages: int
+    address: str
+    names: list[str]
+    run_label: str
+    pid: int
+
+
+class Members(_Msg):
+    """Seed -> every node: the name directory (name -> transport address) once all stages joined."""
+
+    names: dict[str, str]
+
+
+class Ready(_Msg):
+    """Node -> seed: my slice is loaded and I serve requests."""
+
+    stage: int
+    params: int
+    tied_params: int
+    load_s: float
+    rss_bytes: int
+
+
+class Shutdown(_Msg):
+    """Seed -> node: stop serving and exit 0."""
+
+    reason: str = ""
+
+
+class Error(_Msg):
+    """Anyone -> seed / reply_to: a failure that ends the request or the run, in one line."""
+
+    stage: int
+    reason: str
+    request_id: str = ""
+
+
+Message = (
+    InferenceRequest
+    | StageActivation
+    | NextToken
+    | InferenceResponse
+    | RequestOpen
+    | Join
+    | Members
+    | Ready
+    | Shutdown
+    | Error
+)
+
+MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
