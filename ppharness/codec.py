@@ -63,6 +63,10 @@ def decode(frame: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYT
         raise CodecError(f"malformed message: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise CodecError(f"malformed msgpack body: {exc}") from exc
+    except RecursionError as exc:
+        raise CodecError(f"malformed msgpack body: nested too deeply ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise CodecError(f"malformed msgpack body: a string is not utf-8 ({exc})") from exc
 
 
 # --- hidden states --------------------------------------------------------------------------------------------------
@@ -75,9 +79,12 @@ def pack_hidden(x: np.ndarray, wire_dtype: str) -> tuple[bytes, tuple[int, ...]]
     if wire_dtype not in _NUMPY_WIRE:
         raise CodecError(f"unknown wire dtype {wire_dtype!r}: expected one of {', '.join(WIRE_DTYPES)}")
     if wire_dtype == "bf16":
-        bits = np.ascontiguousarray(x, dtype="<f4").view("<u4")
-        # round to nearest even on the 16 dropped bits; NaN stays NaN because its exponent bits survive
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        f32 = np.ascontiguousarray(x, dtype="<f4")
+        bits = f32.view("<u4")
+        # round to nearest even on the 16 dropped bits; a NaN becomes the quiet NaN of its sign (rounding its mantissa
+        # could carry it to inf)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        bits = np.where(np.isnan(f32), (bits >> 16) | 0x7FC0, rounded)
         return bits.astype("<u2").tobytes(), tuple(x.shape)
     return np.ascontiguousarray(x, dtype=_NUMPY_WIRE[wire_dtype]).tobytes(), tuple(x.shape)
 
@@ -100,4 +107,7 @@ def unpack_hidden(msg: StageActivation) -> np.ndarray:
     arr = np.frombuffer(msg.hidden, dtype=wire).reshape(msg.shape)
     if msg.dtype == "bf16":
         arr = (arr.astype("<u4") << 16).view("<f4")
+        # bf16 rounding can carry a finite fp16 value past the fp16 maximum: saturate it there instead of making it inf
+        f16_max = float(np.finfo(np.float16).max)
+        arr = np.where(np.isinf(arr), arr, np.clip(arr, -f16_max, f16_max))
     return arr.astype(np.float16)

@@ -113,6 +113,14 @@ class Shutdown(_Msg):
     reason: str = ""
 
 
+class Stopped(_Msg):
+    """Node -> seed, answering Shutdown: what this stage did, just before it exits 0."""
+
+    stage: int
+    served: int
+    peak_rss_bytes: int
+
+
 class Error(_Msg):
     """Anyone -> seed / reply_to: a failure that ends the request or the run, in one line."""
 
@@ -131,6 +139,7 @@ Message = (
     | Members
     | Ready
     | Shutdown
+    | Stopped
     | Error
 )
 

@@ -1,0 +1,89 @@
+"""The Provider seam: where stages run.
+
+A provider turns node specs (environment, resources, image) into running instances of the one node entry point
+(``pp-node``), and takes them down again. Every instance carries the run's label so a reaper can find leftovers.
+Used as a context manager: whatever happens inside the ``with``, every instance it created is destroyed on the way out
+(the SPEC's "any path that allocates an instance also destroys it").
+"""
+
+from __future__ import annotations
+
+import abc
+import sys
+from dataclasses import dataclass, field
+from types import TracebackType
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node to start: its name (``pp-stage-3``) and the node contract's environment (STAGE, NUM_STAGES, ...)."""
+
+    name: str
+    env: dict[str, str]
+    image: str = ""
+    gpus: int = 0
+
+
+@dataclass
+class Instance:
+    """A provider's handle on one running node."""
+
+    id: str
+    name: str
+    provider: str
+    meta: dict[str, str] = field(default_factory=dict)
+
+
+class Provider(abc.ABC):
+    """Start nodes, watch them, read their logs, destroy them. ``run_label`` tags everything it creates."""
+
+    kind: str = "abstract"
+
+    def __init__(self, run_label: str):
+        self.run_label = run_label
+        self.instances: list[Instance] = []
+
+    def spec(self, name: str, env: dict[str, str], **settings: object) -> NodeSpec:
+        """A NodeSpec for this provider (callers outside ``backends`` build specs through here)."""
+        return NodeSpec(name=name, env=env, **settings)  # type: ignore[arg-type]
+
+    @abc.abstractmethod
+    def provision(self, specs: list[NodeSpec]) -> list[Instance]:
+        """Create and start one instance per spec; raise ProvisionFailed (after cleaning up what it started)."""
+
+    @abc.abstractmethod
+    def exited(self) -> list[tuple[Instance, int]]:
+        """Instances that stopped on their own so far, with their exit codes. Cheap: called in every wait loop."""
+
+    @abc.abstractmethod
+    def logs(self, instance: Instance, lines: int = 20) -> str:
+        """The last ``lines`` lines of the instance's output."""
+
+    @abc.abstractmethod
+    def destroy(self, instance: Instance) -> None:
+        """Stop and remove one instance. Idempotent: destroying a gone instance is not an error."""
+
+    @classmethod
+    @abc.abstractmethod
+    def reap(cls, label: str | None = None) -> list[str]:
+        """Destroy every resource carrying ``label`` (any ppharness label when None); return what was destroyed."""
+
+    def destroy_all(self) -> list[str]:
+        """Destroy every instance this provider created; returns one warning per instance that failed to go."""
+        warnings = []
+        for inst in reversed(self.instances):
+            try:
+                self.destroy(inst)
+            except Exception as exc:  # keep destroying the others; report every failure
+                warnings.append(f"destroying {inst.name} ({inst.id}) failed: {exc}")
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        return warnings
+
+    def __enter__(self) -> "Provider":
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.destroy_all()

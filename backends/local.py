@@ -1,0 +1,122 @@
+"""Local processes: one ``pp-node`` subprocess per stage on this machine.
+
+Each node runs in its own session (so a Ctrl-C at the terminal reaches only the orchestrator, which then destroys the
+nodes in order) with ``PP_RUN_LABEL`` in its environment; the reaper finds leftovers by that variable in
+``/proc/<pid>/environ``. Output goes to one log file per node under the run directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+from backends.base import Instance, NodeSpec, Provider
+from ppharness.errors import ProvisionFailed
+
+LABEL_VAR = "PP_RUN_LABEL"
+STOP_GRACE_S = 5.0
+
+
+def node_command() -> list[str]:
+    """The node entry point for this interpreter (``pp-node`` is the same module)."""
+    return [sys.executable, "-m", "ppharness.node"]
+
+
+class LocalProvider(Provider):
+    kind = "local"
+
+    def __init__(self, run_label: str, log_dir: str | os.PathLike[str] | None = None):
+        super().__init__(run_label)
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"ppharness-{run_label}-"))
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def provision(self, specs: list[NodeSpec]) -> list[Instance]:
+        started = []
+        for spec in specs:
+            log_path = self.log_dir / f"{spec.name}.log"
+            env = {**os.environ, **spec.env, LABEL_VAR: self.run_label, "PYTHONUNBUFFERED": "1"}
+            try:
+                with open(log_path, "wb") as log:
+                    proc = subprocess.Popen(node_command(), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+            except OSError as exc:
+                raise ProvisionFailed(f"starting {spec.name} failed: {exc}") from exc
+            inst = Instance(id=str(proc.pid), name=spec.name, provider=self.kind, meta={"log": str(log_path)})
+            self._procs[inst.id] = proc
+            self.instances.append(inst)
+            started.append(inst)
+        return started
+
+    def exited(self) -> list[tuple[Instance, int]]:
+        out = []
+        for inst in self.instances:
+            proc = self._procs.get(inst.id)
+            if proc is not None and (rc := proc.poll()) is not None:
+                out.append((inst, rc))
+        return out
+
+    def logs(self, instance: Instance, lines: int = 20) -> str:
+        try:
+            with open(instance.meta["log"], "r", errors="replace") as f:
+                return "".join(deque(f, maxlen=lines))
+        except OSError:
+            return ""
+
+    def wait_exited(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for every node to exit on its own; True when all did."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(p.poll() is not None for p in self._procs.values()):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def destroy(self, instance: Instance) -> None:
+        proc = self._procs.get(instance.id)
+        if proc is None or proc.poll() is not None:
+            return
+        _kill_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid, signal.SIGKILL)
+            proc.wait(STOP_GRACE_S)
+
+    @classmethod
+    def reap(cls, label: str | None = None) -> list[str]:
+        victims = labelled_pids(label)
+        for pid in victims:
+            _kill_group(pid, signal.SIGKILL)
+        return [f"process {pid}" for pid in victims]
+
+
+def _kill_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        os.kill(pid, sig)
+
+
+def labelled_pids(label: str | None = None) -> list[int]:
+    """Live processes whose environment carries PP_RUN_LABEL (equal to ``label`` when given)."""
+    want = f"{LABEL_VAR}={label}".encode() if label else f"{LABEL_VAR}=".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(v == want or (label is None and v.startswith(want)) for v in env):
+            pids.append(int(entry.name))
+    return sorted(pids)

@@ -1,0 +1,237 @@
+"""Command line: ``pp-smoke-run`` and ``ppharness {run, scenario schema, model make|info, oracle, reap}``.
+
+Every command exits 0 on success and 1 with a one-line reason on any failure, after destroying whatever it started.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from ppharness.errors import HarnessError
+
+SCENARIO_HELP = "Scenario YAML file (see scenarios/); flags given here override its values."
+
+
+def _fail(reason: str, exc: BaseException | None = None) -> NoReturn:
+    click.echo(f"FAILED: {reason}", err=True)
+    for note in getattr(exc, "__notes__", []) or []:
+        click.echo(note, err=True)
+    sys.exit(1)
+
+
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM takes the same clean path as Ctrl-C: unwind, destroy every node, exit 1."""
+
+    def handler(signum: int, frame: Any) -> NoReturn:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _human_bytes(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def print_summary(result: Any) -> None:
+    """The run's answer and figures on stdout."""
+    r = result.response
+    click.echo(f"\ntext: {r.text!r}")
+    click.echo(f"tokens ({len(r.token_ids)}, {r.finish_reason}): {r.token_ids}")
+    click.echo(f"chain: {len(result.plan.ranges)} stages, time to first token {result.ttft_s * 1000:.0f} ms, "
+               f"decode {result.decode_tok_s:.1f} tok/s")
+    if result.oracle is not None:
+        o = result.oracle
+        click.echo(f"oracle (unsplit, one process): first token {o.ttft_s * 1000:.0f} ms, decode {o.decode_tok_s:.1f} "
+                   f"tok/s; chain/single decode ratio {result.decode_tok_s / o.decode_tok_s:.2f}"
+                   if o.decode_tok_s else "")
+    click.echo(f"\n{'stage':>5} {'blocks':>9} {'params':>12} {'tied':>10} {'load+compile':>13} {'peak RSS':>9}")
+    for s in result.stages:
+        click.echo(f"{s.index:>5} {f'[{s.lo},{s.hi})':>9} {s.params:>12,} {s.tied_params:>10,} {s.load_s:>12.1f}s "
+                   f"{_human_bytes(s.peak_rss_bytes):>9}")
+    total = sum(s.params for s in result.stages)
+    click.echo(f"{'sum':>5} {'':>9} {total:>12,}" + (f"   (model: {result.oracle.n_params:,})" if result.oracle else ""))
+    if result.matches_oracle is True:
+        click.echo(f"\nMATCH: the {len(result.plan.ranges)}-stage chain's {len(r.token_ids)} tokens equal the unsplit "
+                   "model's, token for token")
+
+
+def run_and_report(scenario: Any, quiet: bool = False) -> None:
+    """Run ``scenario``; print the summary; exit 1 on failure or mismatch."""
+    from ppharness.orchestrator import Progress, run_scenario
+
+    _sigterm_as_interrupt()
+    try:
+        result = run_scenario(scenario, progress=Progress(quiet=quiet))
+    except HarnessError as exc:
+        _fail(str(exc), exc)
+    except KeyboardInterrupt:
+        _fail("interrupted; every node was stopped")
+    print_summary(result)
+    if result.matches_oracle is False:
+        o, c = result.oracle.token_ids, result.response.token_ids
+        k = next((i for i, (a, b) in enumerate(zip(o, c)) if a != b), min(len(o), len(c)))
+        _fail(f"the chain's tokens differ from the unsplit model's at token {k}: chain {c}, oracle {o}")
+
+
+def _load(scenario_file: str | None, **overrides: Any) -> Any:
+    from ppharness.scenario import load_scenario, scenario_from_args
+
+    try:
+        base = load_scenario(scenario_file) if scenario_file else None
+        return scenario_from_args(base=base, **overrides)
+    except HarnessError as exc:
+        _fail(str(exc))
+
+
+# --- pp-smoke-run ---------------------------------------------------------------------------------------------------
+
+
+@click.command(name="pp-smoke-run")
+@click.option("--num-stages", "-n", type=int, help="Number of pipeline stages (default: the scenario's, else 2).")
+@click.option("--scenario", "scenario_file", type=click.Path(dir_okay=False), help=SCENARIO_HELP)
+@click.option("--transport", help="Transport kind (zmq, memory, ...).")
+@click.option("--provider", help="Provider kind (local, ...).")
+@click.option("--prompt", help="Prompt text.")
+@click.option("--max-tokens", type=int, help="Tokens to generate.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+def smoke_run(num_stages: int | None, scenario_file: str | None, transport: str | None, provider: str | None,
+              prompt: str | None, max_tokens: int | None, quiet: bool) -> None:
+    """Run the N-stage chain once, print its text, and check it against the unsplit model."""
+    run_and_report(_load(scenario_file, num_stages=num_stages, transport=transport, provider=provider, prompt=prompt,
+                         max_tokens=max_tokens), quiet=quiet)
+
+
+# --- ppharness ------------------------------------------------------------------------------------------------------
+
+
+@click.group()
+def main() -> None:
+    """ppharness: pipeline-parallel inference harness."""
+
+
+@main.command()
+@click.argument("scenario_file", type=click.Path(dir_okay=False))
+@click.option("--num-stages", "-n", type=int, help="Override the scenario's stage count.")
+@click.option("--quiet", "-q", is_flag=True)
+def run(scenario_file: str, num_stages: int | None, quiet: bool) -> None:
+    """Run a scenario file."""
+    run_and_report(_load(scenario_file, num_stages=num_stages), quiet=quiet)
+
+
+@main.group()
+def scenario() -> None:
+    """Scenario files."""
+
+
+@scenario.command("schema")
+def scenario_schema_cmd() -> None:
+    """Print the scenario JSON Schema (for editors: yaml-language-server's $schema)."""
+    from ppharness.scenario import scenario_schema
+
+    click.echo(json.dumps(scenario_schema(), indent=2))
+
+
+@scenario.command("check")
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+def scenario_check(files: tuple[str, ...]) -> None:
+    """Validate scenario files without running them."""
+    from ppharness.scenario import load_scenario
+
+    for f in files:
+        try:
+            load_scenario(f)
+        except HarnessError as exc:
+            _fail(str(exc))
+        click.echo(f"ok: {f}")
+
+
+@main.group()
+def model() -> None:
+    """Model files."""
+
+
+@model.command("make")
+@click.option("--preset", default="tiny", show_default=True, help="Dimensions preset (tiny, small, llama-3.2-1b).")
+@click.option("--blocks", type=int)
+@click.option("--dim", type=int)
+@click.option("--ffn", type=int)
+@click.option("--heads", type=int)
+@click.option("--kv-heads", type=int)
+@click.option("--vocab", type=int)
+@click.option("--context", type=int)
+@click.option("--tied/--untied", "tied_embeddings", default=None, help="Tie the output head to the embedding.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--output", "-o", type=click.Path(dir_okay=False), required=True)
+def model_make(preset: str, output: str, **overrides: Any) -> None:
+    """Write a deterministic synthetic llama GGUF (same arguments, same bytes)."""
+    from ppharness.modelfile import make_synthetic, preset_spec, sha256_file
+
+    try:
+        spec = preset_spec(preset, **overrides)
+        click.echo(f"writing {spec.n_params:,} parameters ({spec.blocks} blocks, dim {spec.dim}) to {output}", err=True)
+        path = make_synthetic(spec, output)
+    except HarnessError as exc:
+        _fail(str(exc))
+    click.echo(f"{path}  sha256 {sha256_file(path)}")
+
+
+@model.command("info")
+@click.argument("source")
+def model_info(source: str) -> None:
+    """Show a GGUF's (path, URL or synthetic:...) dimensions and parameter count."""
+    from ppharness.modelfile import resolve_model
+    from ppharness.slicing import GGUFFile
+
+    try:
+        f = GGUFFile(resolve_model(source))
+    except HarnessError as exc:
+        _fail(str(exc))
+    for k, v in vars(f.config).items():
+        click.echo(f"{k:>12}: {v}")
+    click.echo(f"{'path':>12}: {f.path}")
+
+
+@main.command()
+@click.option("--scenario", "scenario_file", type=click.Path(dir_okay=False), help=SCENARIO_HELP)
+@click.option("--prompt")
+@click.option("--max-tokens", type=int)
+def oracle(scenario_file: str | None, prompt: str | None, max_tokens: int | None) -> None:
+    """Greedy decode with the unsplit model in this process: the reference every split must equal."""
+    from ppharness.modelfile import resolve_model
+    from ppharness.oracle import oracle_decode
+    from ppharness.orchestrator import model_source
+
+    sc = _load(scenario_file, prompt=prompt, max_tokens=max_tokens)
+    try:
+        path = resolve_model(*model_source(sc))
+        res = oracle_decode(path, sc.request.prompt, sc.request.max_tokens, sc.model.max_context)
+    except HarnessError as exc:
+        _fail(str(exc))
+    click.echo(f"text: {res.text!r}\ntokens: {res.token_ids}\nfirst token {res.ttft_s * 1000:.0f} ms, decode "
+               f"{res.decode_tok_s:.1f} tok/s, {res.n_params:,} parameters")
+
+
+@main.command()
+@click.option("--label", help="Only this run's label (default: every ppharness run label).")
+@click.option("--provider", "providers", multiple=True, help="Provider kind(s) to reap (default: all).")
+def reap(label: str | None, providers: tuple[str, ...]) -> None:
+    """Destroy leftovers of crashed runs: every resource carrying a ppharness run label."""
+    from ppharness.registry import PROVIDERS, provider_class
+
+    found = []
+    for kind in providers or tuple(PROVIDERS):
+        try:
+            found += [f"{kind}: {what}" for what in provider_class(kind).reap(label)]
+        except HarnessError as exc:
+            _fail(str(exc))
+    click.echo("\n".join(found) if found else "nothing to reap")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""``pp-node``: the one process every provider starts, one per stage.
+
+Inputs come from the environment (the node contract): ``STAGE``, ``NUM_STAGES``, ``SEED_ADDR`` (the orchestrator's
+transport address), ``MODEL`` (GGUF path, URL or ``synthetic:`` spec), ``PLAN`` (JSON StagePlan: block range, plan id,
+wire dtype, timeouts), ``TRANSPORT`` (registry kind) and ``PP_RUN_LABEL``. Optional: ``PP_BIND_HOST`` and
+``PP_ADVERTISE_HOST`` for transports that bind sockets.
+
+The node joins the cluster, loads only its own layers, compiles its decode step, reports Ready, and serves until
+Shutdown (exit 0). Any failure is reported to the seed as an Error message with one line of reason, then exit 1.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+from ppharness.cluster import resolve_members
+from ppharness.errors import CodecError, HarnessError, TransportTimeout
+from ppharness.messages import Error, Join, Message, Ready, Shutdown, Stopped
+from ppharness.plan import StagePlan, names_of
+from ppharness.registry import transport_class
+
+REQUIRED_ENV = ("STAGE", "NUM_STAGES", "SEED_ADDR", "MODEL", "PLAN", "TRANSPORT")
+
+
+def _log(stage: int | str, text: str) -> None:
+    print(f"[pp-node stage {stage}] {text}", file=sys.stderr, flush=True)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def read_env(env: dict[str, str]) -> tuple[StagePlan, dict[str, str]]:
+    missing = [k for k in REQUIRED_ENV if not env.get(k)]
+    if missing:
+        raise HarnessError(f"missing environment variable(s) {', '.join(missing)}; pp-node needs {', '.join(REQUIRED_ENV)}")
+    try:
+        plan = msgspec.json.decode(env["PLAN"], type=StagePlan)
+    except msgspec.DecodeError as exc:
+        raise HarnessError(f"PLAN is not a valid stage plan: {exc}") from exc
+    if str(plan.stage) != env["STAGE"] or str(plan.num_stages) != env["NUM_STAGES"]:
+        raise HarnessError(f"PLAN says stage {plan.stage} of {plan.num_stages}, but STAGE={env['STAGE']} "
+                           f"NUM_STAGES={env['NUM_STAGES']}")
+    return plan, env
+
+
+def make_transport(kind: str, env: dict[str, str]) -> Any:
+    cls = transport_class(kind)
+    opts = {}
+    if env.get("PP_BIND_HOST"):
+        opts["host"] = env["PP_BIND_HOST"]
+    if env.get("PP_ADVERTISE_HOST"):
+        opts["advertise_host"] = env["PP_ADVERTISE_HOST"]
+    return cls(**opts)
+
+
+def load_stage_model(model_source: str, plan: StagePlan) -> tuple[Any, Any, float]:
+    """(ModelSlice, tokenizer or None, seconds): only this stage's tensors, decode step compiled and warmed."""
+    from ppharness.modelfile import resolve_model
+    from ppharness.slicing import GGUFFile, ModelSlice, tokenizer_from
+
+    t0 = time.monotonic()
+    gguf_file = GGUFFile(resolve_model(model_source))
+    model = ModelSlice(gguf_file, plan.lo, plan.hi, plan.first, plan.last, plan.max_context)
+    tokenizer = tokenizer_from(gguf_file.kv) if plan.first or plan.last else None
+    warm_up(model)
+    return model, tokenizer, time.monotonic() - t0
+
+
+def warm_up(model: Any) -> None:
+    """Compile the decode step before the first request: one prefill position, then enough decode steps for the JIT
+    to capture and replay. The KV cache entries it writes are overwritten by the next request's prefill."""
+    import numpy as np
+
+    x = [0] if model.first else np.zeros((1, 1, model.config.dim), dtype=np.float16)
+    model.prefill(x)
+    for pos in (1, 2, 3):
+        model.decode(x, pos)
+    model.reset()
+
+
+def serve(plan: StagePlan, env: dict[str, str]) -> int:
+    from ppharness.stage import Stage
+
+    seed = env["SEED_ADDR"]
+    log = lambda text: _log(plan.stage, text)  # noqa: E731
+    parent = os.getppid()
+    transport = make_transport(env["TRANSPORT"], env)
+    address = transport.start()
+    try:
+        transport.send(seed, Join(stage=plan.stage, num_stages=plan.num_stages, address=address,
+                                  names=names_of(plan.stage, plan.num_stages), run_label=env.get("PP_RUN_LABEL", ""),
+                                  pid=os.getpid()))
+        log(f"joined seed {seed} from {address}; loading blocks [{plan.lo}, {plan.hi})")
+        try:
+            model, tokenizer, load_s = load_stage_model(env["MODEL"], plan)
+        except Exception as exc:
+            raise HarnessError(f"loading the model failed: {type(exc).__name__}: {exc}") from exc
+        log(f"loaded {model.n_params} parameters and compiled the decode step in {load_s:.1f} s")
+
+        early: list[tuple[str, Message]] = []
+        names = resolve_members(transport.recv, plan.resolve_s, lambda s, m: early.append((s, m)), log=log)
+        stage = Stage(plan.stage, plan.num_stages, model, transport, names, plan.plan_id, plan.wire_dtype,
+                      tokenizer, log=log)
+        transport.send(seed, Ready(stage=plan.stage, params=model.n_params, tied_params=model.tied_params,
+                                   load_s=load_s, rss_bytes=peak_rss_bytes()))
+        while True:
+            if early:
+                sender, msg = early.pop(0)
+            else:
+                try:
+                    sender, msg = transport.recv(1.0)
+                except TransportTimeout:
+                    if os.getppid() != parent:
+                        log("the process that started this node is gone; exiting")
+                        return 1
+                    continue
+                except CodecError as exc:
+                    log(f"dropped a bad frame: {exc}")
+                    continue
+            if isinstance(msg, Shutdown):
+                transport.send(seed, Stopped(stage=plan.stage, served=stage.served, peak_rss_bytes=peak_rss_bytes()))
+                log(f"shutting down after {stage.served} request(s)")
+                return 0
+            stage.handle(sender, msg)
+    except HarnessError as exc:
+        log(f"failed: {exc}")
+        try:
+            transport.send(seed, Error(stage=plan.stage, reason=str(exc)))
+        except HarnessError:
+            pass
+        return 1
+    finally:
+        transport.close()
+
+
+def main() -> None:
+    try:
+        plan, env = read_env(dict(os.environ))
+    except HarnessError as exc:
+        _log(os.environ.get("STAGE", "?"), f"failed: {exc}")
+        sys.exit(1)
+    sys.exit(serve(plan, env))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Deciding who runs what: a pure function from (blocks, stages, split points) to each stage's block range and names."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import msgspec
+
+from ppharness.errors import ScenarioError
+
+ENTRY, EXIT = "pp-entry", "pp-exit"
+
+
+def stage_name(i: int) -> str:
+    return f"pp-stage-{i}"
+
+
+def names_of(index: int, num_stages: int) -> list[str]:
+    """The names stage ``index`` registers: its own, plus pp-entry on the first and pp-exit on the last."""
+    names = [stage_name(index)]
+    if index == 0:
+        names.append(ENTRY)
+    if index == num_stages - 1:
+        names.append(EXIT)
+    return names
+
+
+def even_splits(blocks: int, num_stages: int) -> list[int]:
+    """The SPEC's even split: k = blocks // N blocks per stage, the last stage takes the remainder."""
+    k = blocks // num_stages
+    return [k * i for i in range(1, num_stages)]
+
+
+class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one node needs to know about its part; travels to the node as the PLAN environment variable (JSON)."""
+
+    plan_id: str
+    stage: int
+    num_stages: int
+    lo: int
+    hi: int
+    wire_dtype: str = "f16"
+    max_context: int = 256
+    join_s: float = 120.0
+    resolve_s: float = 60.0
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    plan_id: str
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranges)
+
+    def stage(self, i: int, **settings: object) -> StagePlan:
+        lo, hi = self.ranges[i]
+        return StagePlan(plan_id=self.plan_id, stage=i, num_stages=self.num_stages, lo=lo, hi=hi, **settings)  # type: ignore[arg-type]
+
+
+def make_plan(blocks: int, num_stages: int | None = None, splits: list[int] | None = None, model_id: str = "") -> Plan:
+    """Block ranges for each stage: explicit ``splits`` (N-1 increasing cut points) or an even split of ``num_stages``."""
+    if splits is None:
+        if num_stages is None or num_stages < 1:
+            raise ScenarioError(f"stages: need a stage count of at least 1, got {num_stages}")
+        if num_stages > blocks:
+            raise ScenarioError(f"stages: {num_stages} stages but the model has {blocks} blocks; use at most {blocks}")
+        splits = even_splits(blocks, num_stages)
+    cuts = [0, *splits, blocks]
+    if any(a >= b for a, b in zip(cuts, cuts[1:])):
+        raise ScenarioError(f"stages.splits: {splits} must be strictly increasing and inside (0, {blocks})")
+    if num_stages is not None and num_stages != len(cuts) - 1:
+        raise ScenarioError(f"stages: count {num_stages} disagrees with {len(splits)} split points")
+    ranges = tuple(zip(cuts, cuts[1:]))
+    plan_id = hashlib.sha256(f"{model_id}|{ranges}".encode()).hexdigest()[:12]
+    return Plan(plan_id=plan_id, ranges=ranges)

@@ -1,0 +1,450 @@
+"""Scenario YAML v1: what to run, decoded straight into frozen msgspec structs.
+
+A scenario names a model (a synthetic preset or a GGUF file), how its blocks are split into stages, the transport and
+provider kinds, one request, what to expect of the answer and the time budgets. ``load_scenario`` turns a file into a
+``Scenario`` or raises ``ScenarioError`` naming the file, the ``$.field.path`` and the fix; ``scenario_from_args``
+builds one in code for the CLI when no file is given; ``scenario_schema`` is the JSON Schema for editors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+from msgspec import inspect as mi
+
+from ppharness import registry
+from ppharness.errors import ScenarioError
+
+SCENARIO_VERSION = 1
+WIRE_DTYPES = ("f16", "bf16", "f32")
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+Seconds = Annotated[float, Meta(gt=0)]
+
+
+class _FieldError(ValueError):
+    """A check in ``__post_init__`` failed; ``field`` is the path below the struct (``count``, ``splits[2]`` or "")."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class SyntheticModel(_Section):
+    """A model ppharness makes itself from a named preset, with optional overrides."""
+
+    preset: Annotated[str, Meta(min_length=1)] = "tiny"
+    seed: Annotated[int, Meta(ge=0)] = 0
+    blocks: PositiveInt | None = None
+    dim: PositiveInt | None = None
+    tied_embeddings: bool | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            modelfile = importlib.import_module("ppharness.modelfile")
+        except ImportError:
+            return
+        presets = getattr(modelfile, "PRESETS", None)
+        if presets is not None and self.preset not in presets:
+            raise _FieldError("preset", f"unknown preset {self.preset!r} — expected one of: {', '.join(presets)}")
+
+
+class ModelSection(_Section):
+    """Exactly one of ``synthetic`` and ``gguf``; ``max_context`` is the KV cache length every stage allocates."""
+
+    synthetic: SyntheticModel | None = None
+    gguf: Annotated[str, Meta(min_length=1, description="a local path or an http(s) URL of a GGUF file")] | None = None
+    sha256: Annotated[str, Meta(pattern=r"^[0-9a-fA-F]{64}$", description="hex SHA-256 of the GGUF file")] | None = None
+    max_context: Annotated[int, Meta(ge=16)] = 256
+
+    def __post_init__(self) -> None:
+        if self.synthetic is not None and self.gguf is not None:
+            raise _FieldError("", "both synthetic and gguf are set — keep exactly one")
+        if self.synthetic is None and self.gguf is None:
+            raise _FieldError(
+                "", "neither synthetic nor gguf is set — add `synthetic: {preset: tiny}` or `gguf: <path or URL>`"
+            )
+        if self.gguf is not None and "://" in self.gguf:
+            scheme = self.gguf.split("://", 1)[0].lower()
+            if scheme not in ("http", "https"):
+                raise _FieldError("gguf", f"unsupported URL scheme {scheme!r} — use a local path or an http(s) URL")
+        if self.sha256 is not None and self.gguf is None:
+            raise _FieldError("sha256", "sha256 applies only to a gguf file — remove it or set gguf")
+
+
+class Stages(_Section):
+    """How the blocks are split: ``count`` even stages (the last takes the remainder) or explicit split points."""
+
+    count: PositiveInt | UnsetType = UNSET
+    splits: tuple[Annotated[int, Meta(ge=1)], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.splits is None:
+            if self.count is UNSET:
+                msgspec.structs.force_setattr(self, "count", 2)
+            return
+        for i in range(1, len(self.splits)):
+            if self.splits[i] <= self.splits[i - 1]:
+                raise _FieldError(
+                    f"splits[{i}]",
+                    f"split point {self.splits[i]} follows {self.splits[i - 1]} — split points must be strictly "
+                    "increasing block indices",
+                )
+        implied = len(self.splits) + 1
+        if self.count is UNSET:
+            msgspec.structs.force_setattr(self, "count", implied)
+        elif self.count != implied:
+            raise _FieldError(
+                "count",
+                f"count is {self.count} but {len(self.splits)} split points make {implied} stages — "
+                f"set count: {implied} or leave count out",
+            )
+
+    @property
+    def num_stages(self) -> int:
+        """The stage count as a plain int (``count`` is always set once the struct exists)."""
+        assert isinstance(self.count, int)
+        return self.count
+
+    def ranges(self, num_blocks: int) -> list[tuple[int, int]]:
+        """Half-open block ranges ``[start, end)`` of each stage for a model with ``num_blocks`` blocks."""
+        n = self.num_stages
+        if n > num_blocks or (self.splits and self.splits[-1] >= num_blocks):
+            raise ScenarioError(f"{n} stages do not fit a model of {num_blocks} blocks")
+        if self.splits is None:
+            k = num_blocks // n
+            bounds = [i * k for i in range(n)] + [num_blocks]
+        else:
+            bounds = [0, *self.splits, num_blocks]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+
+class TransportSection(_Section):
+    """How stages talk: a kind from ``ppharness.registry.TRANSPORTS`` and the dtype hidden states travel in."""
+
+    kind: str = "zmq"
+    wire_dtype: Literal["f16", "bf16", "f32"] = "f16"
+
+    def __post_init__(self) -> None:
+        if self.kind not in registry.TRANSPORTS:
+            known = ", ".join(sorted(registry.TRANSPORTS))
+            raise _FieldError("kind", f"unknown transport kind {self.kind!r} — expected one of: {known}")
+
+
+class ProviderSection(_Section):
+    """Where stages run: a kind from ``ppharness.registry.PROVIDERS``."""
+
+    kind: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.kind not in registry.PROVIDERS:
+            known = ", ".join(sorted(registry.PROVIDERS))
+            raise _FieldError("kind", f"unknown provider kind {self.kind!r} — expected one of: {known}")
+
+
+class RequestSection(_Section):
+    """The one request the run sends."""
+
+    prompt: Annotated[str, Meta(min_length=1)] = "The quick brown fox"
+    max_tokens: Annotated[int, Meta(ge=1, le=4096)] = 16
+
+
+class ExpectSection(_Section):
+    """What the answer must satisfy: non-empty text, and the same tokens as the single-process oracle."""
+
+    non_empty: bool = True
+    match_oracle: bool = True
+
+
+class BudgetSection(_Section):
+    """Time budgets in seconds."""
+
+    total_s: Seconds = 300.0
+    join_s: Seconds = 120.0
+    resolve_s: Seconds = 60.0
+    ready_s: Seconds = 180.0
+
+
+def _default_model() -> ModelSection:
+    return ModelSection(synthetic=SyntheticModel())
+
+
+class Scenario(_Section):
+    """A whole scenario file (format version 1)."""
+
+    version: Literal[1]
+    name: Annotated[str, Meta(description="defaults to the file's stem")] = ""
+    model: ModelSection = msgspec.field(default_factory=_default_model)
+    stages: Stages = Stages()
+    transport: TransportSection = TransportSection()
+    provider: ProviderSection = ProviderSection()
+    request: RequestSection = RequestSection()
+    expect: ExpectSection = ExpectSection()
+    budget: BudgetSection = BudgetSection()
+
+    def __post_init__(self) -> None:
+        if self.request.max_tokens >= self.model.max_context:
+            raise _FieldError(
+                "request.max_tokens",
+                f"{self.request.max_tokens} tokens do not fit max_context {self.model.max_context} — "
+                "lower max_tokens or raise model.max_context",
+            )
+
+    def with_stages(self, n: int) -> Scenario:
+        """A copy split evenly into ``n`` stages (explicit splits dropped)."""
+        return scenario_from_args(base=self, num_stages=n)
+
+
+# --- loading ------------------------------------------------------------------------------------------------------
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario file; every problem is a ``ScenarioError`` naming the file, field and fix."""
+    path = Path(path)
+    src = str(path)
+    text = _read(path)
+    try:
+        scenario = msgspec.yaml.decode(text, type=Scenario)
+    except msgspec.ValidationError as exc:
+        raise ScenarioError(f"{src}: {_explain(exc, _untyped(text))}") from None
+    except msgspec.DecodeError as exc:
+        raise ScenarioError(f"{src}: {_explain_yaml(exc)}") from None
+    if not scenario.name:
+        scenario = msgspec.structs.replace(scenario, name=path.stem)
+    blocks = _known_blocks(scenario)
+    if blocks is not None:
+        check_against_model(scenario, blocks, source=src)
+    return scenario
+
+
+def check_against_model(scenario: Scenario, num_blocks: int, source: str = "<file>") -> None:
+    """Raise ``ScenarioError`` if the stage split does not fit a model of ``num_blocks`` blocks."""
+    stages = scenario.stages
+    n = stages.num_stages
+    if n > num_blocks:
+        raise ScenarioError(
+            f"{source}: $.stages.count: {n} stages but the model has {num_blocks} blocks — "
+            f"use at most {num_blocks} stages or fewer split points"
+        )
+    for i, point in enumerate(stages.splits or ()):
+        if point >= num_blocks:
+            raise ScenarioError(
+                f"{source}: $.stages.splits[{i}]: split point {point} is outside the model's {num_blocks} blocks — "
+                f"split points must lie in 1..{num_blocks - 1}"
+            )
+
+
+def _known_blocks(scenario: Scenario) -> int | None:
+    synthetic = scenario.model.synthetic
+    if synthetic is None:
+        return None
+    try:
+        modelfile = importlib.import_module("ppharness.modelfile")
+    except ImportError:
+        return synthetic.blocks
+    preset_blocks = getattr(modelfile, "preset_blocks", None)
+    if preset_blocks is None:
+        return synthetic.blocks
+    return int(preset_blocks(synthetic.preset, synthetic.blocks))
+
+
+def _read(path: Path) -> str:
+    if not path.is_file():
+        hint = "pass the path of a scenario YAML file"
+        siblings = sorted(p.name for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
+        if siblings:
+            more = ", ..." if len(siblings) > 8 else ""
+            hint += f" (in {path.parent}/: {', '.join(siblings[:8])}{more})"
+        what = "is a directory" if path.is_dir() else "no such file"
+        raise ScenarioError(f"{path}: {what} — {hint}")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"{path}: not UTF-8 text (byte {exc.start}) — save the file as UTF-8") from None
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
+
+
+# --- building in code ---------------------------------------------------------------------------------------------
+
+
+def scenario_from_args(
+    *,
+    base: Scenario | None = None,
+    name: str | None = None,
+    num_stages: int | None = None,
+    transport: str | None = None,
+    provider: str | None = None,
+    prompt: str | None = None,
+    max_tokens: int | None = None,
+) -> Scenario:
+    """``base`` (default: the built-in scenario) with the given overrides; ``None`` keeps the base value."""
+    s = base if base is not None else Scenario(version=SCENARIO_VERSION)
+    if num_stages is not None:
+        s = _set(s, "$", stages=Stages(count=num_stages))
+    if transport is not None:
+        s = _set(s, "$", transport=_set(s.transport, "$.transport", kind=transport))
+    if provider is not None:
+        s = _set(s, "$", provider=_set(s.provider, "$.provider", kind=provider))
+    if prompt is not None:
+        s = _set(s, "$", request=_set(s.request, "$.request", prompt=prompt))
+    if max_tokens is not None:
+        s = _set(s, "$", request=_set(s.request, "$.request", max_tokens=max_tokens))
+    if name is not None or not s.name:
+        s = _set(s, "$", name=name or f"adhoc-{s.stages.num_stages}stage-{s.provider.kind}")
+    raw = msgspec.to_builtins(s)
+    try:
+        checked = msgspec.convert(raw, type=Scenario)
+    except msgspec.ValidationError as exc:
+        raise ScenarioError(f"<arguments>: {_explain(exc, raw)}") from None
+    blocks = _known_blocks(checked)
+    if blocks is not None:
+        check_against_model(checked, blocks, source="<arguments>")
+    return checked
+
+
+def _set(obj: Any, where: str, **changes: Any) -> Any:
+    """``msgspec.structs.replace`` whose failed checks become ``ScenarioError`` naming ``where``'s field."""
+    try:
+        return msgspec.structs.replace(obj, **changes)
+    except _FieldError as exc:
+        sub = f"{'' if exc.field.startswith('[') else '.'}{exc.field}" if exc.field else ""
+        raise ScenarioError(f"<arguments>: {where}{sub}: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise ScenarioError(f"<arguments>: {where}: {exc}") from None
+
+
+def scenario_schema() -> dict[str, Any]:
+    """JSON Schema of the scenario format, for editors (``# yaml-language-server: $schema=...``)."""
+    schema = msgspec.json.schema(Scenario)
+    defs = dict(schema.get("$defs", {}))
+    root = defs.pop("Scenario")
+    out: dict[str, Any] = {"$schema": "https://json-schema.org/draft/2020-12/schema", **root}
+    out["title"] = f"ppharness scenario v{SCENARIO_VERSION}"
+    if defs:
+        out["$defs"] = defs
+    return out
+
+
+# --- error messages -----------------------------------------------------------------------------------------------
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>\$[^`]*)`)?$", re.S)
+_SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_MISSING = object()
+_YAML_WORDS = {"object": "a mapping", "array": "a list", "null": "null"}
+
+
+def _explain(exc: msgspec.ValidationError, raw: Any) -> str:
+    """One line for a validation error: the ``$.path``, what was wrong, and what is expected."""
+    m = _AT.match(str(exc))
+    assert m is not None
+    msg, path = m["msg"], m["path"] or "$"
+    cause = exc.__cause__
+    if isinstance(cause, _FieldError):
+        sub = cause.field
+        full = path if not sub else f"{path}{'' if sub.startswith('[') else '.'}{sub}"
+        return f"{full}: {cause}"
+    got = _raw_at(raw, path)
+    shown = "" if got is _MISSING else f" {got!r}"
+    if mm := re.fullmatch(r"Object contains unknown field `(.+)`", msg):
+        field, valid = mm[1], _field_names(path)
+        close = difflib.get_close_matches(field, valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"unknown field {field!r} at {path} — expected one of: {', '.join(valid)}{hint}"
+    if mm := re.fullmatch(r"Object missing required field `(.+)`", msg):
+        example = f"{mm[1]}: {SCENARIO_VERSION}" if mm[1] == "version" else f"{mm[1]}: ..."
+        return f"{path}: missing required field {mm[1]!r} — add `{example}`"
+    if re.fullmatch(r"Invalid enum value .+", msg):
+        if path == "$.version":
+            return f"{path}: unsupported scenario version{shown} — this ppharness reads version 1; set `version: 1`"
+        allowed = ", ".join(str(v) for v in _literal_values(path))
+        return f"{path}:{shown or ' this value'} is not allowed — expected one of: {allowed}"
+    if mm := re.fullmatch(r"Expected `(.+?)`, got `(.+?)`", msg):
+        if path == "$" and got is None:
+            return "$: the file is empty — a scenario needs at least `version: 1`"
+        expected, actual = (_YAML_WORDS.get(w, w) for w in (mm[1], mm[2]))
+        return f"{path}: expected {expected}, got {actual}{shown if actual not in _YAML_WORDS.values() else ''}"
+    if msg.startswith("Expected "):
+        return f"{path}: expected {msg[len('Expected '):].replace('`', '')}, got{shown or ' something else'}"
+    return f"{path}: {msg}"
+
+
+def _explain_yaml(exc: msgspec.DecodeError) -> str:
+    cause = exc.__cause__ or exc.__context__
+    mark = getattr(cause, "problem_mark", None) or getattr(cause, "context_mark", None)
+    problem = getattr(cause, "problem", None) or str(exc).splitlines()[0]
+    if mark is not None:
+        return f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    m = re.search(r"line (\d+), column (\d+)", str(exc))
+    where = f" at line {m[1]}, column {m[2]}" if m else ""
+    return f"not valid YAML{where}: {problem}"
+
+
+def _segments(path: str) -> Iterator[str | int]:
+    for m in _SEGMENT.finditer(path[1:]):
+        yield m[1] if m[1] is not None else int(m[2])
+
+
+def _flat(t: mi.Type) -> Iterator[mi.Type]:
+    if isinstance(t, mi.Metadata):
+        yield from _flat(t.type)
+    elif isinstance(t, mi.UnionType):
+        for u in t.types:
+            yield from _flat(u)
+    else:
+        yield t
+
+
+def _type_at(path: str) -> list[mi.Type]:
+    """The possible types of the value at ``path`` (a union flattened), walking from ``Scenario``."""
+    types: list[mi.Type] = list(_flat(mi.type_info(Scenario)))
+    for seg in _segments(path):
+        nxt: list[mi.Type] = []
+        for t in types:
+            if isinstance(seg, str) and isinstance(t, mi.StructType):
+                nxt += [u for f in t.fields if f.encode_name == seg for u in _flat(f.type)]
+            elif isinstance(seg, int) and isinstance(t, (mi.ListType, mi.VarTupleType)):
+                nxt += list(_flat(t.item_type))
+        types = nxt
+    return types
+
+
+def _field_names(path: str) -> list[str]:
+    return [f.encode_name for t in _type_at(path) if isinstance(t, mi.StructType) for f in t.fields]
+
+
+def _literal_values(path: str) -> list[Any]:
+    return [v for t in _type_at(path) if isinstance(t, mi.LiteralType) for v in t.values]
+
+
+def _untyped(text: str) -> Any:
+    try:
+        return msgspec.yaml.decode(text)
+    except msgspec.DecodeError:
+        return _MISSING
+
+
+def _raw_at(raw: Any, path: str) -> Any:
+    node = raw
+    for seg in _segments(path):
+        try:
+            node = node[seg]
+        except (KeyError, IndexError, TypeError):
+            return _MISSING
+    return node
+
+
+if __name__ == "__main__":
+    print(json.dumps(scenario_schema(), indent=2))

@@ -1,0 +1,223 @@
+"""A stage's share of a llama-family GGUF model, on tinygrad. The only module that imports tinygrad's model API.
+
+A stage owns ``(embed?, blocks [lo, hi), head?)``: the first stage the token embedding, the last the final norm and the
+output head (the embedding matrix again when the model ties them). ``ModelSlice.load`` reads only those tensors from the
+file (memory-mapped, dequantised by the ``gguf`` package when quantised) and renames ``blk.{lo+i}`` to ``blk.{i}`` in one
+place, ``_local_name``. The unsplit model is the slice (embed, all blocks, head): the oracle runs the same code.
+
+Every block boundary is a realised fp16 buffer in the whole model and in any split alike, so the kernels each block
+runs are the same whatever the split, and an fp16 (or f32) wire gives token-for-token equality with the unsplit model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ppharness.errors import ModelError
+
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What a GGUF's metadata says about the model, in tinygrad's terms."""
+
+    arch: str
+    blocks: int
+    dim: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    context: int
+    rope_theta: float
+    norm_eps: float
+    bos_id: int | None
+    eos_id: int
+    tied: bool
+
+    @staticmethod
+    def from_kv(kv: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":
+        try:
+            arch = kv["general.architecture"]
+            if f"{arch}.expert_count" in kv:
+                raise ModelError(f"architecture {arch!r} with experts is not supported by this release of ppharness")
+            dim, heads = int(kv[f"{arch}.embedding_length"]), int(kv[f"{arch}.attention.head_count"])
+            return ModelConfig(
+                arch=arch,
+                blocks=int(kv[f"{arch}.block_count"]),
+                dim=dim,
+                ffn=int(kv[f"{arch}.feed_forward_length"]),
+                heads=heads,
+                kv_heads=int(kv.get(f"{arch}.attention.head_count_kv", heads)),
+                head_dim=int(kv.get(f"{arch}.attention.key_length", dim // heads)),
+                vocab=len(kv["tokenizer.ggml.tokens"]),
+                context=int(kv[f"{arch}.context_length"]),
+                rope_theta=float(kv.get(f"{arch}.rope.freq_base", 10000.0)),
+                norm_eps=float(kv[f"{arch}.attention.layer_norm_rms_epsilon"]),
+                bos_id=int(kv["tokenizer.ggml.bos_token_id"]) if kv.get("tokenizer.ggml.add_bos_token", True)
+                and "tokenizer.ggml.bos_token_id" in kv else None,
+                eos_id=int(kv["tokenizer.ggml.eos_token_id"]),
+                tied="output.weight" not in tensor_names,
+            )
+        except KeyError as exc:
+            raise ModelError(f"GGUF metadata lacks {exc.args[0]!r}") from None
+
+
+class GGUFFile:
+    """A GGUF file opened memory-mapped: metadata now, tensors on demand (as float16 numpy arrays)."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"{self.path}: not a readable GGUF file ({exc})") from exc
+        self.kv: dict[str, Any] = {k: f.contents() for k, f in self._reader.fields.items() if not k.startswith("GGUF.")}
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.config = ModelConfig.from_kv(self.kv, set(self._tensors))
+
+    def tensor(self, name: str) -> np.ndarray:
+        """One tensor as float16 in tinygrad's (out, in) layout; llama Q/K rows reordered for half-split RoPE."""
+        import gguf
+
+        try:
+            t = self._tensors[name]
+        except KeyError:
+            raise ModelError(f"{self.path}: tensor {name!r} is missing") from None
+        if t.tensor_type in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32):
+            arr = np.asarray(t.data)
+        else:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = arr.reshape(tuple(int(d) for d in reversed(t.shape))).astype(np.float16)
+        cfg = self.config
+        if cfg.arch == "llama" and (m := _BLK.match(name)) and m.group(2) in ("attn_q.weight", "attn_k.weight"):
+            # interleaved -> half-split rotary layout, as tinygrad's Transformer.from_gguf does: (n h two) d -> (n two h) d
+            n = cfg.heads if m.group(2) == "attn_q.weight" else cfg.kv_heads
+            d = arr.shape[-1]
+            arr = arr.reshape(n, -1, 2, d).transpose(0, 2, 1, 3).reshape(-1, d)
+        return np.ascontiguousarray(arr)
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+
+def tokenizer_from(kv: dict[str, Any]) -> Any:
+    from tinygrad.apps.llm import SimpleTokenizer
+
+    return SimpleTokenizer.from_gguf_kv(kv)
+
+
+def _local_name(name: str, lo: int) -> str:
+    """A file tensor name -> the slice's attribute path: ``blk.{lo+i}.x`` -> ``blk.{i}.x``; others unchanged."""
+    m = _BLK.match(name)
+    return f"blk.{int(m.group(1)) - lo}.{m.group(2)}" if m else name
+
+
+def owned_tensors(names: list[str], lo: int, hi: int, first: bool, last: bool, tied: bool) -> dict[str, str]:
+    """{slice name: file name} for what a stage holding blocks [lo, hi) loads."""
+    out: dict[str, str] = {}
+    for name in names:
+        m = _BLK.match(name)
+        if m and lo <= int(m.group(1)) < hi:
+            out[_local_name(name, lo)] = name
+    if first:
+        out["token_embd.weight"] = "token_embd.weight"
+    if last:
+        out["output_norm.weight"] = "output_norm.weight"
+        out["output.weight"] = "token_embd.weight" if tied else "output.weight"
+    return out
+
+
+class ModelSlice:
+    """Blocks [lo, hi) of a model, plus the embedding when ``first`` and the final norm and head when ``last``.
+
+    ``prefill(x, 0)`` and ``decode(x, pos)`` take token ids (first stage) or a hidden state, and return a hidden state
+    (1, T, D) as fp16 numpy, or, on the last stage, the greedy next token id.
+    """
+
+    def __init__(self, gguf_file: GGUFFile, lo: int, hi: int, first: bool, last: bool, max_context: int | None = None):
+        from tinygrad import TinyJit, UOp, nn
+        from tinygrad.apps.llm import TransformerBlock
+
+        cfg = gguf_file.config
+        if not 0 <= lo < hi <= cfg.blocks and not (lo == hi and first and last and cfg.blocks == 0):
+            raise ModelError(f"block range [{lo}, {hi}) is not inside the model's {cfg.blocks} blocks")
+        self.config, self.lo, self.hi, self.first, self.last = cfg, lo, hi, first, last
+        self.max_context = min(max_context or cfg.context, cfg.context)
+        self.blk = [TransformerBlock(cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.norm_eps, cfg.head_dim,
+                                     cfg.rope_theta, self.max_context) for _ in range(hi - lo)]
+        if first:
+            self.token_embd = nn.Embedding(cfg.vocab, cfg.dim)
+        if last:
+            self.output_norm = nn.RMSNorm(cfg.dim, cfg.norm_eps)
+            self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self._load(gguf_file)
+        self._pos = UOp.variable("start_pos", 1, self.max_context - 1)
+        self._jit = TinyJit(self._forward)
+
+    def _load(self, f: GGUFFile) -> None:
+        from tinygrad import Tensor, nn
+
+        owned = owned_tensors(f.names(), self.lo, self.hi, self.first, self.last, self.config.tied)
+        state = {local: Tensor(f.tensor(name)) for local, name in owned.items()}
+        expected = nn.state.get_state_dict(self)
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ModelError(f"{f.path}: blocks [{self.lo}, {self.hi}) need tensors the file lacks: {missing[:5]}")
+        for local, t in state.items():
+            if local in expected and expected[local].shape != t.shape:
+                raise ModelError(f"{f.path}: tensor {owned[local]!r} has shape {t.shape}, the model needs "
+                                 f"{expected[local].shape}")
+        nn.state.load_state_dict(self, {k: v for k, v in state.items() if k in expected}, verbose=False, realize=False)
+        params = nn.state.get_parameters(self)
+        for p in params:
+            p.replace(p.cast("float16").contiguous())
+        Tensor.realize(*params)
+        # what this stage holds, each file tensor once; a tied head on a stage without the embedding is reported apart
+        sizes = {name: int(np.prod(state[local].shape)) for local, name in owned.items()}
+        self.n_params = sum(sizes.values())
+        self.tied_params = sizes["token_embd.weight"] if self.last and self.config.tied and not self.first else 0
+        self.n_params -= self.tied_params
+
+    def _forward(self, x: Any, start_pos: Any) -> Any:
+        if self.first:
+            x = self.token_embd(x).contiguous()  # (B,T) ids -> (B,T,D); a buffer boundary, as between blocks
+        for block in self.blk:
+            x = block(x, start_pos)  # (B,T,D)
+        if self.last:
+            return self.output(self.output_norm(x))[:, -1, :].argmax(-1)  # (B,)
+        return x
+
+    def _input(self, x: list[int] | np.ndarray) -> Any:
+        from tinygrad import Tensor
+
+        if self.first:
+            return Tensor([list(x)], dtype="int32")  # (1,T)
+        return Tensor(np.ascontiguousarray(x, dtype=np.float16))  # (1,T,D)
+
+    def reset(self) -> None:
+        """Forget the compiled decode step (start of a request); the KV cache is overwritten from position 0."""
+        self._jit.reset()
+
+    def prefill(self, x: list[int] | np.ndarray) -> np.ndarray | int:
+        """Run positions [0, T). Ids (first stage) or hidden (1,T,D) in; hidden (1,T,D) or a token id out."""
+        return self._output(self._forward(self._input(x), 0))
+
+    def decode(self, x: list[int] | np.ndarray, position: int) -> np.ndarray | int:
+        """Run one position ``position >= 1`` through the compiled decode step."""
+        if not 1 <= position < self.max_context:
+            raise ModelError(f"position {position} is outside the context of {self.max_context}")
+        return self._output(self._jit(self._input(x), self._pos.bind(position)))
+
+    def _output(self, out: Any) -> np.ndarray | int:
+        return int(out.item()) if self.last else out.numpy()

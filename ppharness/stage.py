@@ -1,0 +1,240 @@
+"""One Stage class for any N >= 1; its role (first / middle / last) follows from the index alone.
+
+The token's way, as DESIGN.md draws it::
+
+    InferenceRequest -> stage 0 (tokenize, embed, blocks) -RequestOpen, StageActivation-> ... -> stage N-1 (blocks,
+    norm, head, argmax) -NextToken-> stage 0 -> ... until EOS or max_tokens; stage N-1 -InferenceResponse-> reply_to.
+
+A stage serves one request at a time (batch 1). Messages that do not fit its state (a stale plan, an unknown request, a
+duplicate position) are logged and dropped, never fatal; a failure of the model itself raises ``StageError``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ppharness import codec
+from ppharness.errors import CodecError, HarnessError, StageError
+from ppharness.messages import (
+    Error,
+    InferenceRequest,
+    InferenceResponse,
+    Message,
+    NextToken,
+    RequestOpen,
+    StageActivation,
+)
+from ppharness.plan import ENTRY, stage_name
+
+
+@dataclass
+class _Request:
+    request_id: str
+    reply_to: str
+    max_tokens: int
+    prompt_tokens: int
+    next_position: int = 0  # the position this stage expects next
+    tokens: list[int] = field(default_factory=list)  # last stage: generated so far
+    token_times: list[float] = field(default_factory=list)
+    t0: float = 0.0
+
+
+def finish_reason(tokens: list[int], eos_id: int, max_tokens: int) -> str | None:
+    """Why generation stops after ``tokens``, or None to go on. The one rule the oracle and the last stage share."""
+    if tokens and tokens[-1] == eos_id:
+        return "eos"
+    if len(tokens) >= max_tokens:
+        return "length"
+    return None
+
+
+def visible(tokens: list[int], eos_id: int) -> list[int]:
+    """The generated ids a user sees: without the closing EOS."""
+    return tokens[:-1] if tokens and tokens[-1] == eos_id else tokens
+
+
+class Stage:
+    """Stage ``index`` of ``num_stages``, computing with ``model`` (a ModelSlice) and talking over ``transport``.
+
+    ``names`` is the directory (name -> address) from the cluster; next and previous stages are computed locally.
+    """
+
+    def __init__(self, index: int, num_stages: int, model: Any, transport: Any, names: dict[str, str], plan_id: str,
+                 wire_dtype: str = "f16", tokenizer: Any = None, log: Callable[[str], None] = print):
+        self.index, self.num_stages = index, num_stages
+        self.first, self.last = index == 0, index == num_stages - 1
+        self.model, self.transport, self.plan_id = model, transport, plan_id
+        self.wire_dtype, self.tokenizer, self.log = wire_dtype, tokenizer, log
+        self.next_addr = None if self.last else names[stage_name(index + 1)]
+        self.entry_addr = names[ENTRY]
+        self.req: _Request | None = None
+        self.served = 0
+        if (self.first or self.last) and tokenizer is None:
+            raise StageError(f"stage {index}: the first and last stages need the tokenizer")
+
+    # --- dispatch ---------------------------------------------------------------------------------------------------
+
+    def handle(self, sender: str, msg: Message) -> None:
+        """Act on one message. Protocol violations are dropped with a log line; model failures raise StageError."""
+        match msg:
+            case InferenceRequest() if self.first:
+                self._on_request(msg)
+            case RequestOpen() if not self.first:
+                self._on_open(msg)
+            case StageActivation() if not self.first:
+                self._on_activation(msg)
+            case NextToken() if self.first and not self.last:
+                self._on_next_token(msg)
+            case _:
+                self.log(f"stage {self.index}: dropped unexpected {type(msg).__name__} from {sender}")
+
+    # --- first stage ------------------------------------------------------------------------------------------------
+
+    def _on_request(self, msg: InferenceRequest) -> None:
+        request_id = msg.request_id or uuid.uuid4().hex[:12]
+        if self.req is not None:
+            self.transport.send(msg.reply_to, Error(stage=self.index, request_id=request_id,
+                                                    reason=f"stage 0 is busy with request {self.req.request_id}"))
+            return
+        cfg = self.model.config
+        ids = ([cfg.bos_id] if cfg.bos_id is not None else []) + self.tokenizer.encode(msg.prompt)
+        room = self.model.max_context - len(ids)
+        if msg.max_tokens < 1 or msg.max_tokens > room:
+            self.transport.send(msg.reply_to, Error(stage=self.index, request_id=request_id, reason=(
+                f"max_tokens {msg.max_tokens} must be in 1..{room}: the prompt is {len(ids)} tokens of a "
+                f"{self.model.max_context}-token context")))
+            return
+        self.req = _Request(request_id, msg.reply_to, msg.max_tokens, len(ids), next_position=len(ids),
+                            t0=time.monotonic())
+        self.model.reset()
+        if not self.last:
+            self.transport.send(self.next_addr, RequestOpen(request_id=request_id, reply_to=msg.reply_to,
+                                                            max_tokens=msg.max_tokens, prompt_tokens=len(ids),
+                                                            plan_id=self.plan_id))
+        out = self._compute(lambda: self.model.prefill(ids))
+        if self.last:  # N = 1: this stage is the whole chain
+            self._decode_alone(out)
+        else:
+            self._send_activation(out, position=0, is_prefill=True)
+
+    def _on_next_token(self, msg: NextToken) -> None:
+        req = self._current(msg.request_id, msg.plan_id, "NextToken")
+        if req is None:
+            return
+        if msg.done:
+            self.req = None
+            self.served += 1
+            return
+        if msg.position != req.next_position:
+            self.log(f"stage 0: dropped NextToken at position {msg.position}, expected {req.next_position}")
+            return
+        req.next_position += 1
+        out = self._compute(lambda: self.model.decode([msg.token_id], msg.position))
+        self._send_activation(out, position=msg.position, is_prefill=False)
+
+    # --- later stages -----------------------------------------------------------------------------------------------
+
+    def _on_open(self, msg: RequestOpen) -> None:
+        if msg.plan_id != self.plan_id:
+            self.log(f"stage {self.index}: dropped RequestOpen of plan {msg.plan_id}, this stage serves {self.plan_id}")
+            return
+        self.req = _Request(msg.request_id, msg.reply_to, msg.max_tokens, msg.prompt_tokens, t0=time.monotonic())
+        self.model.reset()
+        if not self.last:
+            self.transport.send(self.next_addr, msg)
+
+    def _on_activation(self, msg: StageActivation) -> None:
+        req = self._current(msg.request_id, msg.plan_id, "StageActivation")
+        if req is None:
+            return
+        if msg.position < req.next_position:
+            self.log(f"stage {self.index}: dropped duplicate activation at position {msg.position}")
+            return
+        if msg.position != req.next_position or msg.is_prefill != (msg.position == 0):
+            self.log(f"stage {self.index}: dropped activation at position {msg.position} (prefill={msg.is_prefill}), "
+                     f"expected position {req.next_position}")
+            return
+        try:
+            hidden = codec.unpack_hidden(msg)
+        except CodecError as exc:
+            self.log(f"stage {self.index}: dropped activation: {exc}")
+            return
+        if hidden.ndim != 3 or hidden.shape[1] != msg.seq_len or hidden.shape[2] != self.model.config.dim:
+            self.log(f"stage {self.index}: dropped activation of shape {hidden.shape}, expected (1, {msg.seq_len}, "
+                     f"{self.model.config.dim})")
+            return
+        req.next_position = msg.position + msg.seq_len
+        if msg.is_prefill:
+            out = self._compute(lambda: self.model.prefill(hidden))
+        else:
+            out = self._compute(lambda: self.model.decode(hidden, msg.position))
+        if self.last:
+            self._emit(int(out), position=req.next_position)
+        else:
+            self._send_activation(out, position=msg.position, is_prefill=msg.is_prefill)
+
+    # --- last stage ---------------------------------------------------------------------------------------------------
+
+    def _emit(self, token: int, position: int) -> None:
+        """Record a sampled token; tell stage 0 (and, when done, ``reply_to``)."""
+        req = self.req
+        assert req is not None
+        req.tokens.append(token)
+        req.token_times.append(time.monotonic() - req.t0)
+        reason = finish_reason(req.tokens, self.model.config.eos_id, req.max_tokens)
+        if not self.first:
+            self.transport.send(self.entry_addr, NextToken(request_id=req.request_id, token_id=token, position=position,
+                                                           done=reason is not None, plan_id=self.plan_id))
+        if reason is not None:
+            self._respond(reason)
+
+    def _decode_alone(self, token: Any) -> None:
+        req = self.req
+        assert req is not None
+        position = req.prompt_tokens
+        self._emit(int(token), position)
+        while self.req is not None:
+            token = self._compute(lambda: self.model.decode([req.tokens[-1]], position))
+            position += 1
+            self._emit(int(token), position)
+
+    def _respond(self, reason: str) -> None:
+        req = self.req
+        assert req is not None
+        ids = visible(req.tokens, self.model.config.eos_id)
+        self.transport.send(req.reply_to, InferenceResponse(
+            request_id=req.request_id, text=self.tokenizer.decode(ids), token_ids=ids, prompt_tokens=req.prompt_tokens,
+            token_times=req.token_times, finish_reason=reason))
+        self.req = None
+        self.served += 1
+
+    # --- helpers ------------------------------------------------------------------------------------------------------
+
+    def _current(self, request_id: str, plan_id: str, what: str) -> _Request | None:
+        if plan_id != self.plan_id:
+            self.log(f"stage {self.index}: dropped {what} of plan {plan_id}, this stage serves {self.plan_id}")
+            return None
+        if self.req is None or self.req.request_id != request_id:
+            self.log(f"stage {self.index}: dropped {what} for unknown request {request_id!r}")
+            return None
+        return self.req
+
+    def _compute(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except HarnessError as exc:
+            raise StageError(f"stage {self.index}: {exc}") from exc
+        except Exception as exc:  # tinygrad raises plain exceptions; name the stage and the request
+            rid = self.req.request_id if self.req else "?"
+            raise StageError(f"stage {self.index}: compute failed for request {rid}: {type(exc).__name__}: {exc}") \
+                from exc
+
+    def _send_activation(self, hidden: Any, position: int, is_prefill: bool) -> None:
+        assert self.req is not None and self.next_addr is not None
+        data, shape = codec.pack_hidden(hidden, self.wire_dtype)
+        self.transport.send(self.next_addr, StageActivation(
+            request_id=self.req.request_id, position=position, hidden=data, seq_len=shape[1], is_prefill=is_prefill,
+            shape=shape, dtype=self.wire_dtype, plan_id=self.plan_id))

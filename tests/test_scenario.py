@@ -1,0 +1,209 @@
+"""Scenario YAML v1: the shipped files load, and every kind of mistake names the file, the field path and the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from ppharness import registry
+from ppharness.errors import ScenarioError
+from ppharness.scenario import (
+    Scenario,
+    Stages,
+    check_against_model,
+    load_scenario,
+    scenario_from_args,
+    scenario_schema,
+)
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
+
+
+def _write(tmp_path: Path, text: str, name: str = "x.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _error(path: Path) -> str:
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: "), message
+    return message
+
+
+@pytest.mark.parametrize(("name", "stages"), [("smoke-2stage-local", 2), ("smoke-5stage-local", 5)])
+def test_smoke_scenarios_load(name: str, stages: int) -> None:
+    s = load_scenario(SCENARIOS / f"{name}.yaml")
+    assert s.name == name
+    assert s.stages.count == stages and s.stages.splits is None
+    assert s.model.synthetic is not None and s.model.synthetic.preset == "tiny" and s.model.gguf is None
+    assert (s.transport.kind, s.provider.kind) == ("zmq", "local")
+    assert s.request.max_tokens == 16 and not s.request.prompt.isascii()
+
+
+def test_every_shipped_scenario_loads() -> None:
+    files = sorted(SCENARIOS.glob("*.yaml"))
+    assert files
+    for path in files:
+        assert isinstance(load_scenario(path), Scenario), path
+
+
+def test_minimal_file_gets_defaults(tmp_path: Path) -> None:
+    s = load_scenario(_write(tmp_path, "version: 1\n", "mini.yaml"))
+    assert s.name == "mini"
+    assert s.stages.count == 2 and s.model.synthetic is not None and s.model.max_context == 256
+    assert s.transport.wire_dtype == "f16" and s.budget.total_s == 300
+
+
+def test_unknown_field_names_path_and_valid_keys(tmp_path: Path) -> None:
+    path = _write(tmp_path, "version: 1\nprovider:\n  backnd: local\n")
+    message = _error(path)
+    assert "unknown field 'backnd' at $.provider" in message
+    assert "expected one of: kind" in message
+
+
+def test_unknown_top_level_field_lists_sections(tmp_path: Path) -> None:
+    message = _error(_write(tmp_path, "version: 1\nstagse: {count: 2}\n"))
+    assert "unknown field 'stagse' at $ " in message
+    for key in ("model", "stages", "transport", "provider", "request", "budget"):
+        assert key in message
+
+
+def test_wrong_type_names_path_and_expected_type(tmp_path: Path) -> None:
+    message = _error(_write(tmp_path, "version: 1\nstages:\n  count: many\n"))
+    assert "$.stages.count" in message and "expected int" in message and "'many'" in message
+
+
+def test_constraint_violation_names_bound(tmp_path: Path) -> None:
+    message = _error(_write(tmp_path, "version: 1\nrequest: {max_tokens: 0}\n"))
+    assert "$.request.max_tokens" in message and ">= 1" in message
+
+
+def test_too_many_stages_for_blocks(tmp_path: Path) -> None:
+    text = "version: 1\nmodel:\n  synthetic: {preset: tiny, blocks: 4}\nstages: {count: 9}\n"
+    message = _error(_write(tmp_path, text))
+    assert "$.stages.count" in message and "9 stages" in message and "4 blocks" in message
+
+
+def test_check_against_model_directly() -> None:
+    s = scenario_from_args(num_stages=3)
+    check_against_model(s, 3)
+    with pytest.raises(ScenarioError, match=r"^src\.yaml: \$\.stages\.count: 3 stages but the model has 2 blocks"):
+        check_against_model(s, 2, source="src.yaml")
+    split = msgspec.structs.replace(s, stages=Stages(splits=(1, 5)))
+    check_against_model(split, 6)
+    with pytest.raises(ScenarioError, match=r"\$\.stages\.splits\[1\]"):
+        check_against_model(split, 5)
+
+
+def test_split_point_beyond_blocks(tmp_path: Path) -> None:
+    text = "version: 1\nmodel: {synthetic: {blocks: 4}}\nstages: {splits: [1, 4]}\n"
+    assert "$.stages.splits[1]" in _error(_write(tmp_path, text))
+
+
+def test_splits_must_increase(tmp_path: Path) -> None:
+    message = _error(_write(tmp_path, "version: 1\nstages: {splits: [3, 2]}\n"))
+    assert "$.stages.splits[1]" in message and "increasing" in message
+
+
+def test_splits_and_count_must_agree(tmp_path: Path) -> None:
+    assert load_scenario(_write(tmp_path, "version: 1\nstages: {splits: [1, 3]}\n")).stages.count == 3
+    message = _error(_write(tmp_path, "version: 1\nstages: {count: 2, splits: [1, 3]}\n", "y.yaml"))
+    assert "$.stages.count" in message and "count: 3" in message
+
+
+def test_split_point_zero_rejected(tmp_path: Path) -> None:
+    assert "$.stages.splits[0]" in _error(_write(tmp_path, "version: 1\nstages: {splits: [0, 3]}\n"))
+
+
+def test_both_synthetic_and_gguf_rejected(tmp_path: Path) -> None:
+    message = _error(_write(tmp_path, "version: 1\nmodel:\n  synthetic: {preset: tiny}\n  gguf: m.gguf\n"))
+    assert "$.model" in message and "exactly one" in message
+
+
+def test_neither_synthetic_nor_gguf_rejected(tmp_path: Path) -> None:
+    assert "$.model: neither" in _error(_write(tmp_path, "version: 1\nmodel: {max_context: 512}\n"))
+
+
+def test_unknown_transport_kind_lists_known(tmp_path: Path) -> None:
+    message = _error(_write(tmp_path, "version: 1\ntransport: {kind: carrier-pigeon}\n"))
+    assert "$.transport.kind" in message
+    assert all(kind in message for kind in registry.TRANSPORTS)
+
+
+def test_unknown_provider_kind_lists_known(tmp_path: Path) -> None:
+    message = _error(_write(tmp_path, "version: 1\nprovider: {kind: mainframe}\n"))
+    assert "$.provider.kind" in message
+    assert all(kind in message for kind in registry.PROVIDERS)
+
+
+def test_wire_dtype_lists_choices(tmp_path: Path) -> None:
+    message = _error(_write(tmp_path, "version: 1\ntransport: {wire_dtype: f8}\n"))
+    assert "$.transport.wire_dtype" in message and "f16" in message and "bf16" in message
+
+
+def test_wrong_version(tmp_path: Path) -> None:
+    assert "$.version" in _error(_write(tmp_path, "version: 2\n"))
+    assert "'version'" in _error(_write(tmp_path, "name: x\n", "y.yaml"))
+
+
+def test_bad_yaml_gives_line(tmp_path: Path) -> None:
+    message = _error(_write(tmp_path, "version: 1\nstages:\n  count: 2\n bad: : x\n"))
+    assert "not valid YAML" in message and "line 4" in message
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    assert "empty" in _error(_write(tmp_path, ""))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    assert "no such file" in _error(tmp_path / "absent.yaml")
+
+
+def test_schema_shape() -> None:
+    schema = scenario_schema()
+    assert schema["$schema"].startswith("https://json-schema.org/")
+    assert schema["title"] and schema["type"] == "object"
+    for key in ("version", "model", "stages", "transport", "provider", "request", "expect", "budget"):
+        assert key in schema["properties"]
+    assert schema["required"] == ["version"]
+    assert "Stages" in schema["$defs"]
+    json.loads(json.dumps(schema))
+
+
+def test_yaml_round_trip() -> None:
+    s = load_scenario(SCENARIOS / "smoke-5stage-local.yaml")
+    assert msgspec.yaml.decode(msgspec.yaml.encode(s), type=Scenario) == s
+    split = msgspec.structs.replace(s, stages=Stages(splits=(2, 4)))
+    assert msgspec.yaml.decode(msgspec.yaml.encode(split), type=Scenario) == split
+
+
+def test_scenario_from_args_and_with_stages() -> None:
+    s = scenario_from_args(num_stages=3, transport="memory", provider="local", prompt="hi", max_tokens=4)
+    assert (s.stages.count, s.transport.kind, s.provider.kind, s.request.prompt, s.request.max_tokens) == (
+        3,
+        "memory",
+        "local",
+        "hi",
+        4,
+    )
+    assert s.name
+    split = msgspec.structs.replace(s, stages=Stages(splits=(1, 2, 5)))
+    four = split.with_stages(4)
+    assert four.stages == Stages(count=4) and four.stages.splits is None and four.name == s.name
+    with pytest.raises(ScenarioError, match=r"\$\.transport\.kind"):
+        scenario_from_args(transport="nope")
+    with pytest.raises(ScenarioError, match=r"\$\.stages\.count"):
+        scenario_from_args(num_stages=0)
+
+
+def test_stage_ranges() -> None:
+    assert Stages(count=3).ranges(8) == [(0, 2), (2, 4), (4, 8)]
+    assert Stages(splits=(1, 3)).ranges(8) == [(0, 1), (1, 3), (3, 8)]
+    with pytest.raises(ScenarioError):
+        Stages(count=9).ranges(8)
