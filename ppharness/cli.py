@@ -61,13 +61,13 @@ def print_summary(result: Any) -> None:
                    "model's, token for token")
 
 
-def run_and_report(scenario: Any, quiet: bool = False) -> None:
+def run_and_report(scenario: Any, quiet: bool = False, run_label: str | None = None) -> None:
     """Run ``scenario``; print the summary; exit 1 on failure or mismatch."""
     from ppharness.orchestrator import Progress, run_scenario
 
     _sigterm_as_interrupt()
     try:
-        result = run_scenario(scenario, progress=Progress(quiet=quiet))
+        result = run_scenario(scenario, progress=Progress(quiet=quiet), run_label=run_label)
     except HarnessError as exc:
         _fail(str(exc), exc)
     except KeyboardInterrupt:
@@ -100,11 +100,13 @@ def _load(scenario_file: str | None, **overrides: Any) -> Any:
 @click.option("--prompt", help="Prompt text.")
 @click.option("--max-tokens", type=int, help="Tokens to generate.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@click.option("--run-label", help="Label every node of this run carries (default: a fresh pp-xxxxxxxx); "
+              "`ppharness reap --label L` destroys leftovers.")
 def smoke_run(num_stages: int | None, scenario_file: str | None, transport: str | None, provider: str | None,
-              prompt: str | None, max_tokens: int | None, quiet: bool) -> None:
+              prompt: str | None, max_tokens: int | None, quiet: bool, run_label: str | None) -> None:
     """Run the N-stage chain once, print its text, and check it against the unsplit model."""
     run_and_report(_load(scenario_file, num_stages=num_stages, transport=transport, provider=provider, prompt=prompt,
-                         max_tokens=max_tokens), quiet=quiet)
+                         max_tokens=max_tokens), quiet=quiet, run_label=run_label)
 
 
 # --- ppharness ------------------------------------------------------------------------------------------------------

@@ -75,14 +75,14 @@ def load_stage_model(model_source: str, plan: StagePlan) -> tuple[Any, Any, floa
 
 def warm_up(model: Any) -> None:
     """Compile the decode step before the first request: one prefill position, then enough decode steps for the JIT
-    to capture and replay. The KV cache entries it writes are overwritten by the next request's prefill."""
+    to capture and replay. The KV cache entries it writes are overwritten by the next request's prefill, and the
+    captured decode step (symbolic in the position) serves every later request."""
     import numpy as np
 
     x = [0] if model.first else np.zeros((1, 1, model.config.dim), dtype=np.float16)
     model.prefill(x)
     for pos in (1, 2, 3):
         model.decode(x, pos)
-    model.reset()
 
 
 def serve(plan: StagePlan, env: dict[str, str]) -> int:

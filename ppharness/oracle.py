@@ -37,7 +37,6 @@ def oracle_decode(model_path: str | os.PathLike[str], prompt: str, max_tokens: i
     load_s = time.monotonic() - t0
     cfg = f.config
     ids = ([cfg.bos_id] if cfg.bos_id is not None else []) + tok.encode(prompt)
-    model.reset()  # type: ignore[attr-defined]
     t1 = time.monotonic()
     tokens = [model.prefill(ids)]  # type: ignore[attr-defined]
     t2 = time.monotonic()

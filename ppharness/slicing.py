@@ -205,10 +205,6 @@ class ModelSlice:
             return Tensor([list(x)], dtype="int32")  # (1,T)
         return Tensor(np.ascontiguousarray(x, dtype=np.float16))  # (1,T,D)
 
-    def reset(self) -> None:
-        """Forget the compiled decode step (start of a request); the KV cache is overwritten from position 0."""
-        self._jit.reset()
-
     def prefill(self, x: list[int] | np.ndarray) -> np.ndarray | int:
         """Run positions [0, T). Ids (first stage) or hidden (1,T,D) in; hidden (1,T,D) or a token id out."""
         return self._output(self._forward(self._input(x), 0))

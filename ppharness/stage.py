@@ -109,7 +109,6 @@ class Stage:
             return
         self.req = _Request(request_id, msg.reply_to, msg.max_tokens, len(ids), next_position=len(ids),
                             t0=time.monotonic())
-        self.model.reset()
         if not self.last:
             self.transport.send(self.next_addr, RequestOpen(request_id=request_id, reply_to=msg.reply_to,
                                                             max_tokens=msg.max_tokens, prompt_tokens=len(ids),
@@ -142,7 +141,6 @@ class Stage:
             self.log(f"stage {self.index}: dropped RequestOpen of plan {msg.plan_id}, this stage serves {self.plan_id}")
             return
         self.req = _Request(msg.request_id, msg.reply_to, msg.max_tokens, msg.prompt_tokens, t0=time.monotonic())
-        self.model.reset()
         if not self.last:
             self.transport.send(self.next_addr, msg)
 

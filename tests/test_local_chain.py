@@ -1,0 +1,134 @@
+"""The chain on real pp-node processes over ZeroMQ (marker ``local``): token equality, failure paths, no leftovers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from backends.local import labelled_pids
+from ppharness.orchestrator import Progress, run_scenario
+from ppharness.scenario import load_scenario, scenario_from_args
+
+pytestmark = pytest.mark.local
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = sorted((ROOT / "scenarios").glob("*-local.yaml"))
+
+
+def _label() -> str:
+    return f"pp-test-{uuid.uuid4().hex[:8]}"
+
+
+def _assert_chain_ok(result, n: int) -> None:
+    assert len(result.plan.ranges) == n
+    assert result.response.token_ids, "the chain produced no tokens"
+    assert result.matches_oracle, f"chain {result.response.token_ids} != oracle {result.oracle.token_ids}"
+    assert sum(s.params for s in result.stages) == result.oracle.n_params
+    assert all(s.peak_rss_bytes > 0 for s in result.stages)
+    assert not labelled_pids(result.run_label), "pp-node processes outlived the run"
+
+
+def test_chain_matches_oracle(num_stages):
+    scenario = scenario_from_args(num_stages=num_stages, max_tokens=12)
+    result = run_scenario(scenario, progress=Progress(quiet=True), run_label=_label())
+    _assert_chain_ok(result, num_stages)
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+def test_shipped_scenario_runs(path):
+    scenario = load_scenario(path)
+    result = run_scenario(scenario, progress=Progress(quiet=True), run_label=_label())
+    _assert_chain_ok(result, scenario.stages.count)
+
+
+def test_scenario_option(scenario_option):
+    if not scenario_option:
+        pytest.skip("no --scenario FILE given")
+    scenario = load_scenario(scenario_option)
+    result = run_scenario(scenario, progress=Progress(quiet=True), run_label=_label())
+    _assert_chain_ok(result, scenario.stages.count)
+
+
+def _smoke(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "ppharness.cli_smoke", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+
+def test_sigkill_of_a_stage_fails_the_run_and_leaves_nothing():
+    label = _label()
+    proc = _smoke("--num-stages", "3", "--max-tokens", "200", "--run-label", label)
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "request " in line:  # every stage is ready and decoding has begun
+                break
+        else:
+            pytest.fail("pp-smoke-run never reached the request:\n" + "".join(lines))
+        time.sleep(0.3)
+        victims = labelled_pids(label)
+        assert len(victims) >= 3, f"expected 3 pp-node processes, found {victims}"
+        os.kill(victims[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = "".join(lines) + out
+    assert proc.returncode == 1, output
+    assert elapsed < 30, f"took {elapsed:.1f} s to notice the dead stage"
+    assert "FAILED" in output and "exited with code -9" in output, output
+    assert not labelled_pids(label), "pp-node processes outlived the failed run"
+
+
+def test_sigint_of_smoke_run_stops_every_node():
+    label = _label()
+    proc = _smoke("--num-stages", "2", "--run-label", label)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "joined" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, "".join(lines) + out
+    assert "interrupted" in out
+    assert not labelled_pids(label)
+
+
+def test_typo_in_scenario_is_rejected_before_anything_starts(tmp_path):
+    bad = tmp_path / "typo.yaml"
+    bad.write_text((ROOT / "scenarios" / "smoke-2stage-local.yaml").read_text().replace("max_tokens:", "max_tokns:"))
+    proc = _smoke("--scenario", str(bad))
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert str(bad) in out and "max_tokns" in out and "$.request" in out, out
+    assert "starting" not in out
+
+
+def test_model_that_fails_to_load_fails_the_run(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    scenario = load_scenario(ROOT / "scenarios" / "smoke-2stage-local.yaml")
+    import msgspec
+
+    scenario = msgspec.structs.replace(scenario, model=msgspec.structs.replace(scenario.model, synthetic=None,
+                                                                                 gguf=str(broken)))
+    label = _label()
+    with pytest.raises(Exception) as info:
+        run_scenario(scenario, progress=Progress(quiet=True), run_label=label)
+    assert "broken.gguf" in str(info.value)
+    assert not labelled_pids(label)
