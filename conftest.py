@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import tinygrad  # noqa: F401  (raises the recursion limit on import: do it before hypothesis watches it)
 from hypothesis import HealthCheck, settings
 
 MARKERS = {

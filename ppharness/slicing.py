@@ -123,6 +123,12 @@ def _local_name(name: str, lo: int) -> str:
     return f"blk.{int(m.group(1)) - lo}.{m.group(2)}" if m else name
 
 
+def _file_name(local: str, lo: int) -> str:
+    """The inverse of ``_local_name``."""
+    m = _BLK.match(local)
+    return f"blk.{int(m.group(1)) + lo}.{m.group(2)}" if m else local
+
+
 def owned_tensors(names: list[str], lo: int, hi: int, first: bool, last: bool, tied: bool) -> dict[str, str]:
     """{slice name: file name} for what a stage holding blocks [lo, hi) loads."""
     out: dict[str, str] = {}
@@ -171,7 +177,7 @@ class ModelSlice:
         owned = owned_tensors(f.names(), self.lo, self.hi, self.first, self.last, self.config.tied)
         state = {local: Tensor(f.tensor(name)) for local, name in owned.items()}
         expected = nn.state.get_state_dict(self)
-        missing = sorted(set(expected) - set(state))
+        missing = sorted(_file_name(k, self.lo) for k in set(expected) - set(state))
         if missing:
             raise ModelError(f"{f.path}: blocks [{self.lo}, {self.hi}) need tensors the file lacks: {missing[:5]}")
         for local, t in state.items():

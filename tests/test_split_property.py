@@ -8,7 +8,6 @@ stage serves consecutive requests independently.
 from __future__ import annotations
 
 import pytest
-import tinygrad  # noqa: F401  (raises the recursion limit on import; hypothesis warns if that happens mid-test)
 from hypothesis import given
 from hypothesis import strategies as st
 

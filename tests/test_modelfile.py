@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppharness.errors import ModelError
+from ppharness.modelfile import (
+    PRESETS,
+    SPECIAL_TOKENS,
+    ModelSpec,
+    build_vocab,
+    make_synthetic,
+    parse_synthetic,
+    resolve_model,
+    sha256_file,
+    synthetic_source,
+)
+from ppharness.slicing import GGUFFile, tokenizer_from
+
+
+def test_same_spec_same_bytes(tmp_path):
+    spec = ModelSpec(blocks=2, dim=16, ffn=32, heads=2, kv_heads=1, vocab=300, seed=7)
+    a, b = make_synthetic(spec, tmp_path / "a.gguf"), make_synthetic(spec, tmp_path / "b.gguf")
+    assert sha256_file(a) == sha256_file(b)
+    c = make_synthetic(ModelSpec(blocks=2, dim=16, ffn=32, heads=2, kv_heads=1, vocab=300, seed=8), tmp_path / "c.gguf")
+    assert sha256_file(c) != sha256_file(a)
+
+
+def test_written_model_reads_back(tmp_path):
+    spec = ModelSpec(blocks=3, dim=16, ffn=40, heads=4, kv_heads=2, vocab=320, context=128, tied_embeddings=True)
+    f = GGUFFile(make_synthetic(spec, tmp_path / "m.gguf"))
+    cfg = f.config
+    assert (cfg.arch, cfg.blocks, cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.vocab, cfg.context) == \
+        ("llama", 3, 16, 40, 4, 2, 320, 128)
+    assert cfg.tied and "output.weight" not in f.names()
+    assert f.kv["tokenizer.ggml.tokens"][cfg.bos_id] == "<|begin_of_text|>"
+    assert f.kv["tokenizer.ggml.tokens"][cfg.eos_id] == "<|end_of_text|>"
+    total = sum(f.tensor(n).size for n in f.names())
+    assert total == spec.n_params
+
+
+def test_vocab_has_bytes_then_real_merges():
+    tokens, merges = build_vocab(200, seed=0)
+    assert len(tokens) == 456 and len(merges) == 200
+    assert len(set(tokens)) == len(tokens)
+    for rank, merge in enumerate(merges):  # each merge joins two earlier tokens into the token of its rank
+        a, b = merge.split(" ")
+        assert tokens.index(a) < 256 + rank and tokens.index(b) < 256 + rank
+        assert tokens[256 + rank] == a + b
+
+
+@settings(max_examples=50)
+@given(text=st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=40))
+def test_tokenizer_round_trips_any_text(tiny_gguf, text):
+    tok = tokenizer_from(tiny_gguf.kv)
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert all(0 <= i < tiny_gguf.config.vocab for i in ids)
+
+
+def test_corpus_text_compresses(tiny_gguf):
+    tok = tokenizer_from(tiny_gguf.kv)
+    text = "the pipeline stage sends the token"
+    assert len(tok.encode(text)) < len(text.encode()) / 2
+
+
+def test_special_tokens_are_control(tiny_gguf):
+    kv = tiny_gguf.kv
+    types = kv["tokenizer.ggml.token_type"]
+    for name in SPECIAL_TOKENS:
+        assert types[kv["tokenizer.ggml.tokens"].index(name)] == 3
+
+
+def test_llama_1b_preset_has_llama_dimensions():
+    spec = PRESETS["llama-3.2-1b"]
+    assert (spec.blocks, spec.dim, spec.ffn, spec.heads, spec.kv_heads, spec.vocab) == (16, 2048, 8192, 32, 8, 128256)
+    assert 1.2e9 < spec.n_params < 1.3e9
+
+
+def test_synthetic_source_round_trip():
+    spec = ModelSpec(blocks=3, seed=4, tied_embeddings=True)
+    assert parse_synthetic(synthetic_source(spec)) == spec
+    assert parse_synthetic("synthetic:tiny,blocks=4").blocks == 4
+
+
+@pytest.mark.parametrize("source, needle", [
+    ("synthetic:huge", "unknown model preset"),
+    ("synthetic:tiny,colour=3", "unknown synthetic model field"),
+    ("/nonexistent/model.gguf", "does not exist"),
+])
+def test_bad_sources(source, needle):
+    with pytest.raises(ModelError, match=needle):
+        resolve_model(source)
+
+
+def test_sha256_mismatch_is_an_error(tiny_model_path):
+    with pytest.raises(ModelError, match="sha256"):
+        resolve_model(tiny_model_path, sha256="0" * 64)
+    assert resolve_model(tiny_model_path, sha256=sha256_file(resolve_model(tiny_model_path)))
+
+
+def test_bad_spec_is_explained():
+    with pytest.raises(ModelError, match="divide"):
+        ModelSpec(dim=30, heads=4)
+    with pytest.raises(ModelError, match="too small"):
+        ModelSpec(vocab=100)

@@ -1,0 +1,103 @@
+"""A stage loads only what it owns, names it as tinygrad expects, and the oracle equals tinygrad's own decode."""
+
+from __future__ import annotations
+
+import pytest
+
+from ppharness.errors import ModelError
+from ppharness.inprocess import load_slices, run_inprocess
+from ppharness.modelfile import ModelSpec, make_synthetic
+from ppharness.oracle import oracle_decode
+from ppharness.slicing import GGUFFile, ModelSlice, _local_name, owned_tensors, tokenizer_from
+
+SMALL = ModelSpec(blocks=4, dim=8, ffn=16, heads=2, kv_heads=1, vocab=300, context=64)
+
+
+@pytest.fixture(scope="module")
+def four_blocks(tmp_path_factory):
+    return GGUFFile(make_synthetic(SMALL, tmp_path_factory.mktemp("m") / "four.gguf"))
+
+
+def test_local_names_restart_at_zero():
+    assert _local_name("blk.5.attn_q.weight", 4) == "blk.1.attn_q.weight"
+    assert _local_name("token_embd.weight", 4) == "token_embd.weight"
+
+
+def test_owned_tensors_by_role(four_blocks):
+    names = four_blocks.names()
+    first = owned_tensors(names, 0, 2, True, False, tied=False)
+    assert "token_embd.weight" in first and "output.weight" not in first
+    assert {k.split(".")[1] for k in first if k.startswith("blk.")} == {"0", "1"}
+    middle = owned_tensors(names, 1, 3, False, False, tied=False)
+    assert middle["blk.0.ffn_up.weight"] == "blk.1.ffn_up.weight"
+    assert not any(k.startswith(("token_embd", "output")) for k in middle)
+    last = owned_tensors(names, 3, 4, False, True, tied=True)
+    assert last["output.weight"] == "token_embd.weight"
+
+
+@pytest.mark.parametrize("cuts", [[0, 4], [0, 1, 4], [0, 2, 3, 4], [0, 1, 2, 3, 4]])
+def test_stage_parameters_add_up_to_the_model(four_blocks, cuts):
+    ranges = list(zip(cuts, cuts[1:]))
+    slices = [ModelSlice(four_blocks, lo, hi, i == 0, i == len(ranges) - 1) for i, (lo, hi) in enumerate(ranges)]
+    assert sum(s.n_params for s in slices) == SMALL.n_params
+    assert all(s.tied_params == 0 for s in slices)
+
+
+def test_tied_head_is_counted_once(tmp_path):
+    spec = ModelSpec(blocks=2, dim=8, ffn=16, heads=2, kv_heads=1, vocab=300, context=64, tied_embeddings=True)
+    f = GGUFFile(make_synthetic(spec, tmp_path / "tied.gguf"))
+    a, b = ModelSlice(f, 0, 1, True, False), ModelSlice(f, 1, 2, False, True)
+    assert a.n_params + b.n_params == spec.n_params
+    assert b.tied_params == spec.vocab * spec.dim
+    whole = ModelSlice(f, 0, 2, True, True)
+    assert whole.n_params == spec.n_params and whole.tied_params == 0
+    # the tied split still equals the unsplit model
+    path = str(f.path)
+    got = run_inprocess(f, load_slices(f, [(0, 1), (1, 2)]), "tied weights", 5)
+    assert got.token_ids == oracle_decode(path, "tied weights", 5, 64).token_ids
+
+
+def test_bad_range_is_rejected(four_blocks):
+    with pytest.raises(ModelError, match="not inside"):
+        ModelSlice(four_blocks, 2, 6, False, True)
+
+
+def test_a_file_without_a_block_fails_with_its_name(tmp_path):
+    import gguf
+
+    src = GGUFFile(make_synthetic(SMALL, tmp_path / "full.gguf"))
+    w = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "llama")
+    for key, value in src.kv.items():
+        if key not in ("general.architecture",):
+            field = src._reader.fields[key]
+            vtype = field.types[0]
+            if vtype == gguf.GGUFValueType.ARRAY:
+                w.add_array(key, value)
+            else:
+                w.add_key_value(key, value, vtype)
+    for name in src.names():
+        if name != "blk.2.ffn_up.weight":
+            w.add_tensor(name, src._reader.tensors[src.names().index(name)].data)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    cut = GGUFFile(tmp_path / "cut.gguf")
+    ModelSlice(cut, 0, 2, True, False)  # blocks 0-1 are whole
+    with pytest.raises(ModelError, match="blk.2.ffn_up.weight"):
+        ModelSlice(cut, 2, 4, False, True)
+
+
+def test_oracle_equals_tinygrads_own_generate(tiny_model_path):
+    """Our slicing of the unsplit model reproduces tinygrad's Transformer.from_gguf + generate exactly."""
+    from pathlib import Path
+
+    from tinygrad import Tensor
+    from tinygrad.apps.llm import Transformer
+
+    model, kv = Transformer.from_gguf(Tensor(Path(tiny_model_path)), 256)
+    tok = tokenizer_from(kv)
+    prompt = "The quick brown fox"
+    ids = [kv["tokenizer.ggml.bos_token_id"], *tok.encode(prompt)]
+    gen = model.generate(list(ids))
+    reference = [next(gen) for _ in range(10)]
+    ours = oracle_decode(tiny_model_path, prompt, 10)
+    eos = kv["tokenizer.ggml.eos_token_id"]
+    assert ours.token_ids == (reference[: reference.index(eos)] if eos in reference else reference)
