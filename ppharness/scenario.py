@@ -120,15 +120,10 @@ class Stages(_Section):
 
     def ranges(self, num_blocks: int) -> list[tuple[int, int]]:
         """Half-open block ranges ``[start, end)`` of each stage for a model with ``num_blocks`` blocks."""
-        n = self.num_stages
-        if n > num_blocks or (self.splits and self.splits[-1] >= num_blocks):
-            raise ScenarioError(f"{n} stages do not fit a model of {num_blocks} blocks")
-        if self.splits is None:
-            k = num_blocks // n
-            bounds = [i * k for i in range(n)] + [num_blocks]
-        else:
-            bounds = [0, *self.splits, num_blocks]
-        return list(zip(bounds[:-1], bounds[1:]))
+        from ppharness.plan import make_plan
+
+        splits = list(self.splits) if self.splits else None
+        return list(make_plan(num_blocks, self.num_stages, splits).ranges)
 
 
 class TransportSection(_Section):

@@ -119,7 +119,7 @@ def test_typo_in_scenario_is_rejected_before_anything_starts(tmp_path):
     assert "starting" not in out
 
 
-def test_model_that_fails_to_load_fails_the_run(tmp_path):
+def test_unreadable_model_fails_the_run_before_any_node_starts(tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 64)
     scenario = load_scenario(ROOT / "scenarios" / "smoke-2stage-local.yaml")

@@ -1,0 +1,49 @@
+"""A GGUF given by URL is downloaded once (from a real HTTP server on loopback), checked, cached, and loads."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import threading
+
+import pytest
+
+from ppharness.errors import ModelError
+from ppharness.modelfile import ModelSpec, make_synthetic, resolve_model, sha256_file
+from ppharness.slicing import GGUFFile
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    monkeypatch.setenv("PPHARNESS_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "www"
+    model = make_synthetic(ModelSpec(blocks=2, dim=16, ffn=32, heads=2, kv_heads=1, vocab=300), root / "m.gguf")
+    hits: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            hits.append(self.path)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", model, hits
+    server.shutdown()
+    server.server_close()
+
+
+def test_url_is_downloaded_once_and_checked(served):
+    base, model, hits = served
+    digest = sha256_file(model)
+    first = resolve_model(f"{base}/m.gguf", digest)
+    again = resolve_model(f"{base}/m.gguf", digest)
+    assert first == again and sha256_file(first) == digest
+    assert len([h for h in hits if h.endswith("m.gguf")]) == 1
+    assert GGUFFile(first).config.blocks == 2
+
+
+def test_wrong_digest_removes_the_download(served):
+    base, _, _ = served
+    with pytest.raises(ModelError, match="does not match"):
+        resolve_model(f"{base}/m.gguf", "f" * 64)
+    with pytest.raises(ModelError, match="404"):
+        resolve_model(f"{base}/missing.gguf")
