@@ -219,6 +219,26 @@ def oracle(scenario_file: str | None, prompt: str | None, max_tokens: int | None
                f"{res.decode_tok_s:.1f} tok/s, {res.n_params:,} parameters")
 
 
+@main.group()
+def bench() -> None:
+    """Benchmarks: medians and ratios against a baseline measured in the same run."""
+
+
+@bench.command("transport")
+@click.option("--sizes", default="64,4096,131072", show_default=True, help="Payload sizes in bytes, comma-separated.")
+@click.option("--repeats", type=int, default=200, show_default=True, help="Round trips per size and transport.")
+@click.option("--transports", "kinds", default="zmq,iroh", show_default=True, help="ppharness transports to measure.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
+def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) -> None:
+    """Round-trip latency p50/p99 per payload size: raw libraries vs ppharness transports, with ratios."""
+    from ppharness.benchmarks.transport import run_transport_bench
+
+    try:
+        run_transport_bench([int(x) for x in sizes.split(",")], repeats, kinds.split(","), json_out)
+    except HarnessError as exc:
+        _fail(str(exc))
+
+
 @main.command()
 @click.option("--label", help="Only this run's label (default: every ppharness run label).")
 @click.option("--provider", "providers", multiple=True, help="Provider kind(s) to reap (default: all).")

@@ -51,8 +51,13 @@ def read_env(env: dict[str, str]) -> tuple[StagePlan, dict[str, str]]:
 
 
 def make_transport(kind: str, env: dict[str, str]) -> Any:
+    """The node's transport: options from ``PP_TRANSPORT_OPTS`` (JSON, made by the transport's ``plan_endpoints``)
+    plus the bind/advertise hosts of providers that set them."""
     cls = transport_class(kind)
-    opts = {}
+    try:
+        opts = msgspec.json.decode(env.get("PP_TRANSPORT_OPTS") or "{}", type=dict)
+    except msgspec.DecodeError as exc:
+        raise HarnessError(f"PP_TRANSPORT_OPTS is not a JSON object: {exc}") from exc
     if env.get("PP_BIND_HOST"):
         opts["host"] = env["PP_BIND_HOST"]
     if env.get("PP_ADVERTISE_HOST"):
@@ -91,8 +96,12 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
     seed = env["SEED_ADDR"]
     log = lambda text: _log(plan.stage, text)  # noqa: E731
     parent = os.getppid()
-    transport = make_transport(env["TRANSPORT"], env)
-    address = transport.start()
+    try:
+        transport = make_transport(env["TRANSPORT"], env)
+        address = transport.start()
+    except HarnessError as exc:
+        log(f"failed: could not start the {env['TRANSPORT']} transport: {exc}")
+        return 1
     try:
         transport.send(seed, Join(stage=plan.stage, num_stages=plan.num_stages, address=address,
                                   names=names_of(plan.stage, plan.num_stages), run_label=env.get("PP_RUN_LABEL", ""),

@@ -7,6 +7,7 @@ died and no node reported an Error. The provider is a context manager, so every 
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import uuid
@@ -130,7 +131,9 @@ def run_scenario(scenario: Any, progress: Callable[[str], None] = Progress(), ru
              f"plan {plan.plan_id}: {', '.join(f'[{lo},{hi})' for lo, hi in plan.ranges)}")
 
     reports = [StageReport(i, lo, hi) for i, (lo, hi) in enumerate(plan.ranges)]
-    transport = transport_class(scenario.transport.kind)()
+    transport_cls = transport_class(scenario.transport.kind)
+    endpoint_opts = transport_cls.plan_endpoints(n + 1, transport_settings(scenario.transport))
+    transport = transport_cls(**endpoint_opts[0])
     seed = transport.start()
     provider_cls = provider_class(scenario.provider.kind)
     provider = provider_cls(run_label, log_dir=log_dir) if log_dir else provider_cls(run_label)
@@ -140,7 +143,10 @@ def run_scenario(scenario: Any, progress: Callable[[str], None] = Progress(), ru
             for i in range(n):
                 sp = plan.stage(i, wire_dtype=scenario.transport.wire_dtype, max_context=scenario.model.max_context,
                                 join_s=budget.join_s, resolve_s=budget.resolve_s)
-                specs.append(provider.spec(stage_name(i), _node_env(i, n, seed, model_path, scenario.transport.kind, sp)))
+                env = _node_env(i, n, seed, model_path, scenario.transport.kind, sp)
+                if endpoint_opts[i + 1]:
+                    env["PP_TRANSPORT_OPTS"] = json.dumps(endpoint_opts[i + 1])
+                specs.append(provider.spec(stage_name(i), env))
             progress(f"starting {n} {scenario.provider.kind} node(s) over {scenario.transport.kind} (run {run_label})")
             provider.provision(specs)
             watch = _watchdog(provider, "starting up")
@@ -206,6 +212,11 @@ def run_scenario(scenario: Any, progress: Callable[[str], None] = Progress(), ru
         progress("running the unsplit model in this process (the oracle)")
         result.oracle = oracle_decode(model_path, req.prompt, req.max_tokens, scenario.model.max_context)
     return result
+
+
+def transport_settings(section: Any) -> dict[str, Any]:
+    """The scenario's transport section less what every transport shares (kind, wire dtype)."""
+    return {k: v for k, v in msgspec.structs.asdict(section).items() if k not in ("kind", "wire_dtype")}
 
 
 def _node_env(i: int, n: int, seed: str, model_path: str, transport_kind: str, sp: Any) -> dict[str, str]:

@@ -14,6 +14,7 @@ from ppharness.errors import HarnessError
 TRANSPORTS: dict[str, str] = {
     "memory": "transports.memory:MemoryTransport",
     "zmq": "transports.zmq:ZmqTransport",
+    "iroh": "transports.iroh:IrohTransport",
 }
 
 PROVIDERS: dict[str, str] = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 from types import TracebackType
+from typing import Any
 
 from ppharness import codec
 from ppharness.messages import Message
@@ -26,6 +27,16 @@ class Transport(abc.ABC):
     """One endpoint. ``start()`` binds and returns the address peers use to reach it."""
 
     kind: str = "abstract"
+
+    @classmethod
+    def plan_endpoints(cls, count: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
+        """Constructor options for the ``count`` endpoints of one run: index 0 is the seed (the orchestrator), the
+        rest are the nodes in stage order. ``settings`` are the scenario's transport settings for this kind.
+
+        The default ignores the settings; a transport with per-run identities (keys, allow-lists) creates them here.
+        Options must be JSON-serialisable: they reach a node as ``PP_TRANSPORT_OPTS``.
+        """
+        return [{} for _ in range(count)]
 
     @abc.abstractmethod
     def start(self) -> str:
