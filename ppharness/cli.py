@@ -61,18 +61,25 @@ def print_summary(result: Any) -> None:
                    "model's, token for token")
 
 
-def run_and_report(scenario: Any, quiet: bool = False, run_label: str | None = None) -> None:
+def run_and_report(scenario: Any, quiet: bool = False, run_label: str | None = None, trace_path: str | None = None,
+                   trace: bool | None = None) -> None:
     """Run ``scenario``; print the summary; exit 1 on failure or mismatch."""
     from ppharness.orchestrator import Progress, run_scenario
 
     _sigterm_as_interrupt()
     try:
-        result = run_scenario(scenario, progress=Progress(quiet=quiet), run_label=run_label)
+        trace_path = trace_path or scenario.trace.path
+        trace_on = bool(trace_path) or (scenario.trace.enabled if trace is None else trace)
+        result = run_scenario(scenario, progress=Progress(quiet=quiet), run_label=run_label, trace=trace_on)
     except HarnessError as exc:
         _fail(str(exc), exc)
     except KeyboardInterrupt:
         _fail("interrupted; every node was stopped")
     print_summary(result)
+    if result.trace is not None:
+        click.echo("\n" + result.trace.summary())
+        if trace_path:
+            click.echo(f"trace written: {', '.join(result.trace.write(trace_path))} (open the .json in ui.perfetto.dev)")
     if result.matches_oracle is False:
         o, c = result.oracle.token_ids, result.response.token_ids
         k = next((i for i, (a, b) in enumerate(zip(o, c)) if a != b), min(len(o), len(c)))
@@ -102,11 +109,16 @@ def _load(scenario_file: str | None, **overrides: Any) -> Any:
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @click.option("--run-label", help="Label every node of this run carries (default: a fresh pp-xxxxxxxx); "
               "`ppharness reap --label L` destroys leftovers.")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
+              help="Write the per-token trace: FILE (Perfetto/Chrome JSON) and FILE's .jsonl (one line per token).")
+@click.option("--no-trace", is_flag=True, help="Record no timings (no per-token summary).")
 def smoke_run(num_stages: int | None, scenario_file: str | None, transport: str | None, provider: str | None,
-              prompt: str | None, max_tokens: int | None, quiet: bool, run_label: str | None) -> None:
+              prompt: str | None, max_tokens: int | None, quiet: bool, run_label: str | None, trace_path: str | None,
+              no_trace: bool) -> None:
     """Run the N-stage chain once, print its text, and check it against the unsplit model."""
     run_and_report(_load(scenario_file, num_stages=num_stages, transport=transport, provider=provider, prompt=prompt,
-                         max_tokens=max_tokens), quiet=quiet, run_label=run_label)
+                         max_tokens=max_tokens), quiet=quiet, run_label=run_label, trace_path=trace_path,
+                   trace=False if no_trace else None)
 
 
 # --- ppharness ------------------------------------------------------------------------------------------------------

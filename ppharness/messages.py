@@ -121,6 +121,44 @@ class Stopped(_Msg):
     peak_rss_bytes: int
 
 
+class Span(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One timed piece of a stage's work for token ``step`` (0 = prefill), on the stage's monotonic clock."""
+
+    step: int
+    name: str  # recv | deserialize | tokenize | compute | serialize | send
+    t0_ns: int
+    t1_ns: int
+    nbytes: int = 0
+
+
+class TraceRequest(_Msg):
+    """Seed -> node: send me your spans for ``request_id``."""
+
+    request_id: str
+
+
+class TraceReport(_Msg):
+    """Node -> seed: the spans a stage recorded for one request (empty when tracing is off)."""
+
+    stage: int
+    request_id: str
+    spans: list[Span]
+
+
+class ClockProbe(_Msg):
+    """Seed -> node: a clock-offset probe, stamped with the seed's monotonic clock."""
+
+    t_seed_ns: int
+
+
+class ClockReply(_Msg):
+    """Node -> seed: the probe's stamp echoed with the node's own monotonic clock at receipt."""
+
+    stage: int
+    t_seed_ns: int
+    t_node_ns: int
+
+
 class Error(_Msg):
     """Anyone -> seed / reply_to: a failure that ends the request or the run, in one line."""
 
@@ -140,6 +178,10 @@ Message = (
     | Ready
     | Shutdown
     | Stopped
+    | TraceRequest
+    | TraceReport
+    | ClockProbe
+    | ClockReply
     | Error
 )
 

@@ -20,10 +20,23 @@ from typing import Any
 import msgspec
 
 from ppharness.cluster import resolve_members
+from ppharness import codec
 from ppharness.errors import CodecError, HarnessError, TransportTimeout
-from ppharness.messages import Error, Join, Message, Ready, Shutdown, Stopped
+from ppharness.messages import (
+    ClockProbe,
+    ClockReply,
+    Error,
+    Join,
+    Message,
+    Ready,
+    Shutdown,
+    Stopped,
+    TraceReport,
+    TraceRequest,
+)
 from ppharness.plan import StagePlan, names_of
 from ppharness.registry import transport_class
+from ppharness.tracer import Tracer, now_ns
 
 REQUIRED_ENV = ("STAGE", "NUM_STAGES", "SEED_ADDR", "MODEL", "PLAN", "TRANSPORT")
 
@@ -90,6 +103,17 @@ def warm_up(model: Any) -> None:
         model.decode(x, pos)
 
 
+def _receive(transport: Any, timed: bool) -> tuple[str, Message, Any]:
+    """The next message; with ``timed``, also when it arrived and how long decoding took (for the trace)."""
+    if not timed:
+        sender, msg = transport.recv(1.0)
+        return sender, msg, None
+    sender, frame = transport.recv_frame(1.0)
+    t0 = now_ns()
+    msg = codec.decode(frame)
+    return sender, msg, (t0, t0, now_ns(), len(frame))
+
+
 def serve(plan: StagePlan, env: dict[str, str]) -> int:
     from ppharness.stage import Stage
 
@@ -115,16 +139,18 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
 
         early: list[tuple[str, Message]] = []
         names = resolve_members(transport.recv, plan.resolve_s, lambda s, m: early.append((s, m)), log=log)
+        tracer = Tracer() if plan.trace else None
         stage = Stage(plan.stage, plan.num_stages, model, transport, names, plan.plan_id, plan.wire_dtype,
-                      tokenizer, log=log)
+                      tokenizer, log=log, tracer=tracer)
         transport.send(seed, Ready(stage=plan.stage, params=model.n_params, tied_params=model.tied_params,
                                    load_s=load_s, rss_bytes=peak_rss_bytes()))
         while True:
+            rx = None
             if early:
                 sender, msg = early.pop(0)
             else:
                 try:
-                    sender, msg = transport.recv(1.0)
+                    sender, msg, rx = _receive(transport, tracer is not None)
                 except TransportTimeout:
                     if os.getppid() != parent:
                         log("the process that started this node is gone; exiting")
@@ -133,11 +159,20 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
                 except CodecError as exc:
                     log(f"dropped a bad frame: {exc}")
                     continue
-            if isinstance(msg, Shutdown):
-                transport.send(seed, Stopped(stage=plan.stage, served=stage.served, peak_rss_bytes=peak_rss_bytes()))
-                log(f"shutting down after {stage.served} request(s)")
-                return 0
-            stage.handle(sender, msg)
+            match msg:
+                case Shutdown():
+                    transport.send(seed, Stopped(stage=plan.stage, served=stage.served,
+                                                 peak_rss_bytes=peak_rss_bytes()))
+                    log(f"shutting down after {stage.served} request(s)")
+                    return 0
+                case ClockProbe():
+                    transport.send(sender, ClockReply(stage=plan.stage, t_seed_ns=msg.t_seed_ns,
+                                                      t_node_ns=now_ns()))
+                case TraceRequest():
+                    spans = tracer.take(msg.request_id) if tracer else []
+                    transport.send(sender, TraceReport(stage=plan.stage, request_id=msg.request_id, spans=spans))
+                case _:
+                    stage.handle(sender, msg, rx)
     except HarnessError as exc:
         log(f"failed: {exc}")
         try:

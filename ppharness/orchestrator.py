@@ -19,6 +19,8 @@ import msgspec
 from ppharness.cluster import Directory, wait_for
 from ppharness.errors import ClusterError, HarnessError, StageError
 from ppharness.messages import (
+    ClockProbe,
+    ClockReply,
     Error,
     InferenceRequest,
     InferenceResponse,
@@ -28,9 +30,12 @@ from ppharness.messages import (
     Ready,
     Shutdown,
     Stopped,
+    TraceReport,
+    TraceRequest,
 )
 from ppharness.plan import ENTRY, Plan, make_plan, stage_name
 from ppharness.registry import provider_class, transport_class
+from ppharness.tracer import now_ns
 
 
 class Progress:
@@ -65,6 +70,7 @@ class RunResult:
     stages: list[StageReport]
     model_path: str
     oracle: Any = None  # OracleResult when the scenario asks to match the oracle
+    trace: Any = None  # ppharness.trace.Trace when tracing was on
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -103,114 +109,196 @@ def model_source(scenario: Any) -> tuple[str, str | None]:
     return m.gguf, m.sha256
 
 
-def run_scenario(scenario: Any, progress: Callable[[str], None] = Progress(), run_label: str | None = None,
-                 log_dir: str | None = None) -> RunResult:
-    """Run ``scenario`` end to end; raise a HarnessError (after destroying everything) on any failure."""
-    from ppharness.modelfile import resolve_model
-    from ppharness.slicing import GGUFFile
+class Chain:
+    """A running N-stage chain: provisioned, joined and ready on ``__enter__``, torn down on ``__exit__``.
 
-    budget = scenario.budget
-    deadline = time.monotonic() + budget.total_s
-    run_label = run_label or f"pp-{uuid.uuid4().hex[:8]}"
+    ``request()`` can be called many times in between (benchmarks interleave requests across chains). Every wait is
+    bounded by its phase's timeout and by the total budget; any failure destroys every node before it propagates.
+    """
 
-    def left(phase_s: float, what: str) -> float:
-        remaining = deadline - time.monotonic()
+    def __init__(self, scenario: Any, progress: Callable[[str], None] = Progress(), run_label: str | None = None,
+                 log_dir: str | None = None, trace: bool = False):
+        self.scenario, self.progress, self.log_dir, self.trace_on = scenario, progress, log_dir, trace
+        self.run_label = run_label or f"pp-{uuid.uuid4().hex[:8]}"
+        self.deadline = time.monotonic() + scenario.budget.total_s
+        self.offsets_ns: dict[int, int] = {}
+        self._provider: Any = None
+        self.transport: Any = None
+
+    def _left(self, phase_s: float, what: str) -> float:
+        remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise HarnessError(f"the run's budget of {budget.total_s:g} s ran out before {what}")
+            raise HarnessError(f"the run's budget of {self.scenario.budget.total_s:g} s ran out before {what}")
         return min(phase_s, remaining)
 
-    source, sha = model_source(scenario)
-    progress(f"model: {source if not source.startswith('synthetic:') else 'synthetic ' + scenario.model.synthetic.preset}"
-             " (building or fetching once, then cached)")
-    model_path = str(resolve_model(source, sha))
-    cfg = GGUFFile(model_path).config
-    plan = make_plan(cfg.blocks, scenario.stages.count, list(scenario.stages.splits) if scenario.stages.splits else None,
-                     model_id=model_path)
-    n = plan.num_stages
-    progress(f"model {model_path}: {cfg.blocks} blocks, dim {cfg.dim}, vocab {cfg.vocab}; "
-             f"plan {plan.plan_id}: {', '.join(f'[{lo},{hi})' for lo, hi in plan.ranges)}")
+    def _wait(self, on_message: Callable[[str, Message], bool], phase_s: float, what: str, phase: str) -> None:
+        def handle(sender: str, msg: Message) -> bool:
+            _raise_on_error(msg)
+            return on_message(sender, msg)
 
-    reports = [StageReport(i, lo, hi) for i, (lo, hi) in enumerate(plan.ranges)]
-    transport_cls = transport_class(scenario.transport.kind)
-    endpoint_opts = transport_cls.plan_endpoints(n + 1, transport_settings(scenario.transport))
-    transport = transport_cls(**endpoint_opts[0])
-    seed = transport.start()
-    provider_cls = provider_class(scenario.provider.kind)
-    provider = provider_cls(run_label, log_dir=log_dir) if log_dir else provider_cls(run_label)
-    try:
-        with provider:
-            specs = []
-            for i in range(n):
-                sp = plan.stage(i, wire_dtype=scenario.transport.wire_dtype, max_context=scenario.model.max_context,
-                                join_s=budget.join_s, resolve_s=budget.resolve_s)
-                env = _node_env(i, n, seed, model_path, scenario.transport.kind, sp)
-                if endpoint_opts[i + 1]:
-                    env["PP_TRANSPORT_OPTS"] = json.dumps(endpoint_opts[i + 1])
-                specs.append(provider.spec(stage_name(i), env))
-            progress(f"starting {n} {scenario.provider.kind} node(s) over {scenario.transport.kind} (run {run_label})")
-            provider.provision(specs)
-            watch = _watchdog(provider, "starting up")
+        wait_for(self.transport.recv, handle, self._left(phase_s, what), what,
+                 check=_watchdog(self._provider, phase), log=self.progress)
 
-            directory = Directory(n)
+    def __enter__(self) -> "Chain":
+        from ppharness.modelfile import resolve_model
+        from ppharness.slicing import GGUFFile
 
-            def on_join(sender: str, msg: Message) -> bool:
-                _raise_on_error(msg)
-                if isinstance(msg, Join):
-                    directory.add(msg)
-                    progress(f"stage {msg.stage} joined from {msg.address}")
-                return directory.complete
+        sc, progress = self.scenario, self.progress
+        source, sha = model_source(sc)
+        progress(f"model: {source if not source.startswith('synthetic:') else 'synthetic ' + sc.model.synthetic.preset}"
+                 " (building or fetching once, then cached)")
+        self.model_path = str(resolve_model(source, sha))
+        cfg = GGUFFile(self.model_path).config
+        self.plan = plan = make_plan(cfg.blocks, sc.stages.count, list(sc.stages.splits) if sc.stages.splits else None,
+                                     model_id=self.model_path)
+        n = plan.num_stages
+        progress(f"model {self.model_path}: {cfg.blocks} blocks, dim {cfg.dim}, vocab {cfg.vocab}; "
+                 f"plan {plan.plan_id}: {', '.join(f'[{lo},{hi})' for lo, hi in plan.ranges)}")
+        self.reports = [StageReport(i, lo, hi) for i, (lo, hi) in enumerate(plan.ranges)]
+        transport_cls = transport_class(sc.transport.kind)
+        endpoint_opts = transport_cls.plan_endpoints(n + 1, transport_settings(sc.transport))
+        self.transport = transport_cls(**endpoint_opts[0])
+        self.seed = self.transport.start()
+        provider_cls = provider_class(sc.provider.kind)
+        self._provider = provider_cls(self.run_label, log_dir=self.log_dir) if self.log_dir else \
+            provider_cls(self.run_label)
+        try:
+            self._provider.__enter__()
+            self._start(endpoint_opts)
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
 
-            wait_for(transport.recv, on_join, left(budget.join_s, "all stages joined"),
-                     f"all {n} stages to join (missing: stages {directory.missing()})", check=watch, log=progress)
-            for j in directory.joins.values():
-                transport.send(j.address, Members(names=directory.names))
+    def _start(self, endpoint_opts: list[dict[str, Any]]) -> None:
+        sc, plan, progress, n = self.scenario, self.plan, self.progress, self.plan.num_stages
+        budget = sc.budget
+        specs = []
+        for i in range(n):
+            sp = plan.stage(i, wire_dtype=sc.transport.wire_dtype, max_context=sc.model.max_context,
+                            join_s=budget.join_s, resolve_s=budget.resolve_s, trace=self.trace_on)
+            env = _node_env(i, n, self.seed, self.model_path, sc.transport.kind, sp)
+            if endpoint_opts[i + 1]:
+                env["PP_TRANSPORT_OPTS"] = json.dumps(endpoint_opts[i + 1])
+            specs.append(self._provider.spec(stage_name(i), env))
+        progress(f"starting {n} {sc.provider.kind} node(s) over {sc.transport.kind} (run {self.run_label})")
+        self._provider.provision(specs)
 
-            ready: set[int] = set()
+        self.directory = directory = Directory(n)
 
-            def on_ready(sender: str, msg: Message) -> bool:
-                _raise_on_error(msg)
-                if isinstance(msg, Ready):
-                    ready.add(msg.stage)
-                    r = reports[msg.stage]
-                    r.params, r.tied_params, r.load_s, r.peak_rss_bytes = msg.params, msg.tied_params, msg.load_s, msg.rss_bytes
-                    progress(f"stage {msg.stage} ready: {msg.params:,} parameters, loaded and compiled in "
-                             f"{msg.load_s:.1f} s ({len(ready)}/{n})")
-                return len(ready) == n
+        def on_join(sender: str, msg: Message) -> bool:
+            if isinstance(msg, Join):
+                directory.add(msg)
+                progress(f"stage {msg.stage} joined from {msg.address}")
+            return directory.complete
 
-            wait_for(transport.recv, on_ready, left(budget.ready_s, "all stages were ready"),
-                     "every stage to load its blocks and compile (Ready)", check=watch, log=progress)
+        self._wait(on_join, budget.join_s, f"all {n} stages to join", "starting up")
+        for j in directory.joins.values():
+            self.transport.send(j.address, Members(names=directory.names))
 
-            req = scenario.request
-            request_id = uuid.uuid4().hex[:12]
-            progress(f"request {request_id}: {req.max_tokens} tokens after {req.prompt!r}")
-            t_req = time.monotonic()
-            transport.send(directory.resolve(ENTRY), InferenceRequest(reply_to=seed, prompt=req.prompt,
-                                                                      max_tokens=req.max_tokens, request_id=request_id))
-            got: list[InferenceResponse] = []
-            watch = _watchdog(provider, "decoding")
+        ready: set[int] = set()
 
-            def on_response(sender: str, msg: Message) -> bool:
-                _raise_on_error(msg)
-                if isinstance(msg, InferenceResponse) and msg.request_id == request_id:
-                    got.append(msg)
-                return bool(got)
+        def on_ready(sender: str, msg: Message) -> bool:
+            if isinstance(msg, Ready):
+                ready.add(msg.stage)
+                r = self.reports[msg.stage]
+                r.params, r.tied_params, r.load_s, r.peak_rss_bytes = msg.params, msg.tied_params, msg.load_s, \
+                    msg.rss_bytes
+                progress(f"stage {msg.stage} ready: {msg.params:,} parameters, loaded and compiled in "
+                         f"{msg.load_s:.1f} s ({len(ready)}/{n})")
+            return len(ready) == n
 
-            wait_for(transport.recv, on_response, left(budget.total_s, "the response arrived"),
-                     "the InferenceResponse from the last stage", check=watch, log=progress)
-            request_s = time.monotonic() - t_req
-            _shutdown(transport, directory, reports, provider, progress)
-    finally:
-        transport.close()
+        self._wait(on_ready, budget.ready_s, "every stage to load its blocks and compile (Ready)", "starting up")
+        if self.trace_on:
+            self._probe_clocks()
 
-    result = RunResult(scenario=scenario.name, run_label=run_label, plan=plan, response=got[0], request_s=request_s,
-                       stages=reports, model_path=model_path)
-    if scenario.expect.non_empty and not result.response.token_ids:
-        raise StageError(f"stage {n - 1} (last) reported done with no text ({result.response.finish_reason})")
+    def _probe_clocks(self, probes: int = 5) -> None:
+        """Each node's monotonic clock minus ours, from the probe with the shortest round trip (error <= RTT/2)."""
+        best: dict[int, tuple[int, int]] = {}
+        for _ in range(probes):
+            for j in self.directory.joins.values():
+                self.transport.send(j.address, ClockProbe(t_seed_ns=now_ns()))
+            got: set[int] = set()
+
+            def on_reply(sender: str, msg: Message) -> bool:
+                if isinstance(msg, ClockReply):
+                    t1 = now_ns()
+                    rtt, offset = t1 - msg.t_seed_ns, msg.t_node_ns - (msg.t_seed_ns + t1) // 2
+                    if msg.stage not in best or rtt < best[msg.stage][0]:
+                        best[msg.stage] = (rtt, offset)
+                    got.add(msg.stage)
+                return len(got) == len(self.directory.joins)
+
+            self._wait(on_reply, 10.0, "clock probe replies", "probing clocks")
+        # Nodes on this host share its monotonic clock: an offset within the probe's error is no offset at all.
+        self.offsets_ns = {stage: off if abs(off) > rtt // 2 else 0 for stage, (rtt, off) in best.items()}
+
+    def request(self, prompt: str, max_tokens: int) -> tuple[InferenceResponse, float]:
+        """Send one request to pp-entry; return the response and its round trip in seconds on our clock."""
+        request_id = uuid.uuid4().hex[:12]
+        t0 = time.monotonic()
+        self.transport.send(self.directory.resolve(ENTRY), InferenceRequest(
+            reply_to=self.seed, prompt=prompt, max_tokens=max_tokens, request_id=request_id))
+        got: list[InferenceResponse] = []
+
+        def on_response(sender: str, msg: Message) -> bool:
+            if isinstance(msg, InferenceResponse) and msg.request_id == request_id:
+                got.append(msg)
+            return bool(got)
+
+        self._wait(on_response, self.scenario.budget.total_s, "the InferenceResponse from the last stage", "decoding")
+        return got[0], time.monotonic() - t0
+
+    def collect_trace(self, request_id: str) -> list[TraceReport]:
+        """Every stage's spans for ``request_id`` (stage order)."""
+        for j in self.directory.joins.values():
+            self.transport.send(j.address, TraceRequest(request_id=request_id))
+        reports: dict[int, TraceReport] = {}
+
+        def on_report(sender: str, msg: Message) -> bool:
+            if isinstance(msg, TraceReport) and msg.request_id == request_id:
+                reports[msg.stage] = msg
+            return len(reports) == len(self.directory.joins)
+
+        self._wait(on_report, 30.0, "the stages' trace reports", "collecting the trace")
+        return [reports[i] for i in sorted(reports)]
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc_type is None and self._provider is not None:
+                _shutdown(self.transport, self.directory, self.reports, self._provider, self.progress)
+        finally:
+            try:
+                if self._provider is not None:
+                    self._provider.__exit__(exc_type, exc, tb)
+                    self._provider = None
+            finally:
+                if self.transport is not None:
+                    self.transport.close()
+
+
+def run_scenario(scenario: Any, progress: Callable[[str], None] = Progress(), run_label: str | None = None,
+                 log_dir: str | None = None, trace: bool = False) -> RunResult:
+    """Run ``scenario`` end to end; raise a HarnessError (after destroying everything) on any failure."""
+    req = scenario.request
+    with Chain(scenario, progress, run_label, log_dir, trace=trace) as chain:
+        progress(f"request: {req.max_tokens} tokens after {req.prompt!r}")
+        response, request_s = chain.request(req.prompt, req.max_tokens)
+        traces = chain.collect_trace(response.request_id) if trace else []
+    n = chain.plan.num_stages
+    result = RunResult(scenario=scenario.name, run_label=chain.run_label, plan=chain.plan, response=response,
+                       request_s=request_s, stages=chain.reports, model_path=chain.model_path)
+    if trace:
+        from ppharness.trace import build_trace
+
+        result.trace = build_trace(traces, chain.offsets_ns, response, n)
+    if scenario.expect.non_empty and not response.token_ids:
+        raise StageError(f"stage {n - 1} (last) reported done with no text ({response.finish_reason})")
     if scenario.expect.match_oracle:
         from ppharness.oracle import oracle_decode
 
         progress("running the unsplit model in this process (the oracle)")
-        result.oracle = oracle_decode(model_path, req.prompt, req.max_tokens, scenario.model.max_context)
+        result.oracle = oracle_decode(chain.model_path, req.prompt, req.max_tokens, scenario.model.max_context)
     return result
 
 

@@ -44,6 +44,7 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_context: int = 256
     join_s: float = 120.0
     resolve_s: float = 60.0
+    trace: bool = False
 
     @property
     def first(self) -> bool:

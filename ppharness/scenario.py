@@ -172,6 +172,14 @@ class BudgetSection(_Section):
     ready_s: Seconds = 180.0
 
 
+class TraceSection(_Section):
+    """Per-token, per-hop timing: on by default (the run's summary table needs it); ``path`` also writes the
+    Perfetto trace JSON there and one JSON line per token next to it (``.jsonl``)."""
+
+    enabled: bool = True
+    path: str | None = None
+
+
 def _default_model() -> ModelSection:
     return ModelSection(synthetic=SyntheticModel())
 
@@ -188,6 +196,7 @@ class Scenario(_Section):
     request: RequestSection = RequestSection()
     expect: ExpectSection = ExpectSection()
     budget: BudgetSection = BudgetSection()
+    trace: TraceSection = TraceSection()
 
     def __post_init__(self) -> None:
         if self.request.max_tokens >= self.model.max_context:

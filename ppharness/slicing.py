@@ -170,6 +170,7 @@ class ModelSlice:
         self._load(gguf_file)
         self._pos = UOp.variable("start_pos", 1, self.max_context - 1)
         self._jit = TinyJit(self._forward)
+        self._decode_in: Any = None  # (1,1) ids or (1,1,D) hidden, reused by every decode step
 
     def _load(self, f: GGUFFile) -> None:
         from tinygrad import Tensor, nn
@@ -216,10 +217,19 @@ class ModelSlice:
         return self._output(self._forward(self._input(x), 0))
 
     def decode(self, x: list[int] | np.ndarray, position: int) -> np.ndarray | int:
-        """Run one position ``position >= 1`` through the compiled decode step."""
+        """Run one position ``position >= 1`` through the compiled decode step.
+
+        The step's input lives in one persistent device buffer that each call overwrites, so a token costs one copy in
+        instead of a new tensor (and its allocation) per call.
+        """
         if not 1 <= position < self.max_context:
             raise ModelError(f"position {position} is outside the context of {self.max_context}")
-        return self._output(self._jit(self._input(x), self._pos.bind(position)))
+        arr = np.asarray(x, dtype=np.int32).reshape(1, 1) if self.first else np.asarray(x, dtype=np.float16)
+        if self._decode_in is None:
+            self._decode_in = self._input(arr if not self.first else arr[0]).realize()
+        else:
+            self._decode_in.uop.base.realized.copyin(memoryview(np.ascontiguousarray(arr)).cast("B"))
+        return self._output(self._jit(self._decode_in, self._pos.bind(position)))
 
     def _output(self, out: Any) -> np.ndarray | int:
         return int(out.item()) if self.last else out.numpy()

@@ -28,6 +28,9 @@ from ppharness.messages import (
     StageActivation,
 )
 from ppharness.plan import ENTRY, stage_name
+from ppharness.tracer import Tracer, now_ns
+
+Rx = tuple[int, int, int, int]  # (arrived, decode start, decode end) on the monotonic clock in ns, frame bytes
 
 
 @dataclass
@@ -63,7 +66,8 @@ class Stage:
     """
 
     def __init__(self, index: int, num_stages: int, model: Any, transport: Any, names: dict[str, str], plan_id: str,
-                 wire_dtype: str = "f16", tokenizer: Any = None, log: Callable[[str], None] = print):
+                 wire_dtype: str = "f16", tokenizer: Any = None, log: Callable[[str], None] = print,
+                 tracer: Tracer | None = None):
         self.index, self.num_stages = index, num_stages
         self.first, self.last = index == 0, index == num_stages - 1
         self.model, self.transport, self.plan_id = model, transport, plan_id
@@ -72,35 +76,45 @@ class Stage:
         self.entry_addr = names[ENTRY]
         self.req: _Request | None = None
         self.served = 0
+        self.tracer = tracer
         if (self.first or self.last) and tokenizer is None:
             raise StageError(f"stage {index}: the first and last stages need the tokenizer")
 
     # --- dispatch ---------------------------------------------------------------------------------------------------
 
-    def handle(self, sender: str, msg: Message) -> None:
-        """Act on one message. Protocol violations are dropped with a log line; model failures raise StageError."""
+    def handle(self, sender: str, msg: Message, rx: Rx | None = None) -> None:
+        """Act on one message. Protocol violations are dropped with a log line; model failures raise StageError.
+
+        ``rx`` carries the message's arrival and decoding times when the caller decoded the frame itself (tracing).
+        """
         match msg:
             case InferenceRequest() if self.first:
-                self._on_request(msg)
+                self._on_request(msg, rx)
             case RequestOpen() if not self.first:
                 self._on_open(msg)
             case StageActivation() if not self.first:
-                self._on_activation(msg)
+                self._on_activation(msg, rx)
             case NextToken() if self.first and not self.last:
-                self._on_next_token(msg)
+                self._on_next_token(msg, rx)
             case _:
                 self.log(f"stage {self.index}: dropped unexpected {type(msg).__name__} from {sender}")
 
     # --- first stage ------------------------------------------------------------------------------------------------
 
-    def _on_request(self, msg: InferenceRequest) -> None:
+    def _on_request(self, msg: InferenceRequest, rx: Rx | None) -> None:
         request_id = msg.request_id or uuid.uuid4().hex[:12]
         if self.req is not None:
             self.transport.send(msg.reply_to, Error(stage=self.index, request_id=request_id,
                                                     reason=f"stage 0 is busy with request {self.req.request_id}"))
             return
         cfg = self.model.config
+        if self.tracer:
+            self.tracer.begin(request_id)
+            self._trace_rx(0, rx)
+            t0 = now_ns()
         ids = ([cfg.bos_id] if cfg.bos_id is not None else []) + self.tokenizer.encode(msg.prompt)
+        if self.tracer:
+            self.tracer.add(0, "tokenize", t0, now_ns())
         room = self.model.max_context - len(ids)
         if msg.max_tokens < 1 or msg.max_tokens > room:
             self.transport.send(msg.reply_to, Error(stage=self.index, request_id=request_id, reason=(
@@ -113,16 +127,18 @@ class Stage:
             self.transport.send(self.next_addr, RequestOpen(request_id=request_id, reply_to=msg.reply_to,
                                                             max_tokens=msg.max_tokens, prompt_tokens=len(ids),
                                                             plan_id=self.plan_id))
-        out = self._compute(lambda: self.model.prefill(ids))
+        out = self._compute(0, lambda: self.model.prefill(ids))
         if self.last:  # N = 1: this stage is the whole chain
             self._decode_alone(out)
         else:
-            self._send_activation(out, position=0, is_prefill=True)
+            self._send_activation(out, position=0, is_prefill=True, step=0)
 
-    def _on_next_token(self, msg: NextToken) -> None:
+    def _on_next_token(self, msg: NextToken, rx: Rx | None) -> None:
         req = self._current(msg.request_id, msg.plan_id, "NextToken")
         if req is None:
             return
+        step = msg.position - req.prompt_tokens + 1
+        self._trace_rx(step, rx)
         if msg.done:
             self.req = None
             self.served += 1
@@ -131,8 +147,8 @@ class Stage:
             self.log(f"stage 0: dropped NextToken at position {msg.position}, expected {req.next_position}")
             return
         req.next_position += 1
-        out = self._compute(lambda: self.model.decode([msg.token_id], msg.position))
-        self._send_activation(out, position=msg.position, is_prefill=False)
+        out = self._compute(step, lambda: self.model.decode([msg.token_id], msg.position))
+        self._send_activation(out, position=msg.position, is_prefill=False, step=step)
 
     # --- later stages -----------------------------------------------------------------------------------------------
 
@@ -141,10 +157,12 @@ class Stage:
             self.log(f"stage {self.index}: dropped RequestOpen of plan {msg.plan_id}, this stage serves {self.plan_id}")
             return
         self.req = _Request(msg.request_id, msg.reply_to, msg.max_tokens, msg.prompt_tokens, t0=time.monotonic())
+        if self.tracer:
+            self.tracer.begin(msg.request_id)
         if not self.last:
             self.transport.send(self.next_addr, msg)
 
-    def _on_activation(self, msg: StageActivation) -> None:
+    def _on_activation(self, msg: StageActivation, rx: Rx | None) -> None:
         req = self._current(msg.request_id, msg.plan_id, "StageActivation")
         if req is None:
             return
@@ -155,8 +173,13 @@ class Stage:
             self.log(f"stage {self.index}: dropped activation at position {msg.position} (prefill={msg.is_prefill}), "
                      f"expected position {req.next_position}")
             return
+        step = 0 if msg.is_prefill else msg.position - req.prompt_tokens + 1
+        self._trace_rx(step, rx)
+        t0 = now_ns() if self.tracer else 0
         try:
             hidden = codec.unpack_hidden(msg)
+            if self.tracer:
+                self.tracer.add(step, "deserialize", t0, now_ns())
         except CodecError as exc:
             self.log(f"stage {self.index}: dropped activation: {exc}")
             return
@@ -166,17 +189,17 @@ class Stage:
             return
         req.next_position = msg.position + msg.seq_len
         if msg.is_prefill:
-            out = self._compute(lambda: self.model.prefill(hidden))
+            out = self._compute(step, lambda: self.model.prefill(hidden))
         else:
-            out = self._compute(lambda: self.model.decode(hidden, msg.position))
+            out = self._compute(step, lambda: self.model.decode(hidden, msg.position))
         if self.last:
-            self._emit(int(out), position=req.next_position)
+            self._emit(int(out), position=req.next_position, step=step)
         else:
-            self._send_activation(out, position=msg.position, is_prefill=msg.is_prefill)
+            self._send_activation(out, position=msg.position, is_prefill=msg.is_prefill, step=step)
 
     # --- last stage ---------------------------------------------------------------------------------------------------
 
-    def _emit(self, token: int, position: int) -> None:
+    def _emit(self, token: int, position: int, step: int) -> None:
         """Record a sampled token; tell stage 0 (and, when done, ``reply_to``)."""
         req = self.req
         assert req is not None
@@ -184,8 +207,8 @@ class Stage:
         req.token_times.append(time.monotonic() - req.t0)
         reason = finish_reason(req.tokens, self.model.config.eos_id, req.max_tokens)
         if not self.first:
-            self.transport.send(self.entry_addr, NextToken(request_id=req.request_id, token_id=token, position=position,
-                                                           done=reason is not None, plan_id=self.plan_id))
+            self._send(self.entry_addr, NextToken(request_id=req.request_id, token_id=token, position=position,
+                                                  done=reason is not None, plan_id=self.plan_id), step, now_ns())
         if reason is not None:
             self._respond(reason)
 
@@ -193,11 +216,11 @@ class Stage:
         req = self.req
         assert req is not None
         position = req.prompt_tokens
-        self._emit(int(token), position)
+        self._emit(int(token), position, step=0)
         while self.req is not None:
-            token = self._compute(lambda: self.model.decode([req.tokens[-1]], position))
+            token = self._compute(len(req.tokens), lambda: self.model.decode([req.tokens[-1]], position))
             position += 1
-            self._emit(int(token), position)
+            self._emit(int(token), position, step=len(req.tokens))
 
     def _respond(self, reason: str) -> None:
         req = self.req
@@ -220,9 +243,19 @@ class Stage:
             return None
         return self.req
 
-    def _compute(self, fn: Callable[[], Any]) -> Any:
+    def _trace_rx(self, step: int, rx: Rx | None) -> None:
+        if self.tracer and rx is not None:
+            arrived, d0, d1, nbytes = rx
+            self.tracer.add(step, "recv", arrived, arrived, nbytes)
+            self.tracer.add(step, "deserialize", d0, d1)
+
+    def _compute(self, step: int, fn: Callable[[], Any]) -> Any:
+        t0 = now_ns() if self.tracer else 0
         try:
-            return fn()
+            out = fn()
+            if self.tracer:
+                self.tracer.add(step, "compute", t0, now_ns())
+            return out
         except HarnessError as exc:
             raise StageError(f"stage {self.index}: {exc}") from exc
         except Exception as exc:  # tinygrad raises plain exceptions; name the stage and the request
@@ -230,9 +263,22 @@ class Stage:
             raise StageError(f"stage {self.index}: compute failed for request {rid}: {type(exc).__name__}: {exc}") \
                 from exc
 
-    def _send_activation(self, hidden: Any, position: int, is_prefill: bool) -> None:
+    def _send_activation(self, hidden: Any, position: int, is_prefill: bool, step: int) -> None:
         assert self.req is not None and self.next_addr is not None
+        t0 = now_ns() if self.tracer else 0
         data, shape = codec.pack_hidden(hidden, self.wire_dtype)
-        self.transport.send(self.next_addr, StageActivation(
+        self._send(self.next_addr, StageActivation(
             request_id=self.req.request_id, position=position, hidden=data, seq_len=shape[1], is_prefill=is_prefill,
-            shape=shape, dtype=self.wire_dtype, plan_id=self.plan_id))
+            shape=shape, dtype=self.wire_dtype, plan_id=self.plan_id), step, t0)
+
+    def _send(self, address: str, msg: Message, step: int, t0: int) -> None:
+        """Send ``msg``; when tracing, time its serialisation (from ``t0``, packing included) and the send call."""
+        if not self.tracer:
+            self.transport.send(address, msg)
+            return
+        frame = codec.encode(msg)
+        t1 = now_ns()
+        self.transport.send_frame(address, frame)
+        t2 = now_ns()
+        self.tracer.add(step, "serialize", t0, t1)
+        self.tracer.add(step, "send", t1, t2, len(frame))

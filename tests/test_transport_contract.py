@@ -36,6 +36,7 @@ from transports.base import Transport
 KINDS = [
     pytest.param("memory", id="memory"),
     pytest.param("zmq", id="zmq"),
+    pytest.param("iroh", id="iroh"),
 ]
 
 WAIT = 10.0  # generous bound for a frame that was sent to arrive
