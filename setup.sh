@@ -23,6 +23,6 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 echo "setup: installing ppharness and its test tools into $VENV" >&2
 "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-"$VENV/bin/python" -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
+"$VENV/bin/python" -m pip install -q -e '.[test,bench]' 2>&1 | grep -v '^WARNING: Location' || true
 "$VENV/bin/python" -c "import ppharness.cli, tinygrad, zmq, gguf" || { echo "setup: the install is incomplete" >&2; exit 1; }
 echo "setup: done; commands are in $VENV/bin (pp-smoke-run, pp-node, ppharness)" >&2

@@ -231,9 +231,38 @@ def oracle(scenario_file: str | None, prompt: str | None, max_tokens: int | None
                f"{res.decode_tok_s:.1f} tok/s, {res.n_params:,} parameters")
 
 
-@main.group()
-def bench() -> None:
-    """Benchmarks: medians and ratios against a baseline measured in the same run."""
+@main.group(invoke_without_command=True)
+@click.option("--num-stages", "-n", type=int, default=5, show_default=True)
+@click.option("--transport", "transports", default="zmq", show_default=True,
+              help="Transports to run the chain over, comma-separated (e.g. zmq,iroh).")
+@click.option("--tokens", type=int, default=32, show_default=True, help="Tokens generated per request.")
+@click.option("--repeats", type=int, default=5, show_default=True, help="Interleaved repeats of every contender.")
+@click.option("--preset", default="small", show_default=True, help="Synthetic model preset (at least 8 blocks).")
+@click.option("--out", "out_dir", default="bench-results", show_default=True, type=click.Path(file_okay=False),
+              help="Where bench.json and bench.png go.")
+@click.option("--sweep/--no-sweep", default=True, show_default=True, help="Also measure tokens/s for N = 1..5.")
+@click.pass_context
+def bench(ctx: click.Context, num_stages: int, transports: str, tokens: int, repeats: int, preset: str, out_dir: str,
+          sweep: bool) -> None:
+    """Benchmarks: medians and ratios against a baseline measured in the same run.
+
+    Without a subcommand: the N-stage chain against single-process decode and the raw transport, interleaved.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from ppharness.benchmarks.chain import report, run_chain_bench
+    from ppharness.orchestrator import Progress
+
+    _sigterm_as_interrupt()
+    try:
+        res = run_chain_bench(preset, num_stages, [t.strip() for t in transports.split(",") if t.strip()], tokens,
+                              repeats, out_dir, sweep, Progress())
+    except HarnessError as exc:
+        _fail(str(exc), exc)
+    except KeyboardInterrupt:
+        _fail("interrupted; every node was stopped")
+    click.echo(report(res))
+    click.echo(f"\nwritten: {out_dir}/bench.json, {out_dir}/bench.png")
 
 
 @bench.command("transport")

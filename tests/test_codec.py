@@ -205,6 +205,9 @@ def strategy_for(tp: object) -> st.SearchStrategy[typing.Any]:
         return st.lists(strategy_for(args[0]), max_size=6)
     if origin is dict:
         return st.dictionaries(strategy_for(args[0]), strategy_for(args[1]), max_size=4)
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        hints = typing.get_type_hints(tp)
+        return st.builds(tp, **{f: strategy_for(hints[f]) for f in tp.__struct_fields__})
     raise TypeError(f"no strategy for message field type {tp!r}: add one to strategy_for")
 
 

@@ -28,7 +28,12 @@ from ppharness.messages import (
     RequestOpen,
     Shutdown,
     StageActivation,
+    Span,
     Stopped,
+    ClockProbe,
+    ClockReply,
+    TraceReport,
+    TraceRequest,
 )
 from ppharness.registry import transport_class
 from transports.base import Transport
@@ -123,6 +128,11 @@ def realistic_messages() -> list[Message]:
         Ready(stage=1, params=62_914_560, tied_params=0, load_s=1.84, rss_bytes=734_003_200),
         Shutdown(reason="run finished"),
         Stopped(stage=1, served=3, peak_rss_bytes=812_646_400),
+        TraceRequest(request_id="req-0001"),
+        TraceReport(stage=1, request_id="req-0001", spans=[Span(0, "compute", 10_000, 35_000, 0),
+                                                           Span(0, "send", 35_500, 36_000, 4_104)]),
+        ClockProbe(t_seed_ns=123_456_789),
+        ClockReply(stage=1, t_seed_ns=123_456_789, t_node_ns=987_654_321),
         Error(stage=1, reason="activation for req-0001 has unknown wire dtype 'f8'", request_id="req-0001"),
     ]
 

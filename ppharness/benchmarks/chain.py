@@ -1,0 +1,203 @@
+"""``ppharness bench``: the chain against single-process decode and the raw transport, interleaved in one run.
+
+One invocation, one model, one machine. Every chain (one per transport, plus a traced ZeroMQ chain that measures the
+cost of tracing and breaks the token down by component) is started once and kept up; then each repeat runs, in turn,
+single-process decode, one request on every chain, and raw round trips of the activation's size, so that noise on the
+shared machine hits every contender alike. Figures are medians over the repeats and ratios within this run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ppharness.errors import HarnessError
+
+PROMPT = "Pipeline parallel inference over the wide area network"
+
+
+@dataclass
+class BenchResult:
+    model: str
+    num_stages: int
+    tokens: int
+    repeats: int
+    single_tok_s: list[float] = field(default_factory=list)
+    chain_tok_s: dict[str, list[float]] = field(default_factory=dict)  # transport (or "zmq+trace") -> per repeat
+    raw_rtt_ms: dict[str, list[float]] = field(default_factory=dict)  # transport -> p50 raw round trip per repeat
+    activation_bytes: int = 0
+    hop_p50_ms: dict[str, float] = field(default_factory=dict)  # "0->1" -> ms, from the traced chain
+    components_ms: dict[str, float] = field(default_factory=dict)  # p50 per component, traced chain
+    per_token_ms: float = 0.0  # p50 of the traced chain's per-token time
+    components_share: float = 0.0  # median over tokens of (sum of components) / per-token time
+    peak_rss_mib: dict[str, list[float]] = field(default_factory=dict)  # chain -> per stage
+    sweep_tok_s: dict[int, float] = field(default_factory=dict)  # N -> median tok/s over ZeroMQ
+
+    def medians(self) -> dict[str, float]:
+        out = {"single": statistics.median(self.single_tok_s)}
+        out.update({k: statistics.median(v) for k, v in self.chain_tok_s.items()})
+        return out
+
+
+def _decode_tok_s(response: Any) -> float:
+    t = response.token_times
+    return (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 0.0
+
+
+def _scenario(preset: str, n: int, kind: str, tokens: int, max_context: int) -> Any:
+    import msgspec
+
+    from ppharness.scenario import scenario_from_args
+
+    base = scenario_from_args(num_stages=n, transport=kind, prompt=PROMPT, max_tokens=tokens)
+    model = msgspec.structs.replace(base.model, synthetic=msgspec.structs.replace(base.model.synthetic, preset=preset),
+                                    max_context=max_context)
+    budget = msgspec.structs.replace(base.budget, total_s=3600.0, ready_s=900.0)
+    return msgspec.structs.replace(base, model=model, budget=budget)
+
+
+def _raw_rtt_ms(kinds: list[str], nbytes: int, count: int) -> dict[str, float]:
+    """p50 round trip of the raw library under each transport, at ``nbytes`` (the transport benchmark's paths)."""
+    import io
+
+    from ppharness.benchmarks.transport import run_transport_bench
+
+    rows = run_transport_bench([nbytes], count, kinds, out=io.StringIO())
+    raw = {"zmq": "raw zmq", "iroh": "raw iroh, bulk copy"}
+    return {k: next(r.p50_ms for r in rows if r.path == raw[k]) for k in kinds if k in raw}
+
+
+def run_chain_bench(preset: str, num_stages: int, transports: list[str], tokens: int, repeats: int,
+                    out_dir: str, sweep: bool, progress: Callable[[str], None]) -> BenchResult:
+    """Measure; write ``bench.json`` and ``bench.png`` into ``out_dir``; return the result."""
+    from ppharness.modelfile import PRESETS, resolve_model
+    from ppharness.oracle import oracle_decode
+    from ppharness.orchestrator import Chain
+    from ppharness.slicing import GGUFFile, ModelSlice
+
+    if preset not in PRESETS:
+        raise HarnessError(f"unknown preset {preset!r}: expected one of {', '.join(PRESETS)}")
+    path = str(resolve_model(f"synthetic:{preset}"))
+    cfg = GGUFFile(path).config
+    max_context = min(cfg.context, 64 + tokens + 16)
+    res = BenchResult(model=f"{preset} ({cfg.blocks} blocks, dim {cfg.dim})", num_stages=num_stages, tokens=tokens,
+                      repeats=repeats, activation_bytes=2 * cfg.dim)
+    progress(f"single process: loading {res.model}")
+    from ppharness.node import warm_up
+
+    single = ModelSlice(GGUFFile(path), 0, cfg.blocks, True, True, max_context)
+    warm_up(single)
+    oracle_decode(path, PROMPT, tokens, max_context, model=single)  # compiles the prefill for this prompt
+
+    chains: dict[str, Any] = {}
+    with ExitStack() as stack:
+        for kind in [*transports, "zmq+trace"]:
+            transport = kind.removesuffix("+trace")
+            progress(f"starting the {num_stages}-stage chain over {kind}")
+            chain = Chain(_scenario(preset, num_stages, transport, tokens, max_context), progress=lambda _: None,
+                          trace=kind.endswith("+trace"))
+            chains[kind] = stack.enter_context(chain)
+            chains[kind].request(PROMPT, tokens)  # warm: compiles the prefill for this prompt length
+        for r in range(repeats):
+            progress(f"repeat {r + 1}/{repeats}")
+            res.single_tok_s.append(oracle_decode(path, PROMPT, tokens, max_context, model=single).decode_tok_s)
+            for kind, chain in chains.items():
+                response, _ = chain.request(PROMPT, tokens)
+                res.chain_tok_s.setdefault(kind, []).append(_decode_tok_s(response))
+                if kind == "zmq+trace" and r == repeats - 1:
+                    _absorb_trace(res, chain, response)
+            for kind, ms in _raw_rtt_ms(transports, res.activation_bytes, 50).items():
+                res.raw_rtt_ms.setdefault(kind, []).append(ms)
+    for kind, chain in chains.items():
+        res.peak_rss_mib[kind] = [s.peak_rss_bytes / 2**20 for s in chain.reports]
+
+    if sweep:
+        for n in range(1, min(5, cfg.blocks) + 1):
+            progress(f"tokens/s vs N: {n} stage(s) over zmq")
+            with Chain(_scenario(preset, n, "zmq", tokens, max_context), progress=lambda _: None) as chain:
+                chain.request(PROMPT, tokens)
+                res.sweep_tok_s[n] = statistics.median(_decode_tok_s(chain.request(PROMPT, tokens)[0])
+                                                       for _ in range(max(1, repeats // 2)))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(asdict(res) | {"medians_tok_s": res.medians()}, indent=2))
+    plot(res, out / "bench.png")
+    return res
+
+
+def _absorb_trace(res: BenchResult, chain: Any, response: Any) -> None:
+    from ppharness.trace import _pct, build_trace
+
+    trace = build_trace(chain.collect_trace(response.request_id), chain.offsets_ns, response, chain.plan.num_stages)
+    rows = trace.decode
+    res.per_token_ms = _pct([r.total_ms for r in rows], 50)
+    for name in trace.components():
+        res.components_ms[name] = _pct([r.parts.get(name, 0.0) for r in rows], 50)
+        if name.startswith("hop "):
+            res.hop_p50_ms[name.removeprefix("hop ")] = res.components_ms[name]
+    res.components_ms["other"] = _pct([r.other_ms for r in rows], 50)
+    res.components_share = statistics.median(sum(r.parts.values()) / r.total_ms for r in rows if r.total_ms > 0)
+
+
+def report(res: BenchResult) -> str:
+    """The table printed at the end of ``ppharness bench``."""
+    med = res.medians()
+    single = med["single"]
+    lines = [f"model {res.model}; {res.num_stages} stages; {res.tokens} tokens; {res.repeats} repeats (medians)",
+             f"{'contender':<22} {'tok/s':>9} {'ratio to single':>16}",
+             f"{'single process':<22} {single:>9.1f} {1.0:>16.2f}"]
+    for kind, v in med.items():
+        if kind != "single":
+            lines.append(f"{res.num_stages}-stage chain {kind:<8} {v:>9.1f} {v / single:>16.2f}")
+    if "zmq" in med and "zmq+trace" in med:
+        lines.append(f"tracing cost: traced/untraced zmq chain tok/s = {med['zmq+trace'] / med['zmq']:.3f}")
+    lines.append(f"\nhops ({res.activation_bytes} B activations): harness hop p50 vs raw one-way (RTT/2) p50")
+    for kind, rtts in res.raw_rtt_ms.items():
+        one_way = statistics.median(rtts) / 2
+        lines.append(f"  raw {kind:<5} one-way p50 {one_way:.3f} ms")
+    raw_zmq = statistics.median(res.raw_rtt_ms["zmq"]) / 2 if "zmq" in res.raw_rtt_ms else float("nan")
+    for hop, ms in res.hop_p50_ms.items():
+        lines.append(f"  zmq hop {hop:<5} p50 {ms:.3f} ms = {ms / raw_zmq:.2f} x raw zmq one-way")
+    lines.append(f"\nper-token p50 {res.per_token_ms:.3f} ms (traced zmq chain); the components below cover "
+                 f"{100 * res.components_share:.1f}% of it (median over tokens); p50 ms each:")
+    for name, ms in res.components_ms.items():
+        lines.append(f"  {name:<22} {ms:>8.3f}")
+    lines.append("peak RSS per stage (MiB): " + "; ".join(
+        f"{k}: {', '.join(f'{x:.0f}' for x in v)}" for k, v in res.peak_rss_mib.items()))
+    if res.sweep_tok_s:
+        lines.append("tokens/s vs N (zmq): " + ", ".join(f"N={n}: {v:.1f}" for n, v in res.sweep_tok_s.items()))
+    return "\n".join(lines)
+
+
+def plot(res: BenchResult, path: Path) -> None:
+    """Two panels: per-token time stacked by component; tokens/s against N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 5))
+    bottom = 0.0
+    cmap = plt.get_cmap("tab20")
+    for i, (name, ms) in enumerate(res.components_ms.items()):
+        a.bar(["per token"], [ms], bottom=[bottom], label=name, color=cmap(i % 20))
+        bottom += ms
+    a.set_ylabel("ms (p50 per component)")
+    a.set_title(f"{res.num_stages}-stage zmq chain: per-token time by component")
+    a.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if res.sweep_tok_s:
+        ns = sorted(res.sweep_tok_s)
+        b.plot(ns, [res.sweep_tok_s[n] for n in ns], marker="o", label="chain over zmq")
+    b.axhline(statistics.median(res.single_tok_s), color="gray", linestyle="--", label="single process")
+    b.set_xlabel("stages (N)")
+    b.set_ylabel("decode tokens/s")
+    b.set_title(f"tokens/s vs N ({res.model})")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
