@@ -12,6 +12,7 @@ import abc
 import sys
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,21 @@ class Provider(abc.ABC):
 
     kind: str = "abstract"
 
-    def __init__(self, run_label: str):
+    def __init__(self, run_label: str, settings: Any = None):
+        """``settings``: the scenario's section for this provider kind (``provider.<kind>``), or None."""
         self.run_label = run_label
+        self.settings = settings
         self.instances: list[Instance] = []
+
+    def node_model(self, source: str, local_path: str) -> str:
+        """What a node's MODEL should say: by default the file the orchestrator resolved; a provider whose nodes
+        cannot see this machine's files returns the source (a URL or ``synthetic:`` spec) or a mounted path."""
+        return local_path
+
+    def seed_transport_options(self, kind: str) -> dict[str, Any]:
+        """Extra options for the orchestrator's own endpoint so that this provider's nodes can reach it (e.g. bind
+        on all interfaces and advertise a bridge address). By default none: nodes run on this machine."""
+        return {}
 
     def spec(self, name: str, env: dict[str, str], **settings: object) -> NodeSpec:
         """A NodeSpec for this provider (callers outside ``backends`` build specs through here)."""

@@ -31,8 +31,8 @@ def node_command() -> list[str]:
 class LocalProvider(Provider):
     kind = "local"
 
-    def __init__(self, run_label: str, log_dir: str | os.PathLike[str] | None = None):
-        super().__init__(run_label)
+    def __init__(self, run_label: str, settings: object = None, log_dir: str | os.PathLike[str] | None = None):
+        super().__init__(run_label, settings)
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"ppharness-{run_label}-"))
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 

@@ -145,6 +145,7 @@ class Chain:
 
         sc, progress = self.scenario, self.progress
         source, sha = model_source(sc)
+        self.model_source = source
         progress(f"model: {source if not source.startswith('synthetic:') else 'synthetic ' + sc.model.synthetic.preset}"
                  " (building or fetching once, then cached)")
         self.model_path = str(resolve_model(source, sha))
@@ -155,13 +156,15 @@ class Chain:
         progress(f"model {self.model_path}: {cfg.blocks} blocks, dim {cfg.dim}, vocab {cfg.vocab}; "
                  f"plan {plan.plan_id}: {', '.join(f'[{lo},{hi})' for lo, hi in plan.ranges)}")
         self.reports = [StageReport(i, lo, hi) for i, (lo, hi) in enumerate(plan.ranges)]
+        provider_cls = provider_class(sc.provider.kind)
+        settings = getattr(sc.provider, sc.provider.kind, None)
+        self._provider = provider_cls(self.run_label, settings, log_dir=self.log_dir) if self.log_dir else \
+            provider_cls(self.run_label, settings)
+        self.node_model = self._provider.node_model(self.model_source, self.model_path)
         transport_cls = transport_class(sc.transport.kind)
         endpoint_opts = transport_cls.plan_endpoints(n + 1, transport_settings(sc.transport))
-        self.transport = transport_cls(**endpoint_opts[0])
+        self.transport = transport_cls(**endpoint_opts[0], **self._provider.seed_transport_options(sc.transport.kind))
         self.seed = self.transport.start()
-        provider_cls = provider_class(sc.provider.kind)
-        self._provider = provider_cls(self.run_label, log_dir=self.log_dir) if self.log_dir else \
-            provider_cls(self.run_label)
         try:
             self._provider.__enter__()
             self._start(endpoint_opts)
@@ -177,7 +180,7 @@ class Chain:
         for i in range(n):
             sp = plan.stage(i, wire_dtype=sc.transport.wire_dtype, max_context=sc.model.max_context,
                             join_s=budget.join_s, resolve_s=budget.resolve_s, trace=self.trace_on)
-            env = _node_env(i, n, self.seed, self.model_path, sc.transport.kind, sp)
+            env = _node_env(i, n, self.seed, self.node_model, sc.transport.kind, sp)
             if endpoint_opts[i + 1]:
                 env["PP_TRANSPORT_OPTS"] = json.dumps(endpoint_opts[i + 1])
             specs.append(self._provider.spec(stage_name(i), env))
