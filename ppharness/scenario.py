@@ -126,16 +126,25 @@ class Stages(_Section):
         return list(make_plan(num_blocks, self.num_stages, splits).ranges)
 
 
+RELAY_HELP = ("iroh only: 'disabled' (default; loopback/LAN, no relay, no discovery: no traffic leaves the machine) "
+              "or 'default' (WAN through the n0 public relays; direct addresses whenever they work)")
+
+
 class TransportSection(_Section):
-    """How stages talk: a kind from ``ppharness.registry.TRANSPORTS`` and the dtype hidden states travel in."""
+    """How stages talk: a kind from ``ppharness.registry.TRANSPORTS``, the dtype hidden states travel in and, for
+    iroh, the relay mode."""
 
     kind: str = "zmq"
     wire_dtype: Literal["f16", "bf16", "f32"] = "f16"
+    relay: Annotated[Literal["disabled", "default"], Meta(description=RELAY_HELP)] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in registry.TRANSPORTS:
             known = ", ".join(sorted(registry.TRANSPORTS))
             raise _FieldError("kind", f"unknown transport kind {self.kind!r} — expected one of: {known}")
+        if self.relay is not None and self.kind != "iroh":
+            raise _FieldError("relay", f"relay applies only to the iroh transport, not {self.kind!r} — "
+                                       "remove relay or set kind: iroh")
 
 
 class ProviderSection(_Section):
@@ -299,7 +308,8 @@ def scenario_from_args(
     if num_stages is not None:
         s = _set(s, "$", stages=Stages(count=num_stages))
     if transport is not None:
-        s = _set(s, "$", transport=_set(s.transport, "$.transport", kind=transport))
+        relay = s.transport.relay if transport == "iroh" else None
+        s = _set(s, "$", transport=_set(s.transport, "$.transport", kind=transport, relay=relay))
     if provider is not None:
         s = _set(s, "$", provider=_set(s.provider, "$.provider", kind=provider))
     if prompt is not None:
