@@ -1,4 +1,4 @@
-"""The chain on real pp-node processes over ZeroMQ (marker ``local``): token equality, failure paths, no leftovers."""
+"""The chain on real pp-node processes over ZeroMQ and iroh (marker ``local``): token equality, failures, no leftovers."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ppharness.scenario import load_scenario, scenario_from_args
 
 pytestmark = pytest.mark.local
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = sorted((ROOT / "scenarios").glob("*-local.yaml"))
+SCENARIOS = sorted((ROOT / "scenarios").glob("*-local*.yaml"))
 
 
 def _label() -> str:
@@ -34,8 +34,9 @@ def _assert_chain_ok(result, n: int) -> None:
     assert not labelled_pids(result.run_label), "pp-node processes outlived the run"
 
 
-def test_chain_matches_oracle(num_stages):
-    scenario = scenario_from_args(num_stages=num_stages, max_tokens=12)
+@pytest.mark.parametrize("transport", ["zmq", "iroh"])
+def test_chain_matches_oracle(num_stages, transport):
+    scenario = scenario_from_args(num_stages=num_stages, max_tokens=12, transport=transport)
     result = run_scenario(scenario, progress=Progress(quiet=True), run_label=_label())
     _assert_chain_ok(result, num_stages)
 

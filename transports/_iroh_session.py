@@ -1,14 +1,15 @@
-"""The asyncio half of the iroh transport: one endpoint, its connections and streams, run on one event loop.
+"""The machinery of one iroh endpoint: accepting and dialling connections, reading streams, noticing peers that go.
 
-Everything here runs on the transport's loop thread; ``transports.iroh.IrohTransport`` is the synchronous facade
-that calls in with ``run_coroutine_threadsafe``/``call_soon_threadsafe`` and reads delivered frames from a
-thread-safe queue.
+Coroutines here run on the transport's loop thread; stream reads run on one thread per incoming stream, through the
+``run`` function the transport gives (one blocking call of a binding coroutine); ``transports.iroh.IrohTransport``
+writes to the outgoing streams from the sending thread.
 
 Wire protocol (ALPN ``ppharness/1``): one QUIC connection per pair of peers, reused in both directions; in each
 direction one long-lived unidirectional stream carrying records ``u32 big-endian length | bytes``. The first record
-of a stream is the sender's address (``iroh://<endpoint ticket>``, utf-8); every later record is one codec frame, passed on
-as it came so the codec can judge it. The ticket's endpoint id must be the connection's authenticated remote id, so
-a peer cannot claim another's address.
+of a stream is the sender's address (``iroh://<endpoint ticket>``, utf-8); every later record is one codec frame,
+passed on as it came so the codec judges it. The ticket's endpoint id must be the connection's authenticated remote
+id, so a peer cannot claim another's address; a stream that breaks the protocol (a bad first record, a record over
+the size limit, an end inside a record) is logged and no longer read, and the other streams are unaffected.
 """
 
 from __future__ import annotations
@@ -33,10 +34,18 @@ REFUSE_CODE, REFUSE_REASON = 403, b"ppharness: endpoint not invited to this run"
 HANDSHAKE_TIMEOUT_S = 10.0
 
 PREFIX = struct.Struct(">I")
+SCHEME = "iroh://"
 
 
 def log(text: str) -> None:
     print(f"[ppharness iroh] {text}", file=sys.stderr, flush=True)
+
+
+def parse_address(iroh: Any, address: str) -> Any:
+    """``iroh://<ticket>`` -> the ticket's EndpointAddr; raises iroh.IrohError or TypeError for anything else."""
+    if not address.startswith(SCHEME):
+        raise TypeError(f"an iroh address starts with {SCHEME}")
+    return iroh.EndpointTicket.from_string(address[len(SCHEME):]).endpoint_addr()
 
 
 def iroh_reason(exc: BaseException) -> str:
@@ -107,7 +116,7 @@ class Session:
             conn = await asyncio.wait_for(accepting.connect(), HANDSHAKE_TIMEOUT_S)
         except (self.iroh.IrohError, asyncio.TimeoutError) as exc:
             if not self.closing:
-                log(f"{self.address[:24]}…: an incoming handshake failed: {iroh_reason(exc)}")
+                log(f"endpoint {self.endpoint_id}: an incoming handshake failed: {iroh_reason(exc)}")
             return
         remote = str(conn.remote_id())
         if self.allowed is not None and remote not in self.allowed:
@@ -136,7 +145,6 @@ class Session:
     def _read_stream(self, conn: Any, stream: Any, remote: str) -> None:
         """Deliver one stream's records until it ends (runs on a thread of its own)."""
         reader = _RecordReader(stream, self.run)
-        sender = "?"
         try:
             hello = reader.next(MAX_HELLO)
             if hello is None:
@@ -147,7 +155,7 @@ class Session:
             while (record := reader.next(MAX_RECORD)) is not None:
                 put((sender, record))
         except _BadStream as exc:
-            log(f"stopped reading a stream from endpoint {remote} ({sender[:24]}…): {exc}")
+            log(f"stopped reading a stream from endpoint {remote}: {exc}")
             try:
                 self.run(stream.stop(1))
             except (self.iroh.IrohError, RuntimeError):
@@ -156,8 +164,6 @@ class Session:
             return
 
     def _check_hello(self, hello: bytes, remote: str) -> str:
-        from transports.iroh import parse_address
-
         try:
             sender = hello.decode("utf-8")
             claimed = str(parse_address(self.iroh, sender).id())
@@ -178,7 +184,7 @@ class Session:
                 del self.inbound[address]
         for peer in self.peers.values():
             if peer.conn is conn and peer.error is None:
-                self.fail(peer, PeerClosed(f"iroh peer {peer.address} (endpoint {remote}) closed the connection: "
+                self.fail(peer, PeerClosed(f"iroh peer {peer.address} (endpoint {remote}): the connection ended: "
                                            f"{reason}"), quiet=CLOSE_REASON.decode() in reason)
 
     # --- outgoing ---------------------------------------------------------------------------------------------
@@ -227,8 +233,11 @@ class Session:
         for conn in list(self.conns.values()):
             conn.close(CLOSE_CODE, CLOSE_REASON)
         await _quietly(asyncio.wait_for(self.endpoint.close(), 2.0))
-        for task in list(self.tasks):
+        leftover = [t for t in (*self.tasks, *stopped) if not t.done()]
+        for task in leftover:
             task.cancel()
+        if leftover:
+            await asyncio.wait(leftover, timeout=1.0)
 
 
 async def _quietly(aw: Any) -> None:

@@ -1,14 +1,16 @@
 """iroh transport: QUIC between authenticated endpoints, on loopback/LAN (relay disabled) or across the WAN (relays).
 
 An endpoint's address is ``iroh://`` followed by its endpoint ticket (the base32 string carrying its endpoint id, its
-direct addresses and, with relays, its home relay). Each transport runs one asyncio event loop in a daemon thread; this class is the synchronous
-``Transport`` face of it (see ``transports._iroh_session`` for the wire protocol). Guarantees:
+direct addresses and, with relays, its home relay). Each transport runs one asyncio event loop in a daemon thread for
+binding, accepting, dialling and watching connections (``transports._iroh_session``, which also describes the wire
+protocol); this class is the synchronous ``Transport`` face of it. Guarantees:
 
 - delivery is reliable and in order per sender -> receiver pair while the connection lives: one long-lived QUIC
   connection per pair of peers (reused in both directions) and one long-lived stream per direction;
 - only invited peers get in: with ``allowed`` (the run's endpoint ids, from ``plan_endpoints``) a connection from
   any other endpoint id is closed right after the handshake, logged on stderr with that id, and nothing it sent is
-  delivered; ``allowed=None`` (a transport made without a plan, as in the contract tests) accepts any endpoint;
+  delivered; the transport does not dial such an endpoint either; ``allowed=None`` (a transport made without a plan,
+  as in the contract tests) accepts any endpoint;
 - ``relay="disabled"`` binds loopback (or ``host``), uses no relay and no discovery service: no traffic leaves the
   machine unless ``host`` is a non-loopback interface, and then only to the peers dialled; ``relay="default"`` uses
   the n0 public relays and discovery (WAN), and direct addresses whenever they work;
@@ -16,19 +18,21 @@ direct addresses and, with relays, its home relay). Each transport runs one asyn
   send returns once QUIC has taken the frame into its send buffer (it does not wait for the peer); when the peer's
   flow-control window is full it blocks up to ``send_timeout``, then raises ``ConnectFailed`` and that peer stays
   failed; a frame over the codec's size limit raises ``CodecError`` and is not sent;
-- a peer whose connection dropped or that closed makes the next send to it raise ``PeerClosed`` naming its address
-  and endpoint id (an unexpected drop is also logged on stderr);
+- a peer whose connection ended (closed by it, or dropped: QUIC's idle timeout is 30 s) makes the next send to it
+  raise ``PeerClosed`` naming its address and endpoint id; an unexpected end is also logged on stderr;
 - ``recv_frame``: ``None`` waits forever, ``0`` does not wait, otherwise up to ``timeout`` s; ``TransportTimeout``
   when nothing came; any thread may send, one at a time receives; ``close()`` from another thread wakes a blocked
   receiver with ``TransportClosed``;
-- ``close()`` gives queued frames up to ``LINGER_S`` to be delivered and acknowledged, closes every connection and
-  the endpoint and stops the loop thread; it is idempotent and every later call raises ``TransportClosed``;
+- ``close()`` finishes every outgoing stream, waits up to ``LINGER_S`` for the peers to acknowledge what was sent,
+  closes every connection and the endpoint and stops the loop thread; it is idempotent and every later call raises
+  ``TransportClosed``;
 - iroh exceptions surface as ``ppharness.errors`` types (``raise ... from``), never as iroh types.
 
 Importing this module does not import iroh; the first transport (or ``plan_endpoints``) does, and applies the
 bulk-copy fix of ``transports._iroh_fastcopy`` (version-guarded) before any byte is sent. Sends run the binding's
-stream write on the calling thread (``transports._iroh_sync``, version-guarded; else on the loop thread); receiving
-runs on the loop thread, which reads every stream continuously so that peers never stall on a full window.
+stream write on the calling thread and each incoming stream is read by a thread of its own
+(``transports._iroh_sync``, version-guarded; otherwise those calls go through the loop thread); readers run
+continuously, so a peer never stalls on a full window because this side is busy.
 """
 
 from __future__ import annotations
@@ -43,14 +47,13 @@ from typing import Any
 from ppharness import codec
 from ppharness.errors import CodecError, ConnectFailed, PeerClosed, TransportClosed, TransportError, TransportTimeout
 from transports import _iroh_fastcopy, _iroh_sync
-from transports._iroh_session import PREFIX, iroh_reason, log
+from transports._iroh_session import PREFIX, SCHEME, iroh_reason, log, parse_address
 from transports.base import Transport
 
 LINGER_S = 2.0
 INLINE_BYTES = 64 * 1024
 ONLINE_TIMEOUT_S = 15.0
 RELAY_MODES = ("disabled", "default")
-SCHEME = "iroh://"
 _CLOSED = object()
 _iroh: Any = None
 _direct_calls = False
@@ -351,13 +354,6 @@ class IrohTransport(Transport):
         self._check_open()
         if self._address is None:
             raise TransportError("iroh transport is not started: call start() first")
-
-
-def parse_address(iroh: Any, address: str) -> Any:
-    """``iroh://<ticket>`` -> the ticket's EndpointAddr; raises iroh.IrohError or TypeError for anything else."""
-    if not address.startswith(SCHEME):
-        raise TypeError(f"an iroh address starts with {SCHEME}")
-    return iroh.EndpointTicket.from_string(address[len(SCHEME):]).endpoint_addr()
 
 
 def _reason(exc: BaseException) -> str:

@@ -122,6 +122,8 @@ class _Child:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 # --- clients: each returns a function that times ``count`` round trips of one payload -------------------------------
@@ -280,6 +282,9 @@ def _print(rows: list[Row], repeats: int, out: Any) -> None:
     for r in rows:
         vs = f"{r.ratio:.2f} x {r.baseline}" if r.ratio is not None else ""
         print(f"{_human(r.size):>8}  {r.path:<{w}}  {r.p50_ms:8.3f}  {r.p99_ms:8.3f}  {r.n:>4}  {vs}", file=out)
+    if any(r.path.startswith("raw iroh") for r in rows):
+        print("raw iroh drives the binding through asyncio, as its documentation shows; ppharness iroh calls it from "
+              "its own threads (no event-loop hop per call)", file=out)
     target = [r for r in rows if r.path == "ppharness iroh" and r.size == TARGET_SIZE]
     if target:
         t = target[0]
@@ -292,4 +297,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--serve":
         _serve(sys.argv[2], json.loads(os.environ.get("PP_BENCH_OPTS") or "{}"))
     else:
-        raise SystemExit("usage: python -m ppharness.benchmarks.transport --serve KIND  (see ppharness bench transport)")
+        raise SystemExit("usage: python -m ppharness.benchmarks.transport --serve KIND (an echo peer of the benchmark)")
