@@ -89,6 +89,27 @@ def test_relay_disabled_binds_and_advertises_loopback_only(run_endpoints: Callab
     assert sockets and all(ipaddress.ip_address(s.rsplit(":", 1)[0].strip("[]")).is_loopback for s in sockets), sockets
 
 
+def test_advertise_host_replaces_the_direct_addresses_in_the_ticket() -> None:
+    with IrohTransport(host="0.0.0.0", advertise_host="127.0.0.1") as receiver, IrohTransport() as sender:
+        direct = parse_address(iroh, receiver.address).direct_addresses()
+        assert len(direct) == 1 and direct[0].startswith("127.0.0.1:"), direct
+        sender.send(receiver.address, Shutdown("via the advertised address"))
+        assert receiver.recv(timeout=WAIT) == (sender.address, Shutdown("via the advertised address"))
+
+
+def test_without_direct_calls_everything_goes_through_the_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transports.iroh as iroh_transport
+
+    monkeypatch.setattr(iroh_transport, "_direct_calls", False)
+    with IrohTransport() as a, IrohTransport() as b:
+        assert not a._direct
+        big = NextToken("r" * 100_000, 1, 0, False, "p")
+        a.send(b.address, big)
+        b.send(a.address, Shutdown("back"))
+        assert b.recv(timeout=WAIT) == (a.address, big)
+        assert a.recv(timeout=WAIT) == (b.address, Shutdown("back"))
+
+
 @pytest.mark.parametrize("address", ["tcp://127.0.0.1:5555", "iroh://not-a-ticket", "endpointabc"])
 def test_send_to_an_address_that_is_not_a_ticket_raises_connect_failed(
     run_endpoints: Callable[..., list[IrohTransport]], address: str
@@ -190,6 +211,22 @@ def test_both_directions_share_one_connection(run_endpoints: Callable[..., list[
     b.send(a.address, Shutdown("back"))
     assert a.recv(timeout=WAIT) == (b.address, Shutdown("back"))
     assert len(a._session.conns) == len(b._session.conns) == 1
+
+
+def test_a_process_that_exits_without_closing_its_transports_exits_cleanly() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("from transports.iroh import IrohTransport\n"
+              "from ppharness.messages import Shutdown\n"
+              "a, b = IrohTransport(), IrohTransport()\n"
+              "a.start(), b.start()\n"
+              "for _ in range(50): a.send(b.address, Shutdown('x'))\n"
+              "b.recv(10)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 def test_send_to_self_arrives(run_endpoints: Callable[..., list[IrohTransport]]) -> None:
@@ -368,5 +405,5 @@ def test_bench_transport_reports_every_path_with_ratios(tmp_path: Any) -> None:
     assert ratios == {"raw iroh, stock binding": "raw iroh, bulk copy", "ppharness zmq": "raw zmq",
                       "ppharness iroh": "raw iroh, bulk copy"}
     text = out.getvalue()
-    assert all(p in text for p in paths) and "target (ppharness iroh, 4 KiB" in text, text
+    assert all(p in text for p in paths) and "target: ppharness iroh 4 KiB p50" in text, text
     assert len(json.loads((tmp_path / "bench.json").read_text())) == len(rows)

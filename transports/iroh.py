@@ -38,10 +38,12 @@ continuously, so a peer never stalls on a full window because this side is busy.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import ipaddress
 import queue
 import threading
+import weakref
 from typing import Any
 
 from ppharness import codec
@@ -58,6 +60,15 @@ _CLOSED = object()
 _iroh: Any = None
 _direct_calls = False
 _load_lock = threading.Lock()
+_live: weakref.WeakSet[IrohTransport] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_transports() -> None:
+    """Close transports still open at interpreter exit: their threads and the Rust runtime's callbacks must stop
+    before the interpreter is torn down."""
+    for transport in list(_live):
+        transport.close()
 
 
 def load_iroh() -> Any:
@@ -166,6 +177,7 @@ class IrohTransport(Transport):
                 self._stop_loop()
                 raise
             self._address = self._session.address
+            _live.add(self)
             return self._address
 
     async def _open(self) -> Any:

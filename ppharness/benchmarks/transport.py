@@ -276,21 +276,22 @@ def _measure(size: int, paths: list[tuple[str, str | None, int, Any]]) -> list[R
 
 def _print(rows: list[Row], repeats: int, out: Any) -> None:
     w = max(len(r.path) for r in rows)
-    print(f"round trip on loopback (send, echo, receive); p50/p99 in ms; {repeats} per cell unless n says otherwise;"
-          f" interleaved in batches of {BATCH}", file=out)
+    print(f"round trip on loopback (send, echo, receive), ms; {repeats} per cell unless n differs; interleaved, "
+          f"batches of {BATCH}", file=out)
     print(f"{'size':>8}  {'path':<{w}}  {'p50':>8}  {'p99':>8}  {'n':>4}  vs raw (p50)", file=out)
     for r in rows:
         vs = f"{r.ratio:.2f} x {r.baseline}" if r.ratio is not None else ""
-        print(f"{_human(r.size):>8}  {r.path:<{w}}  {r.p50_ms:8.3f}  {r.p99_ms:8.3f}  {r.n:>4}  {vs}", file=out)
+        print(f"{_human(r.size):>8}  {r.path:<{w}}  {r.p50_ms:8.3f}  {r.p99_ms:8.3f}  {r.n:>4}  {vs}".rstrip(),
+              file=out)
     if any(r.path.startswith("raw iroh") for r in rows):
-        print("raw iroh drives the binding through asyncio, as its documentation shows; ppharness iroh calls it from "
-              "its own threads (no event-loop hop per call)", file=out)
+        print("raw iroh: the binding's asyncio API, as documented; ppharness iroh: direct calls from its own threads",
+              file=out)
     target = [r for r in rows if r.path == "ppharness iroh" and r.size == TARGET_SIZE]
     if target:
         t = target[0]
         met = t.ratio is not None and t.ratio <= TARGET_RATIO and t.p50_ms <= TARGET_MS
-        print(f"target (ppharness iroh, {_human(TARGET_SIZE)}: p50 <= {TARGET_RATIO} x raw iroh with bulk copy and "
-              f"<= {TARGET_MS:g} ms): {'MET' if met else 'MISSED'} ({t.ratio:.2f} x, {t.p50_ms:.3f} ms)", file=out)
+        print(f"target: ppharness iroh {_human(TARGET_SIZE)} p50 <= {TARGET_RATIO} x raw iroh (bulk copy) and "
+              f"<= {TARGET_MS:g} ms: {'MET' if met else 'MISSED'} ({t.ratio:.2f} x, {t.p50_ms:.3f} ms)", file=out)
 
 
 if __name__ == "__main__":
