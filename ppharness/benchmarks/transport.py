@@ -216,6 +216,9 @@ def run_transport_bench(sizes: list[int], repeats: int, kinds: list[str], json_o
     if repeats < 1 or not sizes or min(sizes) < 2:
         raise HarnessError("bench transport: need repeats >= 1 and payload sizes of at least 2 bytes")
     kinds = [k.strip() for k in kinds if k.strip()]
+    if "memory" in kinds:
+        raise HarnessError("bench transport: the memory transport works within one process only; every echo peer "
+                           "here is a process of its own (measure zmq, iroh, ...)")
     paths: list[tuple[str, str | None, int, Any]] = []
     children: list[_Child] = []
     closers: list[Callable[[], None]] = []
