@@ -49,11 +49,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    from ppharness.availability import unavailable_reason
+    from ppharness.availability import must_fail, unavailable_reason
 
     for marker in ("docker", "vastai", "gpu"):
         if item.get_closest_marker(marker):
             reason = unavailable_reason(marker)
+            if reason and must_fail(marker):
+                pytest.fail(f"{marker}: {reason} (CI=true: in CI a missing {marker} backend fails)", pytrace=False)
             if reason:
                 pytest.skip(f"{marker}: {reason}")
 

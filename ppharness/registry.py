@@ -19,6 +19,7 @@ TRANSPORTS: dict[str, str] = {
 
 PROVIDERS: dict[str, str] = {
     "local": "backends.local:LocalProvider",
+    "docker": "backends.docker:DockerProvider",
 }
 
 

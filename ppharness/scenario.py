@@ -147,15 +147,37 @@ class TransportSection(_Section):
                                        "remove relay or set kind: iroh")
 
 
+class DockerSettings(_Section):
+    """Settings of the ``docker`` provider, all optional. ``image``: run this node image as is (no build);
+    ``base_image``: build ``docker/Dockerfile`` on this image (e.g. ``python:3.11-slim-bookworm``, pulled by the daemon)
+    instead of the Debian base built locally; ``subnet``: the run network (default: a free /24 of 10.213.0.0/16);
+    ``cpus`` and ``memory``: limits per container (``memory`` as Docker writes it: ``512m``, ``2g``)."""
+
+    image: Annotated[str, Meta(min_length=1)] | None = None
+    base_image: Annotated[str, Meta(min_length=1)] | None = None
+    subnet: Annotated[str, Meta(pattern=r"^[0-9]{1,3}([.][0-9]{1,3}){3}/[0-9]{1,2}$")] | None = None
+    cpus: Annotated[float, Meta(gt=0)] | None = None
+    memory: Annotated[str, Meta(pattern=r"^[0-9]+[bkmgBKMG]?$")] | None = None
+
+    def __post_init__(self) -> None:
+        if self.image is not None and self.base_image is not None:
+            raise _FieldError("base_image", "base_image applies only when the image is built, and image is given — "
+                                            "keep one of them")
+
+
 class ProviderSection(_Section):
     """Where stages run: a kind from ``ppharness.registry.PROVIDERS``."""
 
     kind: str = "local"
+    docker: DockerSettings | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in registry.PROVIDERS:
             known = ", ".join(sorted(registry.PROVIDERS))
             raise _FieldError("kind", f"unknown provider kind {self.kind!r} — expected one of: {known}")
+        if self.docker is not None and self.kind != "docker":
+            raise _FieldError("docker", f"docker settings apply only to kind docker, not {self.kind!r} — "
+                                        "remove them or set kind: docker")
 
 
 class RequestSection(_Section):
