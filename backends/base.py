@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from ppharness.errors import ProviderError
+
 
 @dataclass(frozen=True)
 class NodeSpec:
@@ -99,4 +101,6 @@ class Provider(abc.ABC):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.destroy_all()
+        warnings = self.destroy_all()
+        if warnings and exc_type is None:
+            raise ProviderError(f"{len(warnings)} instance(s) could not be destroyed: {'; '.join(warnings)}")

@@ -30,6 +30,7 @@ def node_command() -> list[str]:
 
 class LocalProvider(Provider):
     kind = "local"
+    gossip_reachable = True  # nodes and orchestrator share loopback: SWIM over UDP works
 
     def __init__(self, run_label: str, settings: object = None, log_dir: str | os.PathLike[str] | None = None):
         super().__init__(run_label, settings)
@@ -78,6 +79,9 @@ class LocalProvider(Provider):
         return False
 
     def destroy(self, instance: Instance) -> None:
+        if self._fails_destroy(instance):
+            raise ProvisionFailed(f"destroy of {instance.name} (pid {instance.id}) failed: injected by "
+                                  "provider.local.fail_destroy; `ppharness reap` removes it")
         proc = self._procs.get(instance.id)
         if proc is None or proc.poll() is not None:
             return
@@ -87,6 +91,10 @@ class LocalProvider(Provider):
         except subprocess.TimeoutExpired:
             _kill_group(proc.pid, signal.SIGKILL)
             proc.wait(STOP_GRACE_S)
+
+    def _fails_destroy(self, instance: Instance) -> bool:
+        stages = getattr(self.settings, "fail_destroy", ()) or ()
+        return any(instance.name == f"pp-stage-{s}" for s in stages)
 
     @classmethod
     def reap(cls, label: str | None = None) -> list[str]:

@@ -107,6 +107,13 @@ class Ready(_Msg):
     rss_bytes: int
 
 
+class Heartbeat(_Msg):
+    """Node -> seed every few seconds (heartbeat membership engine): I am alive."""
+
+    stage: int
+    seq: int
+
+
 class Shutdown(_Msg):
     """Seed -> node: stop serving and exit 0."""
 
@@ -176,6 +183,7 @@ Message = (
     | Join
     | Members
     | Ready
+    | Heartbeat
     | Shutdown
     | Stopped
     | TraceRequest

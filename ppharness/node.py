@@ -22,6 +22,7 @@ import msgspec
 from ppharness.cluster import resolve_members
 from ppharness import codec
 from ppharness.errors import CodecError, HarnessError, TransportTimeout
+from ppharness.membership import NodeMembership
 from ppharness.messages import (
     ClockProbe,
     ClockReply,
@@ -114,6 +115,39 @@ def _receive(transport: Any, timed: bool) -> tuple[str, Message, Any]:
     return sender, msg, (t0, t0, now_ns(), len(frame))
 
 
+def _idle_until_orphaned(parent: int) -> int:
+    """Do nothing (a fault under test) until the process that started this node is gone."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    return 1
+
+
+class _Faulty:
+    """A model slice with an injected fault: ``eos-first`` answers EOS at once; ``exit-mid-decode`` dies (exit 3)
+    at its third decode step, the way a crashed or OOM-killed worker would."""
+
+    def __init__(self, model: Any, fault: str):
+        self._model, self._fault, self._decodes = model, fault, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def prefill(self, x: Any) -> Any:
+        out = self._model.prefill(x)
+        return self._model.config.eos_id if self._fault == "eos-first" and self._model.last else out
+
+    def decode(self, x: Any, position: int) -> Any:
+        self._decodes += 1
+        if self._fault == "exit-mid-decode" and self._decodes == 3:
+            print(f"[pp-node] fault exit-mid-decode: exiting at position {position}", file=sys.stderr, flush=True)
+            os._exit(3)
+        return self._model.decode(x, position)
+
+
+def with_fault(model: Any, fault: str, plan: StagePlan) -> Any:
+    return _Faulty(model, fault) if fault in ("eos-first", "exit-mid-decode") else model
+
+
 def serve(plan: StagePlan, env: dict[str, str]) -> int:
     from ppharness.stage import Stage
 
@@ -126,16 +160,28 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
     except HarnessError as exc:
         log(f"failed: could not start the {env['TRANSPORT']} transport: {exc}")
         return 1
+    fault = env.get("PP_FAULT", "")
+    membership: NodeMembership | None = None
     try:
-        transport.send(seed, Join(stage=plan.stage, num_stages=plan.num_stages, address=address,
-                                  names=names_of(plan.stage, plan.num_stages), run_label=env.get("PP_RUN_LABEL", ""),
-                                  pid=os.getpid()))
-        log(f"joined seed {seed} from {address}; loading blocks [{plan.lo}, {plan.hi})")
+        if fault == "never-join":
+            log("fault never-join: not joining the cluster")
+            return _idle_until_orphaned(parent)
+        names = [] if fault == "no-names" else names_of(plan.stage, plan.num_stages)
+        transport.send(seed, Join(stage=plan.stage, num_stages=plan.num_stages, address=address, names=names,
+                                  run_label=env.get("PP_RUN_LABEL", ""), pid=os.getpid()))
+        membership = NodeMembership(env, plan.stage, seed, transport, log)
+        log(f"joined seed {seed} from {address} ({membership.engine or 'no'} membership); "
+            f"loading blocks [{plan.lo}, {plan.hi})")
         try:
-            model, tokenizer, load_s = load_stage_model(env["MODEL"], plan)
+            model, tokenizer, load_s = load_stage_model("/nonexistent/bad-model.gguf" if fault == "bad-model"
+                                                        else env["MODEL"], plan)
         except Exception as exc:
             raise HarnessError(f"loading the model failed: {type(exc).__name__}: {exc}") from exc
         log(f"loaded {model.n_params} parameters and compiled the decode step in {load_s:.1f} s")
+        if fault == "stall-before-ready":
+            log("fault stall-before-ready: never reporting Ready")
+            return _idle_until_orphaned(parent)
+        model = with_fault(model, fault, plan)
 
         early: list[tuple[str, Message]] = []
         names = resolve_members(transport.recv, plan.resolve_s, lambda s, m: early.append((s, m)), log=log)
@@ -181,6 +227,8 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
             pass
         return 1
     finally:
+        if membership is not None:
+            membership.close()
         transport.close()
 
 

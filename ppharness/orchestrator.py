@@ -33,7 +33,7 @@ from ppharness.messages import (
     TraceReport,
     TraceRequest,
 )
-from ppharness.plan import ENTRY, Plan, make_plan, stage_name
+from ppharness.plan import ENTRY, EXIT, Plan, make_plan, stage_name
 from ppharness.registry import provider_class, transport_class
 from ppharness.tracer import now_ns
 
@@ -124,6 +124,7 @@ class Chain:
         self.offsets_ns: dict[int, int] = {}
         self._provider: Any = None
         self.transport: Any = None
+        self.detector: Any = None
 
     def _left(self, phase_s: float, what: str) -> float:
         remaining = self.deadline - time.monotonic()
@@ -134,10 +135,12 @@ class Chain:
     def _wait(self, on_message: Callable[[str, Message], bool], phase_s: float, what: str, phase: str) -> None:
         def handle(sender: str, msg: Message) -> bool:
             _raise_on_error(msg)
+            if self.detector is not None and self.detector.on_message(msg):
+                return False
             return on_message(sender, msg)
 
         wait_for(self.transport.recv, handle, self._left(phase_s, what), what,
-                 check=_watchdog(self._provider, phase), log=self.progress)
+                 check=_watchdog(self._provider, phase, self.detector), log=self.progress)
 
     def __enter__(self) -> "Chain":
         from ppharness.modelfile import resolve_model
@@ -166,6 +169,8 @@ class Chain:
         self.transport = transport_cls(**endpoint_opts[0], **self._provider.seed_transport_options(sc.transport.kind))
         self.seed = self.transport.start()
         try:
+            self.detector = _make_detector(sc.cluster, self._provider, n, self.run_label)
+            progress(f"membership: {self.detector.name}")
             self._provider.__enter__()
             self._start(endpoint_opts)
         except BaseException as exc:
@@ -180,7 +185,8 @@ class Chain:
         for i in range(n):
             sp = plan.stage(i, wire_dtype=sc.transport.wire_dtype, max_context=sc.model.max_context,
                             join_s=budget.join_s, resolve_s=budget.resolve_s, trace=self.trace_on)
-            env = _node_env(i, n, self.seed, self.node_model, sc.transport.kind, sp)
+            env = _node_env(i, n, self.seed, self.node_model, sc.transport.kind, sp) | self.detector.node_env()
+            env.update({"PP_FAULT": f.mode for f in sc.faults if f.stage == i})
             if endpoint_opts[i + 1]:
                 env["PP_TRANSPORT_OPTS"] = json.dumps(endpoint_opts[i + 1])
             specs.append(self._provider.spec(stage_name(i), env))
@@ -192,10 +198,21 @@ class Chain:
         def on_join(sender: str, msg: Message) -> bool:
             if isinstance(msg, Join):
                 directory.add(msg)
+                self.detector.watch([msg.stage])
                 progress(f"stage {msg.stage} joined from {msg.address}")
             return directory.complete
 
-        self._wait(on_join, budget.join_s, f"all {n} stages to join", "starting up")
+        try:
+            self._wait(on_join, budget.join_s, f"all {n} stages to join", "starting up")
+        except ClusterError as exc:
+            if "timed out" not in str(exc):
+                raise
+            raise ClusterError(f"the cluster never converged: stage(s) {directory.missing()} did not join "
+                               f"within {budget.join_s:g} s") from exc
+        for i in range(n):  # every stage's names, resolved with a bounded wait before anything is sent
+            self.resolve(stage_name(i), budget.resolve_s)
+        self.resolve(ENTRY, budget.resolve_s)
+        self.resolve(EXIT, budget.resolve_s)
         for j in directory.joins.values():
             self.transport.send(j.address, Members(names=directory.names))
 
@@ -211,9 +228,35 @@ class Chain:
                          f"{msg.load_s:.1f} s ({len(ready)}/{n})")
             return len(ready) == n
 
-        self._wait(on_ready, budget.ready_s, "every stage to load its blocks and compile (Ready)", "starting up")
+        try:
+            self._wait(on_ready, budget.ready_s, "every stage to load its blocks and compile (Ready)", "starting up")
+        except ClusterError as exc:
+            if "timed out" not in str(exc):
+                raise
+            missing = [i for i in range(n) if i not in ready]
+            raise ClusterError(f"stage(s) {missing} never reported ready within {budget.ready_s:g} s "
+                               "(loading the model and compiling)") from exc
         if self.trace_on:
             self._probe_clocks()
+
+    def resolve(self, name: str, timeout: float) -> str:
+        """The address registered under ``name``, waiting (bounded) for a Join that registers it."""
+        if name in self.directory.names:
+            return self.directory.names[name]
+
+        def on_join(sender: str, msg: Message) -> bool:
+            if isinstance(msg, Join):
+                self.directory.add(msg)
+            return name in self.directory.names
+
+        try:
+            self._wait(on_join, timeout, f"the name {name!r} to be registered", "resolving names")
+        except ClusterError as exc:
+            if "timed out" not in str(exc):
+                raise
+            raise ClusterError(f"the name {name!r} never resolved within {timeout:g} s; registered: "
+                               f"{', '.join(sorted(self.directory.names)) or 'none'}") from exc
+        return self.directory.names[name]
 
     def _probe_clocks(self, probes: int = 5) -> None:
         """Each node's monotonic clock minus ours, from the probe with the shortest round trip (error <= RTT/2)."""
@@ -272,6 +315,8 @@ class Chain:
                 _shutdown(self.transport, self.directory, self.reports, self._provider, self.progress)
         finally:
             try:
+                if self.detector is not None:
+                    self.detector.close()
                 if self._provider is not None:
                     self._provider.__exit__(exc_type, exc, tb)
                     self._provider = None
@@ -321,13 +366,30 @@ def _raise_on_error(msg: Message) -> None:
         raise StageError(f"stage {msg.stage}: {msg.reason}")
 
 
-def _watchdog(provider: Any, phase: str) -> Callable[[], None]:
-    """A check for wait_for: any node that exited during ``phase`` fails the run, with its last log lines."""
+def _make_detector(section: Any, provider: Any, n: int, run_label: str) -> Any:
+    from ppharness.membership import HeartbeatDetector, KinshipDetector, choose_engine
+
+    engine = choose_engine(section.engine, getattr(provider, "gossip_reachable", False))
+    if engine == "kinship":
+        return KinshipDetector(run_label)
+    return HeartbeatDetector(n, section.heartbeat_s, section.suspect_after, section.dead_after_s)
+
+
+def _watchdog(provider: Any, phase: str, detector: Any = None) -> Callable[[], None]:
+    """A check for wait_for: any node that exited or was declared dead during ``phase`` fails the run, with the
+    node's last log lines."""
 
     def check() -> None:
         for inst, rc in provider.exited():
             err = ClusterError(f"{inst.name} ({provider.kind} {inst.id}) exited with code {rc} while {phase}")
             tail = provider.logs(inst, 15).rstrip()
+            if tail:
+                err.add_note(f"last lines of {inst.name}:\n{tail}")
+            raise err
+        for stage, why in detector.dead() if detector is not None else []:
+            inst = next((i for i in provider.instances if i.name == stage_name(stage)), None)
+            err = ClusterError(f"{stage_name(stage)} died while {phase}: {why}")
+            tail = provider.logs(inst, 15).rstrip() if inst is not None else ""
             if tail:
                 err.add_note(f"last lines of {inst.name}:\n{tail}")
             raise err

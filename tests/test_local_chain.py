@@ -69,7 +69,7 @@ def test_sigkill_of_a_stage_fails_the_run_and_leaves_nothing():
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if "request " in line:  # every stage is ready and decoding has begun
+            if "request:" in line:  # every stage is ready and decoding has begun
                 break
         else:
             pytest.fail("pp-smoke-run never reached the request:\n" + "".join(lines))

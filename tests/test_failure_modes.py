@@ -1,0 +1,140 @@
+"""Every failure mode of the SPEC, provoked for real on local pp-node processes: exit 1, a one-line reason naming the
+stage, and nothing left behind (the run's labelled processes are counted after the run)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from backends.local import labelled_pids
+from ppharness.scenario import FaultSection, LocalSettings, scenario_from_args
+
+pytestmark = pytest.mark.local
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _write(tmp_path: Path, n: int = 3, max_tokens: int = 8, faults=(), budget: dict | None = None,
+           provider_local: LocalSettings | None = None, engine: str = "auto") -> Path:
+    sc = scenario_from_args(num_stages=n, max_tokens=max_tokens)
+    sc = msgspec.structs.replace(sc, faults=tuple(faults), budget=msgspec.structs.replace(sc.budget, **(budget or {})),
+                                 cluster=msgspec.structs.replace(sc.cluster, engine=engine))
+    if provider_local is not None:
+        sc = msgspec.structs.replace(sc, provider=msgspec.structs.replace(sc.provider, local=provider_local))
+    path = tmp_path / "scenario.yaml"
+    path.write_bytes(msgspec.yaml.encode(sc))
+    return path
+
+
+def _run(scenario: Path, label: str, timeout: float = 240) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "ppharness.cli_smoke", "--scenario", str(scenario), "--run-label", label,
+                        "--no-trace"], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return r.returncode, r.stdout + r.stderr, time.monotonic() - t0
+
+
+def _failed_line(out: str) -> str:
+    lines = [ln for ln in out.splitlines() if ln.startswith("FAILED: ")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+@pytest.mark.parametrize("fault, budget, needle", [
+    (FaultSection(stage=1, mode="never-join"), {"join_s": 8.0}, "never converged: stage(s) [1] did not join"),
+    (FaultSection(stage=2, mode="no-names"), {"resolve_s": 3.0}, "the name 'pp-stage-2' never resolved"),
+    (FaultSection(stage=0, mode="stall-before-ready"), {"ready_s": 25.0}, "stage(s) [0] never reported ready"),
+    (FaultSection(stage=1, mode="bad-model"), {}, "stage 1: loading the model failed"),
+    (FaultSection(stage=2, mode="eos-first"), {}, "stage 2 (last) reported done with no text"),
+    (FaultSection(stage=1, mode="exit-mid-decode"), {}, "pp-stage-1 (local"),
+], ids=lambda v: getattr(v, "mode", None) or "")
+def test_fault_fails_the_run_cleanly(tmp_path, fault, budget, needle):
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    rc, out, _ = _run(_write(tmp_path, faults=[fault], budget=budget), label)
+    assert rc == 1, out
+    assert needle in _failed_line(out), out
+    assert "reaped leftover" not in out, "a node outlived the run and had to be reaped"
+    assert not labelled_pids(label)
+
+
+def test_destroy_failure_warns_destroys_the_others_and_exits_1(tmp_path):
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    rc, out, _ = _run(_write(tmp_path, provider_local=LocalSettings(fail_destroy=(1,))), label)
+    assert rc == 1, out
+    assert "warning: destroying pp-stage-1" in out and "injected by provider.local.fail_destroy" in out
+    assert "could not be destroyed" in _failed_line(out)
+    assert not labelled_pids(label)  # it stopped on Shutdown, or the run's last sweep reaped it
+
+
+def test_reap_command_destroys_a_crashed_runs_leftovers():
+    """A node whose orchestrator vanished (simulated: started by hand with a label) is found and destroyed."""
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    import os
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                            env={**os.environ, "PP_RUN_LABEL": label}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not labelled_pids(label) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = subprocess.run([sys.executable, "-m", "ppharness.cli", "reap", "--label", label], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0 and f"process {proc.pid}" in r.stdout, r.stdout + r.stderr
+        proc.wait(10)
+        assert not labelled_pids(label)
+        r = subprocess.run([sys.executable, "-m", "ppharness.cli", "reap", "--label", label], capture_output=True,
+                           text=True, timeout=60)
+        assert "nothing to reap" in r.stdout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("phase", ["membership:", "joined", "ready", "request:"])
+def test_sigint_at_any_phase_stops_everything(tmp_path, phase):
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen([sys.executable, "-m", "ppharness.cli_smoke", "--scenario",
+                             str(_write(tmp_path, max_tokens=200)), "--run-label", label],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if phase in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines) + rest
+    assert proc.returncode == 1, out
+    assert "FAILED: interrupted" in out
+    assert not labelled_pids(label)
+
+
+@pytest.mark.parametrize("engine", ["kinship", "heartbeat"])
+def test_membership_engine_declares_a_silent_node_dead(engine):
+    """With the provider's own exit check out of the way, the membership engine alone notices a SIGSTOPped node."""
+    import os
+
+    from ppharness.orchestrator import Chain, Progress
+
+    sc = scenario_from_args(num_stages=2, max_tokens=4)
+    sc = msgspec.structs.replace(sc, cluster=msgspec.structs.replace(sc.cluster, engine=engine, heartbeat_s=0.5,
+                                                                       dead_after_s=3.0))
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(Exception) as info:
+        with Chain(sc, Progress(quiet=True), run_label=label) as chain:
+            chain.request("hello", 2)
+            victim = int(next(i for i in chain._provider.instances if i.name == "pp-stage-1").id)
+            os.kill(victim, signal.SIGSTOP)  # alive to the OS, silent to the cluster
+            chain.request("hello again", 50)
+    assert "pp-stage-1 died while decoding" in str(info.value), str(info.value)
+    assert not labelled_pids(label)
