@@ -32,6 +32,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--num-stages", type=int, default=None,
                     help="stage count for chain tests (default: each chain test's own choices, e.g. 2 and 5)")
     group.addoption("--scenario", default=None, help="also run this scenario file in tests that take one")
+    group.addoption("--vastai-real", action="store_true", default=False,
+                    help="run the vastai tests against the real vast.ai (needs VAST_API_KEY; rents GPUs and costs "
+                         "money) instead of the local emulator")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -73,6 +76,29 @@ def tiny_gguf(tiny_model_path: str):
     from ppharness.slicing import GGUFFile
 
     return GGUFFile(tiny_model_path)
+
+
+@pytest.fixture
+def vastai_api(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """The vast.ai API a ``vastai`` test talks to, exported as VAST_URL, VAST_API_KEY and PPHARNESS_VASTAI_PACE: a
+    fresh emulator (quick timeline, scaled rate limits; stopped afterwards, destroying what it holds) by default,
+    the real service with --vastai-real (skipped, with the reason, without VAST_API_KEY)."""
+    import os
+
+    from backends.vastai_emulator import ApiTarget, Emulator
+    from ppharness.availability import vastai_reason
+
+    if request.config.getoption("--vastai-real"):
+        reason = vastai_reason(real=True)
+        if reason:
+            pytest.skip(f"vastai: {reason}")
+        yield ApiTarget(os.environ.get("VAST_URL") or "https://console.vast.ai", os.environ["VAST_API_KEY"])
+        return
+    with Emulator.for_ci(tmp_path / "vastai-emulator") as emu:
+        target = ApiTarget.of(emu)
+        for name, value in target.env().items():
+            monkeypatch.setenv(name, value)
+        yield target
 
 
 @pytest.fixture

@@ -35,8 +35,11 @@ def gpu_reason() -> str | None:
     return None
 
 
-def vastai_reason() -> str | None:
-    return "the vast.ai provider is not part of this release yet"
+def vastai_reason(real: bool = False) -> str | None:
+    """The vast.ai emulator runs anywhere (None); the real service (pytest --vastai-real) needs VAST_API_KEY."""
+    if real and not os.environ.get("VAST_API_KEY", "").strip():
+        return "--vastai-real needs a vast.ai API key in VAST_API_KEY"
+    return None
 
 
 def unavailable_reason(marker: str) -> str | None:

@@ -112,13 +112,40 @@ def _load(scenario_file: str | None, **overrides: Any) -> Any:
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Write the per-token trace: FILE (Perfetto/Chrome JSON) and FILE's .jsonl (one line per token).")
 @click.option("--no-trace", is_flag=True, help="Record no timings (no per-token summary).")
+@click.option("--vastai", is_flag=True, help="Rent one vast.ai instance per stage (default scenario: "
+              "scenarios/acceptance-5stage-vastai.yaml); prints the plan and its cost first.")
+@click.option("--api-key", help="vast.ai API key (default: $VAST_API_KEY, which keeps it out of the process list).")
+@click.option("--vastai-url", help="vast.ai API base URL (default: $VAST_URL, else https://console.vast.ai), "
+              "e.g. a `ppharness vastai-emulator`.")
 def smoke_run(num_stages: int | None, scenario_file: str | None, transport: str | None, provider: str | None,
               prompt: str | None, max_tokens: int | None, quiet: bool, run_label: str | None, trace_path: str | None,
-              no_trace: bool) -> None:
+              no_trace: bool, vastai: bool, api_key: str | None, vastai_url: str | None) -> None:
     """Run the N-stage chain once, print its text, and check it against the unsplit model."""
+    if vastai:
+        provider, scenario_file = _use_vastai(provider, scenario_file, api_key, vastai_url)
+    elif api_key or vastai_url:
+        _fail("--api-key and --vastai-url apply only with --vastai")
     run_and_report(_load(scenario_file, num_stages=num_stages, transport=transport, provider=provider, prompt=prompt,
                          max_tokens=max_tokens), quiet=quiet, run_label=run_label, trace_path=trace_path,
                    trace=False if no_trace else None)
+
+
+def _use_vastai(provider: str | None, scenario_file: str | None, api_key: str | None,
+                vastai_url: str | None) -> tuple[str, str]:
+    """``--vastai``: the provider and scenario it implies; the key and URL go where the provider (and the reaper)
+    read them, the environment of this process only (never an argument of any process it starts)."""
+    import os
+
+    if provider not in (None, "vastai"):
+        _fail(f"--vastai and --provider {provider} contradict each other")
+    if api_key is not None:
+        os.environ["VAST_API_KEY"] = api_key
+    if vastai_url is not None:
+        os.environ["VAST_URL"] = vastai_url
+    if not os.environ.get("VAST_API_KEY", "").strip():
+        _fail("--vastai needs a vast.ai API key: --api-key KEY or VAST_API_KEY")
+    default = Path(__file__).resolve().parent.parent / "scenarios" / "acceptance-5stage-vastai.yaml"
+    return "vastai", scenario_file or str(default)
 
 
 # --- ppharness ------------------------------------------------------------------------------------------------------
@@ -276,6 +303,42 @@ def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) 
 
     try:
         run_transport_bench([int(x) for x in sizes.split(",")], repeats, kinds.split(","), json_out)
+    except HarnessError as exc:
+        _fail(str(exc))
+
+
+@main.command("vastai-emulator")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8765, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the offer catalog.")
+@click.option("--offers", default=64, show_default=True, type=int, help="Offers in the catalog.")
+@click.option("--delays", default="1,2,5", show_default=True,
+              help="Seconds an instance spends scheduling, created and loading before it runs.")
+@click.option("--rate-scale", default=1.0, show_default=True, type=float,
+              help="Scale of the per-endpoint minimum intervals (1: vast.ai's documented ones).")
+@click.option("--fault", "faults", multiple=True, help="A fault switch, repeatable (K: the K-th create): offers-cap=N, "
+              "reject-create=K, vanish-offer=K, stuck-loading=K, fail-as=K:exited|unknown|offline, oci-error=K, "
+              "outbid=K, null-ssh-port=K, exit-after=K:SECONDS, storm-429=N, server-errors=502,503, resets=N, "
+              "search-quota, destroy-fail=N (-1: always), gone-404.")
+def vastai_emulator(host: str, port: int, seed: int, offers: int, delays: str, rate_scale: float,
+                    faults: tuple[str, ...]) -> None:
+    """Serve an API-compatible vast.ai emulator whose instances run local pp-node processes, until Ctrl-C.
+
+    It accepts the key in VAST_API_KEY, or generates one and prints it."""
+    import os
+
+    from ppharness.registry import provider_class
+
+    try:
+        d = tuple(float(x) for x in delays.split(","))
+        if len(d) != 3:
+            raise ValueError
+    except ValueError:
+        _fail(f"--delays {delays!r}: expected three numbers, e.g. 1,2,5")
+    try:
+        provider_class("vastai").run_emulator(host=host, port=port, seed=seed, offers=offers, delays=d,
+                                              rate_scale=rate_scale, key=os.environ.get("VAST_API_KEY") or None,
+                                              fault_specs=list(faults))
     except HarnessError as exc:
         _fail(str(exc))
 

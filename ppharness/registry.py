@@ -20,6 +20,7 @@ TRANSPORTS: dict[str, str] = {
 PROVIDERS: dict[str, str] = {
     "local": "backends.local:LocalProvider",
     "docker": "backends.docker:DockerProvider",
+    "vastai": "backends.vastai:VastaiProvider",
 }
 
 

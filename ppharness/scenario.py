@@ -165,11 +165,35 @@ class DockerSettings(_Section):
                                             "keep one of them")
 
 
+class VastaiSettings(_Section):
+    """Settings of the ``vastai`` provider: the offer search (one instance per stage, cheapest match first: GPU model
+    or models, GPUs per instance, GPU RAM in GB, $/hour per instance, reliability 0-1, CUDA version, direct ports),
+    ``max_total_dph``, the cap on the whole plan's $/hour, the node image and disk, container ports to open
+    (``7000`` or ``7000/udp``), the status poll interval (at least 10 s against vast.ai itself) and the minutes the
+    printed cost estimate assumes. The API's address and key never come from a file: ``VAST_URL``/``--vastai-url``,
+    ``VAST_API_KEY``/``--api-key``."""
+
+    gpu_name: str | tuple[str, ...] | None = None
+    num_gpus: PositiveInt = 1
+    min_gpu_ram_gb: Annotated[float, Meta(ge=0)] = 0.0
+    max_dph: Annotated[float, Meta(gt=0)] = 1.0
+    max_total_dph: Annotated[float, Meta(gt=0)] = 5.0
+    min_reliability: Annotated[float, Meta(ge=0, le=1)] = 0.95
+    min_cuda: Annotated[float, Meta(ge=0)] | None = None
+    direct_ports: Annotated[int, Meta(ge=0)] = 0
+    ports: tuple[Annotated[str, Meta(pattern=r"^[0-9]{1,5}(/(tcp|udp))?$")], ...] = ()
+    image: Annotated[str, Meta(min_length=1, max_length=1024)] = "ppharness-node:latest"
+    disk_gb: Annotated[int, Meta(ge=8)] = 16
+    poll_s: Seconds = 10.0
+    estimate_minutes: Seconds = 30.0
+
+
 class ProviderSection(_Section):
     """Where stages run: a kind from ``ppharness.registry.PROVIDERS``."""
 
     kind: str = "local"
     docker: DockerSettings | None = None
+    vastai: VastaiSettings | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in registry.PROVIDERS:
@@ -178,6 +202,11 @@ class ProviderSection(_Section):
         if self.docker is not None and self.kind != "docker":
             raise _FieldError("docker", f"docker settings apply only to kind docker, not {self.kind!r} — "
                                         "remove them or set kind: docker")
+        if self.vastai is not None and self.kind != "vastai":
+            raise _FieldError("vastai", f"vastai settings apply only to kind vastai, not {self.kind!r} — "
+                                        "remove them or set kind: vastai")
+        if self.kind == "vastai" and self.vastai is None:
+            msgspec.structs.force_setattr(self, "vastai", VastaiSettings())
 
 
 class RequestSection(_Section):
