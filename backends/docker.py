@@ -4,7 +4,9 @@ Per run the provider creates a user-defined bridge network ``ppharness-<label>``
 ``.1``, is this machine's address on it: the orchestrator binds every interface and advertises the gateway), and one
 container per stage at the fixed address ``.<10 + stage>``, started with ``PP_BIND_HOST=0.0.0.0`` and
 ``PP_ADVERTISE_HOST=<its address>``. The orchestrator and the containers reach each other only over that network, the
-way they would reach remote hosts. The model file is bind-mounted read-only at ``/models/<file name>``.
+way they would reach remote hosts. The model file is bind-mounted read-only at ``/models/<file name>``; tinygrad's
+compiled-kernel cache lives in the named volume ``ppharness-tinygrad-cache``, shared by every run on this machine
+(as local processes share ``~/.cache/tinygrad``), so only the first run compiles every kernel with clang.
 
 Guarantees:
 
@@ -19,7 +21,7 @@ Guarantees:
 - Docker SDK exceptions surface as ``ppharness.errors`` types (``raise ... from``).
 
 Settings (scenario ``provider.docker``, all optional): ``image`` (use this node image as is), ``base_image`` (build
-``docker/Dockerfile`` on it instead of the local Debian base), ``subnet`` (an IPv4 /24 .. /28 for the run network),
+``docker/Dockerfile`` on it instead of the local Debian base), ``subnet`` (the run network, IPv4, /28 or larger),
 ``cpus`` and ``memory`` (per-container limits, e.g. ``1.5`` and ``"1g"``).
 """
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import random
 import signal
 import sys
 import tempfile
@@ -45,12 +46,14 @@ from docker.types import EndpointConfig, IPAMConfig, IPAMPool
 
 from backends.base import Instance, NodeSpec, Provider
 from backends.docker_image import ensure_node_image
+from backends.docker_network import client, daemon_problem, free_subnet, parse_subnet, remove_labelled
 from ppharness.errors import NotReady, ProviderError, ProvisionFailed
 
 RUN_LABEL = "ppharness.run"
 STAGE_LABEL = "ppharness.stage"
 MODEL_DIR = "/models"
-SUBNET_POOL = ipaddress.ip_network("10.213.0.0/16")
+KERNEL_CACHE_VOLUME = "ppharness-tinygrad-cache"
+KERNEL_CACHE_DIR = "/var/cache/ppharness-tinygrad"
 FIRST_HOST = 10
 RUNNING_TIMEOUT_S = 60.0
 POLL_S = 0.1
@@ -63,49 +66,6 @@ def _log(text: str) -> None:
 
 def _explain(exc: BaseException) -> str:
     return str(getattr(exc, "explanation", None) or exc)
-
-
-def client() -> docker.DockerClient:
-    """A client of the daemon that ``DOCKER_HOST`` (or the default socket) names; ``ProvisionFailed`` if none answers."""
-    try:
-        c = docker.from_env(timeout=120)
-        c.ping()
-        return c
-    except docker.errors.DockerException as exc:
-        raise ProvisionFailed(f"no Docker daemon answers ({_explain(exc)}); start dockerd (README, 'Docker')") from exc
-
-
-def _host_networks() -> list[ipaddress.IPv4Network]:
-    """The IPv4 networks this machine routes (default route excluded), from /proc/net/route."""
-    nets = []
-    try:
-        rows = Path("/proc/net/route").read_text().splitlines()[1:]
-    except OSError:
-        return nets
-    for row in rows:
-        f = row.split()
-        if len(f) < 8 or f[1] == "00000000":
-            continue
-        dest, mask = (ipaddress.IPv4Address(int(x, 16).to_bytes(4, "little")) for x in (f[1], f[7]))
-        nets.append(ipaddress.IPv4Network(f"{dest}/{mask}", strict=False))
-    return nets
-
-
-def free_subnet(c: docker.DockerClient) -> ipaddress.IPv4Network:
-    """A /24 of 10.213.0.0/16 that overlaps no Docker network and no route of this machine (random start)."""
-    taken = _host_networks()
-    for net in c.api.networks():
-        for cfg in (net.get("IPAM") or {}).get("Config") or []:
-            try:
-                taken.append(ipaddress.ip_network(cfg.get("Subnet", ""), strict=False))
-            except ValueError:
-                continue
-    candidates = list(SUBNET_POOL.subnets(new_prefix=24))
-    start = random.randrange(len(candidates))
-    for net in candidates[start:] + candidates[:start]:
-        if not any(net.overlaps(t) for t in taken if t.version == 4):
-            return net
-    raise ProvisionFailed(f"no free /24 left in {SUBNET_POOL} for the run network; `ppharness reap` old runs")
 
 
 class DockerProvider(Provider):
@@ -143,16 +103,7 @@ class DockerProvider(Provider):
         """The run network's subnet: the ``subnet`` setting, else a free /24 (chosen once, created in provision)."""
         if self._subnet is None:
             wanted = self._setting("subnet")
-            if wanted:
-                try:
-                    net = ipaddress.ip_network(wanted, strict=True)
-                except ValueError as exc:
-                    raise ProvisionFailed(f"provider.docker.subnet {wanted!r} is not a network: {exc}") from exc
-                if not isinstance(net, ipaddress.IPv4Network) or net.prefixlen > 28:
-                    raise ProvisionFailed(f"provider.docker.subnet {wanted!r}: an IPv4 network of /28 or larger")
-                self._subnet = net
-            else:
-                self._subnet = free_subnet(self.docker)
+            self._subnet = parse_subnet(wanted) if wanted else free_subnet(self.docker)
         return self._subnet
 
     @property
@@ -212,7 +163,10 @@ class DockerProvider(Provider):
         name = f"{self.run_label}-{spec.name}"
         env = {**spec.env, "PP_RUN_LABEL": self.run_label, "PP_BIND_HOST": "0.0.0.0", "PP_ADVERTISE_HOST": address,
                "PYTHONUNBUFFERED": "1"}
-        volumes = {self._model[0]: {"bind": self._model[1], "mode": "ro"}} if self._model else {}
+        volumes = {KERNEL_CACHE_VOLUME: {"bind": KERNEL_CACHE_DIR, "mode": "rw"}}
+        if self._model:
+            volumes[self._model[0]] = {"bind": self._model[1], "mode": "ro"}
+        env["CACHEDB"] = f"{KERNEL_CACHE_DIR}/cache.db"
         cpus, memory = self._setting("cpus"), self._setting("memory")
         try:
             container = self.docker.containers.create(
@@ -329,14 +283,19 @@ class DockerProvider(Provider):
         """Every container of the run (also one created but not yet recorded), then the network; one warning each
         for what could not be removed."""
         with _signals_deferred():
-            return self._teardown()
+            try:
+                return self._teardown()
+            finally:
+                if self._client is not None:
+                    self._client.close()
+                    self._client = None
 
     def _teardown(self) -> list[str]:
         if not self._dirty:
             return []
         warnings = super().destroy_all()
         try:
-            swept = _remove_labelled(self.docker, f"{RUN_LABEL}={self.run_label}")
+            swept = remove_labelled(self.docker, f"{RUN_LABEL}={self.run_label}")
         except docker.errors.DockerException as exc:
             swept = []
             warnings.append(f"removing the run's containers and network failed: {_explain(exc)}")
@@ -350,30 +309,13 @@ class DockerProvider(Provider):
     def reap(cls, label: str | None = None) -> list[str]:
         """Remove every container and network labelled with ``label`` (any ppharness run when None). Nothing to do
         when no daemon answers."""
-        try:
-            c = docker.from_env(timeout=60)
-            c.ping()
-        except docker.errors.DockerException:
+        if daemon_problem() is not None:
             return []
-        return _remove_labelled(c, f"{RUN_LABEL}={label}" if label else RUN_LABEL)
-
-
-def _remove_labelled(c: docker.DockerClient, label_filter: str) -> list[str]:
-    """Remove the containers, then the networks, matching ``label_filter``; return what went."""
-    gone = []
-    for row in c.api.containers(all=True, filters={"label": label_filter}):
+        c = client()
         try:
-            c.api.remove_container(row["Id"], force=True, v=True)
-            gone.append(f"container {row['Names'][0].lstrip('/') if row.get('Names') else row['Id'][:12]}")
-        except docker.errors.NotFound:
-            continue
-    for net in c.api.networks(filters={"label": label_filter}):
-        try:
-            c.api.remove_network(net["Id"])
-            gone.append(f"network {net['Name']}")
-        except docker.errors.NotFound:
-            continue
-    return gone
+            return remove_labelled(c, f"{RUN_LABEL}={label}" if label else RUN_LABEL)
+        finally:
+            c.close()
 
 
 @contextmanager

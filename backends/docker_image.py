@@ -32,11 +32,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import docker
 import docker.errors
 
+from backends.docker_network import client
 from ppharness.errors import ProvisionFailed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,15 +238,6 @@ def prune_node_images(client: docker.DockerClient, keep: str, newest: int = KEEP
     return removed
 
 
-def _client() -> Any:
-    try:
-        client = docker.from_env(timeout=120)
-        client.ping()
-        return client
-    except docker.errors.DockerException as exc:
-        raise ProvisionFailed(f"no Docker daemon answers ({exc}); start one (README, 'Docker')") from exc
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m backends.docker_image", description=__doc__.split("\n")[0])
     parser.add_argument("--base-image", default=None,
@@ -254,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     try:
-        tag = ensure_node_image(_client(), args.base_image)
+        tag = ensure_node_image(client(), args.base_image)
     except ProvisionFailed as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         for note in getattr(exc, "__notes__", []):

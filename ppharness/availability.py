@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 
 def docker_reason() -> str | None:
@@ -11,8 +12,21 @@ def docker_reason() -> str | None:
         import docker
     except ImportError:
         return "the Docker SDK for Python is not installed (pip install docker; `bash setup.sh` does)"
+    host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    if host.startswith(("unix://", "http+unix://")):  # the SDK leaves a failed connect's socket open: try it here
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            try:
+                sock.connect(host.split("://", 1)[1])
+            except OSError as exc:
+                return (f"no Docker daemon answers at {host} ({exc.strerror or exc}); install Debian's docker.io and "
+                        "start dockerd: `bash docker/dockerd.sh` (what .ci/run does)")
     try:
-        docker.from_env(timeout=10).ping()
+        probe = docker.from_env(version="1.41", timeout=10)  # a fixed API version: nothing is asked before ping
+        try:
+            probe.ping()
+        finally:
+            probe.close()
     except Exception as exc:  # the SDK raises DockerException, requests' and socket errors alike
         return (f"no Docker daemon answers ({type(exc).__name__}: {exc}); install Debian's docker.io and start "
                 "dockerd: `bash docker/dockerd.sh` (what .ci/run does)")

@@ -33,9 +33,11 @@ def _label() -> str:
 
 @pytest.fixture(scope="module")
 def docker_client() -> Any:
-    from backends.docker import client
+    from backends.docker_network import client
 
-    return client()
+    c = client()
+    yield c
+    c.close()
 
 
 @pytest.fixture(scope="module")
