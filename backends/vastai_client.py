@@ -257,9 +257,12 @@ class VastClient:
             self._wait_turn(endpoint)
             return self._http.request(method, path, json=json, params=params)
 
+        def last_outcome(state: tenacity.RetryCallState) -> httpx.Response:
+            assert state.outcome is not None
+            return state.outcome.result()  # the last reply, or the last exception raised again
+
         retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(self.attempts), wait=self._backoff,
-                                     retry=should_retry, sleep=self._sleep, reraise=True,
-                                     retry_error_callback=lambda state: state.outcome.result())  # type: ignore[union-attr]
+                                     retry=should_retry, sleep=self._sleep, retry_error_callback=last_outcome)
         try:
             resp = retrying(attempt)
         except httpx.HTTPError as exc:

@@ -54,7 +54,8 @@ def make_catalog(count: int = 64, seed: int = 0) -> list[dict[str, Any]]:
             "inet_up": round(rng.uniform(100, 3000), 1), "reliability": round(rng.uniform(0.93, 0.9995), 4),
             "verified": i % 13 != 5, "verification": "verified" if i % 13 != 5 else "unverified",
             "rentable": True, "rented": i % 11 == 3, "external": False, "datacenter": i % 3 == 0,
-            "static_ip": i % 2 == 0, "geolocation": PLACES[i % len(PLACES)], "public_ipaddr": f"127.0.{i // 250}.{i % 250 + 1}",
+            "static_ip": i % 2 == 0, "geolocation": PLACES[i % len(PLACES)],
+            "public_ipaddr": f"127.0.{i // 250}.{i % 250 + 1}",
             "direct_port_count": (i * 7) % 120, "score": round(rng.uniform(10, 400), 2),
             "dlperf": round(rng.uniform(5, 300), 2), "start_date": 1.7e9, "end_date": 1.9e9, "duration": 2e8,
         })
@@ -160,7 +161,8 @@ class EmuInstance:
 
     @property
     def runtype(self) -> str:
-        return str(self.body.get("runtype") or ("args" if self.body.get("args") or self.body.get("args_str") else "ssh"))
+        given = self.body.get("runtype")
+        return str(given or ("args" if self.body.get("args") or self.body.get("args_str") else "ssh"))
 
     def ports(self) -> dict[str, list[dict[str, str]] | None]:
         """Container ports (from ``-p`` entries, plus 22 for direct ssh) mapped to host ports in the direct range."""

@@ -89,8 +89,9 @@ def choose_offers(offers: list[dict[str, Any]], s: Any, count: int) -> RentalPla
     usable = sorted((o for o in offers if offer_matches(o, s)),
                     key=lambda o: (float(o["dph_total"]), -float(o.get("reliability") or 0), int(o["id"])))
     if len(usable) < count:
-        raise ProvisionFailed(f"only {len(usable)} vast.ai offer(s) match {describe_constraints(s)}, but the run needs "
-                              f"{count} (one per stage); nothing was rented — relax provider.vastai or use fewer stages")
+        raise ProvisionFailed(f"only {len(usable)} vast.ai offer(s) match {describe_constraints(s)}, but the run "
+                              f"needs {count} (one per stage); nothing was rented — relax provider.vastai or use "
+                              "fewer stages")
     plan = RentalPlan(usable[:count], usable[count:])
     if plan.total_dph > s.max_total_dph:
         raise ProvisionFailed(f"the {count} cheapest matching offers cost ${plan.total_dph:.3f}/hr together, over "

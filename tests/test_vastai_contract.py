@@ -263,7 +263,8 @@ def ex_rate_limit_json(api: Api) -> None:
     api.emu.faults.storm_429 = 3
     text, detail, coded = (api.raw.get("/api/v1/instances/") for _ in range(3))
     assert text.status_code == detail.status_code == coded.status_code == 429
-    assert text.text.startswith("API requests too frequent") and detail.json() == {"detail": "API requests too frequent"}
+    assert text.text.startswith("API requests too frequent")
+    assert detail.json() == {"detail": "API requests too frequent"}
     assert coded.json() == {"success": False, "error": "rate_limit_exceeded", "msg": "API requests too frequent"}
 
 
