@@ -202,10 +202,10 @@ class VastClient:
 
     def destroy_instance(self, instance_id: int) -> bool:
         """``DELETE /api/v0/instances/{id}/``: True when destroyed now, False when it was already gone (404,
-        ``no_such_instance`` or ``not_found``). Retried on any failure but auth errors."""
+        ``no_such_instance`` or ``not_found``)."""
         what = f"destroying instance {instance_id}"
         resp = self._call("destroy", "DELETE", f"/api/v0/instances/{instance_id}/", what, json={},
-                          ok_statuses=(200, 404), retry_status=lambda s: s >= 500 or s == 429)
+                          ok_statuses=(200, 404))
         data = reply_body(resp)
         if resp.status_code == 200 and isinstance(data, dict) and data.get("success") is True:
             return True
@@ -241,8 +241,8 @@ class VastClient:
         return min(0.5 * 2 ** (state.attempt_number - 1), 30.0) * self.pace
 
     def _call(self, endpoint: str, method: str, path: str, what: str, *, json: Any = None,
-              params: dict[str, str] | None = None, idempotent: bool = True, ok_statuses: tuple[int, ...] = (200,),
-              retry_status: Callable[[int], bool] = TRANSIENT_STATUS.__contains__) -> httpx.Response:
+              params: dict[str, str] | None = None, idempotent: bool = True,
+              ok_statuses: tuple[int, ...] = (200,)) -> httpx.Response:
         """One request, paced and retried; a reply whose status is not in ``ok_statuses`` raises VastApiError."""
         retry_exc = httpx.TransportError if idempotent else (httpx.ConnectError, httpx.ConnectTimeout)
 
@@ -251,7 +251,7 @@ class VastClient:
             if state.outcome.failed:
                 return isinstance(state.outcome.exception(), retry_exc)
             resp = state.outcome.result()
-            return resp.status_code not in ok_statuses and retry_status(resp.status_code) and not _quota_exhausted(resp)
+            return resp.status_code in TRANSIENT_STATUS and not _quota_exhausted(resp)
 
         def attempt() -> httpx.Response:
             self._wait_turn(endpoint)

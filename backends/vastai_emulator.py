@@ -226,7 +226,8 @@ class Emulator:
             return handle_manage(self, inst, body)
         inst.destroy_attempts += 1
         if self.faults.destroy_fail < 0 or inst.destroy_attempts <= self.faults.destroy_fail:
-            return Reply(500, {"success": False, "error": "server_error", "msg": "could not destroy, try again"})
+            return Reply(self.faults.destroy_fail_status, {"success": False, "error": "server_error",
+                                                           "msg": "could not destroy, try again"})
         self._destroy(inst)
         return Reply(200, {"success": True, "msg": f"destroying instance {iid}."})
 

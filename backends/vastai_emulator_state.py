@@ -135,6 +135,7 @@ class Faults:
     resets: int = 0
     search_quota: bool = False
     destroy_fail: int = 0
+    destroy_fail_status: int = 503
     gone_404: bool = False
 
 

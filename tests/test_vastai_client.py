@@ -143,6 +143,17 @@ def test_destroy_is_idempotent_and_show_reports_gone(client, emu):
     assert client.show_instance(iid) is None
 
 
+def test_destroy_retries_only_transient_statuses(client, emu):
+    first, second = _stopped_instance(client, emu), _stopped_instance(client, emu)
+    emu.faults.destroy_fail, emu.faults.destroy_fail_status = 1, 500
+    with pytest.raises(VastApiError) as info:
+        client.destroy_instance(first)
+    assert info.value.status == 500 and client.destroy_instance(first) is True
+    emu.faults.destroy_fail, emu.faults.destroy_fail_status = 2, 503
+    assert client.destroy_instance(second) is True
+    assert [s for m, _, s in emu.requests if m == "DELETE"] == [500, 200, 503, 503, 200]
+
+
 def test_list_pages_through_every_instance(client, emu):
     made = [_stopped_instance(client, emu, label=f"page-{i % 2}") for i in range(30)]
     assert [r["id"] for r in client.list_instances()] == sorted(made)
