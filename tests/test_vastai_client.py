@@ -6,8 +6,11 @@ the key is masked everywhere; the offer choice, the plan, the env encoding and t
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -16,6 +19,7 @@ from backends import vastai_offers
 from backends.base import NodeSpec
 from backends.vastai import VastaiProvider, failure_of
 from backends.vastai_client import ApiKey, VastApiError, VastClient
+from backends.vastai_emulator import parse_faults
 from backends.vastai_offers import choose_offers, encode_env, offer_query
 from ppharness.errors import ProviderError, ProvisionFailed
 from ppharness.scenario import VastaiSettings
@@ -233,3 +237,35 @@ def test_reap_destroys_only_ppharness_instances(client, emu, monkeypatch):
     assert [i["id"] for i in emu.live_instances()] == [foreign]
     monkeypatch.delenv("VAST_API_KEY")
     assert VastaiProvider.reap() == []
+
+
+# --- the emulator by hand -------------------------------------------------------------------------------------------
+
+
+def test_every_fault_switch_parses():
+    f = parse_faults(["offers-cap=2", "reject-create=2", "vanish-offer=1", "stuck-loading=3", "fail-as=4:offline",
+                      "oci-error=5", "outbid=6", "null-ssh-port=7", "exit-after=8:1.5", "storm-429=9", "resets=2",
+                      "server-errors=502,503", "search-quota", "destroy-fail=-1", "gone-404"])
+    assert (f.offers_cap, f.fail_as, f.exit_after_s, f.storm_429, f.resets) == (2, {4: "offline"}, {8: 1.5}, 9, 2)
+    assert 2 in f.reject_create and f.vanish_offers == {1} and f.stuck_loading == {3} and f.oci_error == {5}
+    assert f.outbid == {6} and f.null_ssh_port == {7} and f.server_errors == [502, 503]
+    assert f.search_quota and f.gone_404 and f.destroy_fail == -1
+    with pytest.raises(ProviderError, match="fail-as=1:sideways"):
+        parse_faults(["fail-as=1:sideways"])
+
+
+def test_emulator_command_serves_until_terminated(tmp_path):
+    env = {**os.environ, "VAST_API_KEY": "by-hand-key-0123"}
+    with subprocess.Popen([sys.executable, "-m", "ppharness.cli", "vastai-emulator", "--port", "0",
+                           "--fault", "offers-cap=1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env, cwd=tmp_path) as proc:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        url = first.split(" at ")[1].split()[0]
+        with VastClient(ApiKey("by-hand-key-0123"), url, pace=1.0) as c:
+            assert len(c.search_offers({})) == 1
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stdout.read()
+        assert proc.wait(30) == 0
+    assert "by-hand-key" not in first + rest, "a key given in VAST_API_KEY is never printed"
+    assert "every instance was destroyed" in rest
