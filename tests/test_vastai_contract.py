@@ -13,6 +13,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 
+from backends.vastai import failure_of, is_running
 from backends.vastai_client import ApiKey, VastApiError, VastClient
 
 pytestmark = pytest.mark.vastai
@@ -181,6 +182,19 @@ def ex_bid_under_floor(api: Api) -> None:
     assert api.client.show_instance(info.value.new_contract)["actual_status"] == "stopped"
 
 
+def ex_success_false_on_200(api: Api) -> None:
+    api.emu.faults.reject_create[api.emu.creates + 1] = (200, "insufficient_credit", "not enough credit")
+    with pytest.raises(VastApiError) as info:
+        api.create()
+    assert info.value.status == 200 and info.value.error == "insufficient_credit"
+
+
+def ex_null_ssh_port(api: Api) -> None:
+    api.emu.faults.null_ssh_port.add(api.emu.creates + 1)
+    inst = api.running(api.create(runtype="ssh_direc ssh_proxy", onstart="sleep 30"))
+    assert inst["ports"]["22/tcp"] is None and is_running(inst) and failure_of(inst) is None
+
+
 def ex_show(api: Api) -> None:
     iid = api.create()
     r = api.raw.get(f"/api/v0/instances/{iid}/", params={"owner": "me"})
@@ -298,6 +312,8 @@ EXAMPLES: list[tuple[str, Callable[[Api], None]]] = [
     ("with `msg` like `error 400/NNNN: ...`", ex_create_invalid),
     ("Create: `no_such_ask` (the offer is gone)", ex_no_such_ask),
     ("a bid below the floor leaves a **stopped** instance plus an error", ex_bid_under_floor),
+    ("Always check `success`, even on HTTP 200", ex_success_false_on_200),
+    ('SkyPilot notes `ports["22/tcp"]` can be null even on a running instance.', ex_null_ssh_port),
     ('The body is `{"instances": {<one object>}}`', ex_show),
     ('Unknown or destroyed ids give `{"instances":null}`, with an optional 404 mode', ex_show_gone),
     ("`actual_status` goes null → `created` → `loading` → `running`", ex_timeline),
