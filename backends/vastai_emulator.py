@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
-from backends.vastai_emulator_state import EmuInstance, Faults, Timeline, make_catalog, stop_process
+from backends.vastai_emulator_runners import DockerRunner, ProcessRunner
+from backends.vastai_emulator_state import EmuInstance, Faults, Timeline, make_catalog
 from backends.vastai_emulator_api import Reply, handle_create, handle_list, handle_manage, handle_search, validate_key
 from ppharness.errors import ProviderError
 
@@ -56,7 +57,10 @@ class Emulator:
 
     def __init__(self, key: str | None = None, *, seed: int = 0, offers: int = 64,
                  delays: tuple[float, float, float] = (1.0, 2.0, 5.0), rate_scale: float = 1.0, host: str = "127.0.0.1",
-                 port: int = 0, log_dir: str | Path | None = None, faults: Faults | None = None) -> None:
+                 port: int = 0, log_dir: str | Path | None = None, faults: Faults | None = None,
+                 docker_image: str | None = None) -> None:
+        """``docker_image``: run instances as containers of this local image (standing in for whatever image the
+        client names) instead of local processes."""
         self.key = key or f"emu-{secrets.token_hex(16)}"
         self.id = f"emu-{secrets.token_hex(4)}"
         self.catalog = {o["id"]: o for o in make_catalog(offers, seed)}
@@ -64,7 +68,8 @@ class Emulator:
         self.rate_scale = rate_scale
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="ppharness-vastai-emulator-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.timeline = Timeline(delays, self.faults, self.id, self.log_dir)
+        self.runner = DockerRunner(self.id, docker_image) if docker_image else ProcessRunner(self.id, self.log_dir)
+        self.timeline = Timeline(delays, self.faults, self.runner)
         self.lock = self.timeline.lock
         self.instances: dict[int, EmuInstance] = {}
         self.history: dict[int, EmuInstance] = {}
@@ -121,9 +126,9 @@ class Emulator:
             return [i.view(self.faults) for i in self.instances.values()]
 
     def node_log(self, instance_id: int) -> str:
-        inst = self.instances.get(instance_id)
-        path = inst.log_path if inst else None
-        return path.read_text(errors="replace") if path and path.exists() else ""
+        """What the instance's command printed (kept after it is destroyed)."""
+        inst = self.history.get(instance_id)
+        return self.runner.log(inst) if inst is not None else ""
 
     # --- internals ------------------------------------------------------------------------------------------------
 
@@ -138,7 +143,7 @@ class Emulator:
                         inst.actual_status, inst.status_msg = "unknown", f"emulator error: {type(exc).__name__}: {exc}"
 
     def _destroy(self, inst: EmuInstance) -> None:
-        stop_process(inst)
+        self.runner.stop(inst)
         inst.cur_state = "unloaded"
         self.instances.pop(inst.id, None)
         self.destroyed.add(inst.id)
@@ -346,7 +351,8 @@ def parse_faults(specs: list[str]) -> Faults:
 
 def serve_forever(host: str = "127.0.0.1", port: int = 8765, seed: int = 0, offers: int = 64,
                   delays: tuple[float, float, float] = (1.0, 2.0, 5.0), rate_scale: float = 1.0, key: str | None = None,
-                  fault_specs: list[str] | None = None, announce: Callable[[str], None] = print) -> None:
+                  fault_specs: list[str] | None = None, docker_image: str | None = None,
+                  announce: Callable[[str], None] = print) -> None:
     """Run an emulator until Ctrl-C or SIGTERM, then destroy every instance it holds."""
     import signal
 
@@ -358,7 +364,7 @@ def serve_forever(host: str = "127.0.0.1", port: int = 8765, seed: int = 0, offe
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     emu = Emulator(key, seed=seed, offers=offers, delays=delays, rate_scale=rate_scale, host=host, port=port,
-                   faults=faults).start()
+                   faults=faults, docker_image=docker_image).start()
     announce(f"vast.ai emulator at {emu.url} ({len(emu.catalog)} offers, seed {seed}; node logs in {emu.log_dir})")
     announce(f"point ppharness at it:  VAST_URL={emu.url} pp-smoke-run --vastai   (or --vastai-url {emu.url})")
     if key is None:

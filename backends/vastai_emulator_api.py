@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.vastai_emulator_state import matches, order_key, priced, sort_records, stop_process
+from backends.vastai_emulator_state import matches, order_key, priced, sort_records
 
 SEARCH_KEYS = frozenset({"order", "type", "limit", "allocated_storage", "disable_bundling", "target_reliability",
                          "extra_ids", "has_avx", "template_id", "select_cols", "q"})
@@ -204,7 +204,7 @@ def handle_manage(emu: Any, inst: Any, body: Any) -> Reply:
         inst.label = body["label"]
     state = body.get("state")
     if state == "stopped":
-        stop_process(inst)
+        emu.runner.stop(inst)
         inst.intended_status = inst.cur_state = inst.next_state = inst.actual_status = "stopped"
         inst.status_msg = "stopped by the user"
     elif state == "running":

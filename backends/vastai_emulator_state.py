@@ -1,30 +1,19 @@
 """The vast.ai emulator's world: a seeded offer catalog, the filter grammar, and instances that run real nodes.
 
 Instances go through ``null -> created -> loading -> running`` on a configurable timeline; entering ``running`` starts
-the container's command as a local process (runtype ``args``: ``onstart`` is the entrypoint and ``args`` its arguments,
-as vast.ai runs them; other runtypes run ``onstart`` with ``sh -c`` and stay up after it ends). The process gets
-exactly the environment entries the client sent on top of a scrubbed copy of this process's environment (no keys,
-tokens or secrets), ``CONTAINER_API_KEY`` and ``PP_VASTAI_EMULATOR``; a process that ends turns an ``args`` instance
-into ``exited``. Destroying an instance kills its process group.
+the container's command through a runner (``vastai_emulator_runners``: a local process or a Docker container); a
+command that ends turns an ``args`` instance into ``exited`` (other runtypes stay up, as vast.ai's ssh containers do).
 """
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import shlex
-import signal
-import subprocess
-import sys
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 OPS = ("eq", "neq", "gt", "gte", "lt", "lte", "in", "notin")
-EMULATOR_VAR = "PP_VASTAI_EMULATOR"
-_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.I)
 _PORT_FLAG = re.compile(r"^-p\s+(\d+):(\d+)(/(tcp|udp))?$")
 GPUS = (  # name, GPU RAM (MB), $/hr per GPU, cuda_max_good, compute_cap
     ("RTX 3090", 24576, 0.18, 12.4, 860), ("RTX 4090", 24564, 0.32, 12.8, 890), ("RTX A6000", 49140, 0.45, 12.6, 860),
@@ -154,8 +143,8 @@ class EmuInstance:
     next_state: str = "running"
     status_msg: str | None = "Scheduling"
     running_at: float | None = None
-    proc: subprocess.Popen[bytes] | None = None
-    log_path: Path | None = None
+    handle: Any = None
+    exit_code: int | None = None
     label: str | None = None
     destroy_attempts: int = 0
     flags: list[str] = field(default_factory=list)
@@ -202,59 +191,12 @@ class EmuInstance:
         return self.body.get("price") is not None
 
 
-def node_environment(client_env: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
-    """What an emulated container's process sees: this environment less anything secret-looking, the interpreter's
-    directory first on PATH (for ``pp-node``), then the client's entries and ``extra``."""
-    base = {k: v for k, v in os.environ.items() if not _SECRET_NAME.search(k) and not k.startswith("PYTEST_")}
-    base["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), base.get("PATH", "/usr/bin:/bin")])
-    return {**base, **client_env, **extra, "PYTHONUNBUFFERED": "1"}
-
-
-def container_argv(inst: EmuInstance) -> list[str]:
-    """The command the container runs: ``onstart`` as entrypoint plus ``args`` (runtype args), else ``sh -c``."""
-    body = inst.body
-    if "args" in inst.runtype.split():
-        argv = [*shlex.split(str(body.get("onstart") or "")), *[str(a) for a in body.get("args") or []],
-                *shlex.split(str(body.get("args_str") or ""))]
-        return argv or ["pp-node"]
-    return ["/bin/sh", "-c", str(body.get("onstart") or "sleep infinity")]
-
-
-def start_process(inst: EmuInstance, emulator_id: str, log_dir: Path) -> None:
-    inst.log_path = log_dir / f"instance-{inst.id}.log"
-    env = node_environment(inst.env, {"CONTAINER_API_KEY": inst.instance_key, "CONTAINER_ID": str(inst.id),
-                                      "VAST_CONTAINERLABEL": f"C.{inst.id}", EMULATOR_VAR: emulator_id})
-    with open(inst.log_path, "ab") as log:
-        try:
-            inst.proc = subprocess.Popen(container_argv(inst), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=log_dir)
-        except OSError as exc:
-            log.write(f"cannot start the container's command: {exc}\n".encode())
-            inst.proc = None
-
-
-def stop_process(inst: EmuInstance, grace_s: float = 3.0) -> None:
-    """SIGTERM the instance's process group, SIGKILL it after ``grace_s``; waits for the process."""
-    proc, inst.proc = inst.proc, None
-    if proc is None or proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 class Timeline:
-    """Advances instances through the status sequence and watches their processes (called on a ticker thread)."""
+    """Advances instances through the status sequence and watches their commands (called on a ticker thread);
+    ``runner`` runs the commands (``vastai_emulator_runners``)."""
 
-    def __init__(self, delays: tuple[float, float, float], faults: Faults, emulator_id: str, log_dir: Path):
-        self.delays, self.faults, self.emulator_id, self.log_dir = delays, faults, emulator_id, log_dir
+    def __init__(self, delays: tuple[float, float, float], faults: Faults, runner: Any):
+        self.delays, self.faults, self.runner = delays, faults, runner
         self.lock = threading.RLock()
 
     def advance(self, inst: EmuInstance, now: float) -> None:
@@ -279,17 +221,20 @@ class Timeline:
             else:
                 inst.actual_status, inst.running_at = "running", now
                 inst.status_msg = f"success, running {inst.body.get('image')}/{inst.runtype}"
-                start_process(inst, self.emulator_id, self.log_dir)
+                self.runner.start(inst)
         if inst.actual_status == "running":
             self._watch(inst, now)
 
     def _watch(self, inst: EmuInstance, now: float) -> None:
         after = self.faults.exit_after_s.get(inst.ordinal)
-        if after is not None and inst.running_at is not None and now - inst.running_at >= after and inst.proc:
-            stop_process(inst, grace_s=0.5)
+        if after is not None and inst.running_at is not None and now - inst.running_at >= after and inst.handle:
+            self.runner.stop(inst, grace_s=0.5)
             inst.actual_status, inst.status_msg = "exited", "container exited (injected by exit_after_s)"
             return
-        rc = inst.proc.poll() if inst.proc is not None else 1
+        if inst.handle is None and inst.exit_code is not None:
+            return
+        rc = self.runner.exit_code(inst)
         if rc is not None and "args" in inst.runtype.split():
-            inst.proc = None
+            self.runner.stop(inst)
+            inst.exit_code = rc
             inst.actual_status, inst.status_msg = "exited", f"container exited with code {rc}"

@@ -320,8 +320,10 @@ def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) 
               "reject-create=K, vanish-offer=K, stuck-loading=K, fail-as=K:exited|unknown|offline, oci-error=K, "
               "outbid=K, null-ssh-port=K, exit-after=K:SECONDS, storm-429=N, server-errors=502,503, resets=N, "
               "search-quota, destroy-fail=N (-1: always), gone-404.")
+@click.option("--docker-image", help="Run instances as containers of this local image (e.g. the node image) on the "
+              "host network, instead of local pp-node processes.")
 def vastai_emulator(host: str, port: int, seed: int, offers: int, delays: str, rate_scale: float,
-                    faults: tuple[str, ...]) -> None:
+                    faults: tuple[str, ...], docker_image: str | None) -> None:
     """Serve an API-compatible vast.ai emulator whose instances run local pp-node processes, until Ctrl-C.
 
     It accepts the key in VAST_API_KEY, or generates one and prints it."""
@@ -338,7 +340,7 @@ def vastai_emulator(host: str, port: int, seed: int, offers: int, delays: str, r
     try:
         provider_class("vastai").run_emulator(host=host, port=port, seed=seed, offers=offers, delays=d,
                                               rate_scale=rate_scale, key=os.environ.get("VAST_API_KEY") or None,
-                                              fault_specs=list(faults))
+                                              fault_specs=list(faults), docker_image=docker_image)
     except HarnessError as exc:
         _fail(str(exc))
 

@@ -127,6 +127,34 @@ def test_acceptance_scenario_over_iroh_without_relay(vastai_api):
     assert_nothing_left(vastai_api, label)
 
 
+@pytest.mark.docker
+def test_chain_in_node_image_containers(vastai_api, monkeypatch, tmp_path):
+    """Instances as containers of the node image (docker/Dockerfile), started with the create body's entrypoint,
+    arguments and environment exactly, as vast.ai starts them."""
+    needs_emulator(vastai_api)
+    import docker
+
+    from backends.docker_image import ensure_node_image
+    from backends.vastai_emulator import ApiTarget, Emulator
+
+    daemon = docker.from_env()
+    try:
+        image = ensure_node_image(daemon)
+        with Emulator.for_ci(tmp_path / "emulator", docker_image=image) as emu:
+            for name, value in ApiTarget.of(emu).env().items():
+                monkeypatch.setenv(name, value)
+            label = _label()
+            result = run_scenario(vastai_scenario(ApiTarget.of(emu), 2), progress=Progress(quiet=True),
+                                  run_label=label)
+            assert result.matches_oracle, f"chain {result.response.token_ids} != oracle {result.oracle.token_ids}"
+            assert emu.live_instances() == []
+            assert "exec pp-node" in json.dumps([i.body for i in emu.history.values()])
+        left = daemon.containers.list(all=True, filters={"label": f"ppharness.vastai-emulator={emu.id}"})
+        assert not left, f"containers outlived the run: {[c.name for c in left]}"
+    finally:
+        daemon.close()
+
+
 def test_api_key_never_reaches_output_arguments_or_nodes(vastai_api, tmp_path):
     """--api-key on the command line: the key is in no line of output and in no node's arguments or environment."""
     needs_emulator(vastai_api)
