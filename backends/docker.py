@@ -320,7 +320,7 @@ class DockerProvider(Provider):
 
 @contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM that arrive inside the block take effect when it ends (main thread only; elsewhere a no-op)."""
+    """SIGINT and SIGTERM arriving inside the block take effect when it ends (main thread only; elsewhere a no-op)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -36,7 +36,7 @@ from pathlib import Path
 import docker
 import docker.errors
 
-from backends.docker_network import client
+from backends.docker_network import client as connect
 from ppharness.errors import ProvisionFailed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,22 +127,23 @@ def ensure_base(client: docker.DockerClient, log: Log = _stderr) -> str:
                                 text=True, errors="replace")
     except OSError as exc:
         raise ProvisionFailed(f"cannot run {' '.join(cmd)}: {exc}") from exc
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            tail.append(line.rstrip())
-            log(line.rstrip().removeprefix("build-base: "))
+    with proc:
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                tail.append(line.rstrip())
+                log(line.rstrip().removeprefix("build-base: "))
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
         rc = proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait()
     if rc != 0 or not image_exists(client, tag):
         err = ProvisionFailed(f"building the base image {tag} failed (exit code {rc}); run `bash "
                               f"docker/build-base.sh {tag}` to see why")
         err.add_note("last lines of the base build:\n" + "\n".join(tail))
         raise err
     log(f"base image {tag} built in {time.monotonic() - t0:.0f} s")
+    prune_images(client, BASE_REPO, tag, 1)
     return tag
 
 
@@ -217,18 +218,18 @@ def ensure_node_image(client: docker.DockerClient, base_image: str | None = None
         t0 = time.monotonic()
         _build(client, tag, base, log)
         log(f"node image {tag} built in {time.monotonic() - t0:.0f} s")
-        prune_node_images(client, tag)
+        prune_images(client, NODE_REPO, tag, KEEP_NODE_IMAGES)
     return tag
 
 
-def prune_node_images(client: docker.DockerClient, keep: str, newest: int = KEEP_NODE_IMAGES) -> list[str]:
-    """Remove node images older than the ``newest`` ones, never ``keep`` nor an image a container uses; return the
-    tags removed."""
-    images = sorted(client.images.list(name=NODE_REPO), key=lambda im: im.attrs.get("Created", ""), reverse=True)
+def prune_images(client: docker.DockerClient, repo: str, keep: str, newest: int) -> list[str]:
+    """Untag or remove ``repo`` images older than the ``newest`` ones, never ``keep``, never one that a container or a
+    newer image still uses (the daemon refuses those); return the tags removed."""
+    images = sorted(client.images.list(name=repo), key=lambda im: im.attrs.get("Created", ""), reverse=True)
     removed = []
     for image in images[newest:]:
         for tag in image.tags:
-            if tag == keep or not tag.startswith(f"{NODE_REPO}:"):
+            if tag == keep or not tag.startswith(f"{repo}:"):
                 continue
             try:
                 client.images.remove(tag)
@@ -245,7 +246,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     try:
-        tag = ensure_node_image(client(), args.base_image)
+        daemon = connect()
+        try:
+            tag = ensure_node_image(daemon, args.base_image)
+        finally:
+            daemon.close()
     except ProvisionFailed as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         for note in getattr(exc, "__notes__", []):

@@ -43,7 +43,8 @@ trap 'as_root rm -rf "$ROOTFS"' EXIT
 say "debootstrap $SUITE from $MIRROR with $PACKAGES (a few minutes on a cold machine)"
 start=$(date +%s)
 as_root debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$ROOTFS" "$MIRROR" 2>&1 \
-  | awk '/^I: (Retrieving|Validating|Extracting|Unpacking|Configuring) / { n++; if (n % 100 == 0) { print "build-base:   " $0 " (" n " steps)"; fflush() } next }
+  | awk '/^I: (Retrieving|Validating|Extracting|Unpacking|Configuring) / {
+           n++; if (n % 100 == 0) { print "build-base:   " $0 " (" n " steps)"; fflush() }; next }
          { print "build-base:   " $0; fflush() }' >&2
 say "debootstrap done in $(( $(date +%s) - start )) s"
 
@@ -57,4 +58,5 @@ say "importing the root filesystem as $TAG"
 as_root tar --numeric-owner --xattrs -C "$ROOTFS" -c . \
   | docker import --change 'ENV LANG=C.UTF-8' --change 'CMD ["/bin/bash"]' \
       --change "LABEL ppharness.base=$TAG" - "$TAG" >/dev/null
-say "$TAG built in $(( $(date +%s) - start )) s ($(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.0f MiB", $1 / 1048576}'))"
+size=$(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.0f MiB", $1 / 1048576}')
+say "$TAG built in $(( $(date +%s) - start )) s ($size)"
