@@ -120,15 +120,15 @@ class VastaiProvider(Provider):
 
     def provision(self, specs: list[NodeSpec]) -> list[Instance]:
         s = self.settings
-        if is_vast_host(self.client.base_url) and "/" not in self.image:
-            raise ProvisionFailed(f"the node image {self.image!r} is a local tag vast.ai cannot pull: push "
-                                  "docker/Dockerfile's image to a registry and set provider.vastai.image or "
-                                  f"{IMAGE_VAR} (README, vast.ai); nothing was rented")
         try:
             offers = self.client.search_offers(offer_query(s, len(specs)))
             plan = choose_offers(offers, s, len(specs))
         except VastApiError as exc:
             raise ProvisionFailed(f"vast.ai offer search failed; nothing was rented: {exc}") from exc
+        if is_vast_host(self.client.base_url) and "/" not in self.image:
+            raise ProvisionFailed(f"the node image {self.image!r} is a local tag vast.ai cannot pull: push "
+                                  "docker/Dockerfile's image to a registry and set provider.vastai.image or "
+                                  f"{IMAGE_VAR} (README, vast.ai); nothing was rented")
         for line in plan_lines(plan, [sp.name for sp in specs], s, self.run_label):
             _say(line)
         spares = list(plan.spares)

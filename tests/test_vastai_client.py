@@ -17,9 +17,10 @@ import pytest
 
 from backends import vastai_offers
 from backends.base import NodeSpec
-from backends.vastai import VastaiProvider, failure_of
+from backends.vastai import VastaiProvider, client_from_env, failure_of
 from backends.vastai_client import ApiKey, VastApiError, VastClient
 from backends.vastai_emulator import parse_faults
+from backends.vastai_emulator_state import make_catalog, priced
 from backends.vastai_offers import choose_offers, encode_env, offer_query
 from ppharness.errors import ProviderError, ProvisionFailed
 from ppharness.scenario import VastaiSettings
@@ -269,3 +270,34 @@ def test_emulator_command_serves_until_terminated(tmp_path):
         assert proc.wait(30) == 0
     assert "by-hand-key" not in first + rest, "a key given in VAST_API_KEY is never printed"
     assert "every instance was destroyed" in rest
+
+
+# --- against vast.ai itself (no request leaves this machine) ---------------------------------------------------------
+
+
+class _OffersOnly:
+    """A client of https://console.vast.ai that answers searches from the emulator's catalog and rents nothing."""
+
+    base_url = "https://console.vast.ai"
+
+    def search_offers(self, query: dict) -> list[dict]:
+        return [priced(o, 16, False) for o in make_catalog()]
+
+    def create_instance(self, offer_id: int, body: dict) -> int:
+        raise AssertionError("rented an instance")
+
+    def close(self) -> None:
+        pass
+
+
+def test_real_service_gets_the_documented_pace_and_a_pushed_image(monkeypatch):
+    monkeypatch.setenv("VAST_URL", "https://console.vast.ai")
+    monkeypatch.setenv("VAST_API_KEY", "k-0123")
+    monkeypatch.setenv("PPHARNESS_VASTAI_PACE", "0.01")
+    with client_from_env() as real:
+        assert real.pace == 1.0
+    monkeypatch.delenv("PPHARNESS_VASTAI_IMAGE", raising=False)
+    provider = VastaiProvider("pp-vt-real", VastaiSettings(poll_s=0.1), client=_OffersOnly())  # type: ignore[arg-type]
+    assert provider.poll_s == 10.0
+    with pytest.raises(ProvisionFailed, match="local tag"):
+        provider.provision([NodeSpec("pp-stage-0", {"STAGE": "0"})])
