@@ -195,7 +195,7 @@ class DockerProvider(Provider):
         pending = {inst.id for inst in started}
         while pending:
             states = self._states()
-            pending = {i for i in pending if states.get(i, ("missing", 0))[0] in ("created", "restarting")}
+            pending = {i for i in pending if states.get(i, ("missing", ""))[0] in ("created", "restarting")}
             if not pending:
                 return
             if time.monotonic() > deadline:
@@ -269,7 +269,7 @@ class DockerProvider(Provider):
         try:
             raw = self.docker.api.logs(instance.id, stdout=True, stderr=True)
             Path(instance.meta["log"]).write_bytes(raw)
-        except (docker.errors.NotFound, OSError):
+        except (docker.errors.DockerException, OSError):
             pass
         try:
             self.docker.api.remove_container(instance.id, force=True, v=True)
