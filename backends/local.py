@@ -86,6 +86,7 @@ class LocalProvider(Provider):
         if proc is None or proc.poll() is not None:
             return
         _kill_group(proc.pid, signal.SIGTERM)
+        _kill_group(proc.pid, signal.SIGCONT)  # a stopped process handles SIGTERM only once it runs again
         try:
             proc.wait(STOP_GRACE_S)
         except subprocess.TimeoutExpired:
@@ -95,6 +96,11 @@ class LocalProvider(Provider):
     def _fails_destroy(self, instance: Instance) -> bool:
         stages = getattr(self.settings, "fail_destroy", ()) or ()
         return any(instance.name == f"pp-stage-{s}" for s in stages)
+
+    @classmethod
+    def labelled(cls, label: str | None = None) -> list[int]:
+        """Live processes carrying ``label`` (any ppharness label when None), without touching them."""
+        return labelled_pids(label)
 
     @classmethod
     def reap(cls, label: str | None = None) -> list[str]:

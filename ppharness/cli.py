@@ -61,20 +61,41 @@ def print_summary(result: Any) -> None:
                    "model's, token for token")
 
 
+def _reap_own(kind: str, run_label: str) -> list[str]:
+    """The last sweep of every run: destroy whatever still carries its label; say what that was."""
+    from ppharness.registry import provider_class
+
+    try:
+        found = provider_class(kind).reap(run_label)
+    except HarnessError as exc:
+        click.echo(f"warning: reaping run {run_label} failed: {exc}", err=True)
+        return []
+    for what in found:
+        click.echo(f"warning: reaped leftover of run {run_label}: {what}", err=True)
+    return found
+
+
 def run_and_report(scenario: Any, quiet: bool = False, run_label: str | None = None, trace_path: str | None = None,
                    trace: bool | None = None) -> None:
     """Run ``scenario``; print the summary; exit 1 on failure or mismatch."""
     from ppharness.orchestrator import Progress, run_scenario
 
+    import uuid
+
     _sigterm_as_interrupt()
+    run_label = run_label or f"pp-{uuid.uuid4().hex[:8]}"
     try:
         trace_path = trace_path or scenario.trace.path
         trace_on = bool(trace_path) or (scenario.trace.enabled if trace is None else trace)
         result = run_scenario(scenario, progress=Progress(quiet=quiet), run_label=run_label, trace=trace_on)
     except HarnessError as exc:
+        _reap_own(scenario.provider.kind, run_label)
         _fail(str(exc), exc)
     except KeyboardInterrupt:
+        _reap_own(scenario.provider.kind, run_label)
         _fail("interrupted; every node was stopped")
+    if _reap_own(scenario.provider.kind, run_label):
+        _fail(f"resources of run {run_label} outlived it and were reaped")
     print_summary(result)
     if result.trace is not None:
         click.echo("\n" + result.trace.summary())
@@ -343,6 +364,24 @@ def vastai_emulator(host: str, port: int, seed: int, offers: int, delays: str, r
                                               fault_specs=list(faults), docker_image=docker_image)
     except HarnessError as exc:
         _fail(str(exc))
+
+
+@bench.command("failover")
+@click.option("--num-stages", "-n", type=int, default=5, show_default=True)
+@click.option("--runs", type=int, default=5, show_default=True)
+@click.option("--signal", "sig", type=click.Choice(["KILL", "STOP"]), default="KILL", show_default=True,
+              help="KILL: the process is gone; STOP: it stays but goes silent (only membership can notice).")
+@click.option("--engine", type=click.Choice(["auto", "kinship", "heartbeat"]), default="auto", show_default=True)
+def bench_failover(num_stages: int, runs: int, sig: str, engine: str) -> None:
+    """Time from a stage's death mid-decode to pp-smoke-run's exit 1 (median over runs)."""
+    from ppharness.benchmarks.failover import report, run_failover_bench
+    from ppharness.orchestrator import Progress
+
+    try:
+        results = run_failover_bench(num_stages, runs, sig, engine, Progress())
+    except HarnessError as exc:
+        _fail(str(exc), exc)
+    click.echo(report(results, num_stages, sig, engine))
 
 
 @main.command()

@@ -147,6 +147,13 @@ class TransportSection(_Section):
                                        "remove relay or set kind: iroh")
 
 
+class LocalSettings(_Section):
+    """Settings of the ``local`` provider. ``fail_destroy`` is a fault switch for failure-mode tests: destroying
+    these stages' processes reports an error and leaves them running (for ``ppharness reap`` to find)."""
+
+    fail_destroy: tuple[Annotated[int, Meta(ge=0)], ...] = ()
+
+
 class DockerSettings(_Section):
     """Settings of the ``docker`` provider, all optional. ``image``: run this node image as is (no build);
     ``base_image``: build ``docker/Dockerfile`` on this image (e.g. ``python:3.11-slim-bookworm``, pulled by the daemon)
@@ -192,6 +199,7 @@ class ProviderSection(_Section):
     """Where stages run: a kind from ``ppharness.registry.PROVIDERS``."""
 
     kind: str = "local"
+    local: LocalSettings | None = None
     docker: DockerSettings | None = None
     vastai: VastaiSettings | None = None
 
@@ -240,6 +248,28 @@ class TraceSection(_Section):
     path: str | None = None
 
 
+class ClusterSection(_Section):
+    """Membership and failure detection: ``auto`` uses kinship (SWIM/Lifeguard over UDP) when the provider's nodes
+    share a network with the orchestrator, else heartbeats over the run's transport."""
+
+    engine: Literal["auto", "kinship", "heartbeat"] = "auto"
+    heartbeat_s: Seconds = 1.0
+    suspect_after: PositiveInt = 3
+    dead_after_s: Seconds = 6.0
+
+
+FaultMode = Literal["never-join", "no-names", "stall-before-ready", "bad-model", "eos-first", "exit-mid-decode"]
+
+
+class FaultSection(_Section):
+    """Inject one failure into one stage, to test that the run fails cleanly: ``never-join`` (the cluster never
+    converges), ``no-names`` (a name never resolves), ``stall-before-ready`` / ``bad-model`` (the worker never reports
+    ready), ``eos-first`` (the last stage answers with no text), ``exit-mid-decode`` (the node dies while decoding)."""
+
+    stage: Annotated[int, Meta(ge=0)]
+    mode: FaultMode
+
+
 def _default_model() -> ModelSection:
     return ModelSection(synthetic=SyntheticModel())
 
@@ -257,8 +287,14 @@ class Scenario(_Section):
     expect: ExpectSection = ExpectSection()
     budget: BudgetSection = BudgetSection()
     trace: TraceSection = TraceSection()
+    cluster: ClusterSection = ClusterSection()
+    faults: tuple[FaultSection, ...] = ()
 
     def __post_init__(self) -> None:
+        for i, fault in enumerate(self.faults):
+            if fault.stage >= self.stages.num_stages:
+                raise _FieldError(f"faults[{i}].stage", f"stage {fault.stage} does not exist in a "
+                                  f"{self.stages.num_stages}-stage run — use 0..{self.stages.num_stages - 1}")
         if self.request.max_tokens >= self.model.max_context:
             raise _FieldError(
                 "request.max_tokens",
