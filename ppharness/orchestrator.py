@@ -207,8 +207,8 @@ class Chain:
         except ClusterError as exc:
             if "timed out" not in str(exc):
                 raise
-            raise ClusterError(f"the cluster never converged: stage(s) {directory.missing()} did not join "
-                               f"within {budget.join_s:g} s") from exc
+            raise self._with_logs(ClusterError(f"the cluster never converged: stage(s) {directory.missing()} did "
+                                               f"not join within {budget.join_s:g} s"), directory.missing()) from exc
         for i in range(n):  # every stage's names, resolved with a bounded wait before anything is sent
             self.resolve(stage_name(i), budget.resolve_s)
         self.resolve(ENTRY, budget.resolve_s)
@@ -234,10 +234,19 @@ class Chain:
             if "timed out" not in str(exc):
                 raise
             missing = [i for i in range(n) if i not in ready]
-            raise ClusterError(f"stage(s) {missing} never reported ready within {budget.ready_s:g} s "
-                               "(loading the model and compiling)") from exc
+            raise self._with_logs(ClusterError(f"stage(s) {missing} never reported ready within {budget.ready_s:g} s "
+                                               "(loading the model and compiling)"), missing) from exc
         if self.trace_on:
             self._probe_clocks()
+
+    def _with_logs(self, err: HarnessError, stages: list[int]) -> HarnessError:
+        """``err`` with the last log lines of each of ``stages``' instances attached as notes."""
+        for inst in self._provider.instances:
+            if any(inst.name == stage_name(s) for s in stages):
+                tail = self._provider.logs(inst, 15).rstrip()
+                if tail:
+                    err.add_note(f"last lines of {inst.name}:\n{tail}")
+        return err
 
     def resolve(self, name: str, timeout: float) -> str:
         """The address registered under ``name``, waiting (bounded) for a Join that registers it."""

@@ -58,6 +58,8 @@ def test_fault_fails_the_run_cleanly(tmp_path, fault, budget, needle):
     rc, out, _ = _run(_write(tmp_path, faults=[fault], budget=budget), label)
     assert rc == 1, out
     assert needle in _failed_line(out), out
+    if fault.mode in ("never-join", "stall-before-ready"):  # the silent stage's own log explains it
+        assert f"last lines of pp-stage-{fault.stage}" in out and f"fault {fault.mode}" in out, out
     assert "reaped leftover" not in out, "a node outlived the run and had to be reaped"
     assert not labelled_pids(label)
 
