@@ -339,7 +339,7 @@ def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) 
               help="Scale of the per-endpoint minimum intervals (1: vast.ai's documented ones).")
 @click.option("--fault", "faults", multiple=True, help="A fault switch, repeatable (K: the K-th create): offers-cap=N, "
               "reject-create=K, vanish-offer=K, stuck-loading=K, fail-as=K:exited|unknown|offline, oci-error=K, "
-              "outbid=K, null-ssh-port=K, exit-after=K:SECONDS, storm-429=N, server-errors=502,503, resets=N, "
+              "outbid=K, null-ssh-port=K, leave-stopped=K, exit-after=K:SECONDS, storm-429=N, server-errors=502,503, resets=N, "
               "search-quota, destroy-fail=N (-1: always), gone-404.")
 @click.option("--docker-image", help="Run instances as containers of this local image (e.g. the node image) on the "
               "host network, instead of local pp-node processes.")
@@ -387,7 +387,8 @@ def bench_failover(num_stages: int, runs: int, sig: str, engine: str) -> None:
 @main.command()
 @click.option("--label", help="Only this run's label (default: every ppharness run label).")
 @click.option("--provider", "providers", multiple=True, help="Provider kind(s) to reap (default: all).")
-def reap(label: str | None, providers: tuple[str, ...]) -> None:
+@click.option("--strict", is_flag=True, help="Exit 1 when anything was found (CI: nothing may outlive the tests).")
+def reap(label: str | None, providers: tuple[str, ...], strict: bool) -> None:
     """Destroy leftovers of crashed runs: every resource carrying a ppharness run label."""
     from ppharness.registry import PROVIDERS, provider_class
 
@@ -398,6 +399,8 @@ def reap(label: str | None, providers: tuple[str, ...]) -> None:
         except HarnessError as exc:
             _fail(str(exc))
     click.echo("\n".join(found) if found else "nothing to reap")
+    if found and strict:
+        _fail(f"{len(found)} leftover resource(s) carried a ppharness run label")
 
 
 if __name__ == "__main__":
