@@ -36,6 +36,7 @@ FAILED_STATUS = frozenset({"exited", "unknown", "offline", "stopped", "frozen"})
 GONE_STATUS = frozenset({"destroyed", "terminated"})
 ERROR_WORDS = ("oci runtime", "permission denied", "traceback", "exception", "error", "failed")
 WATCH_FAILURES_MAX = 3
+UNLISTED_GRACE = 3
 
 
 def is_vast_host(url: str) -> bool:
@@ -107,6 +108,9 @@ class VastaiProvider(Provider):
         self._destroyed: set[int] = set()
         self._polled_at = -1e9
         self._watch_failures = 0
+        self._total_dph = 0.0
+        self._orphans: set[int] = set()
+        self._seen: set[int] = set()
 
     def node_model(self, source: str, local_path: str) -> str:
         """A rented machine cannot read this machine's files: the source itself (a ``synthetic:`` spec, which the
@@ -131,10 +135,10 @@ class VastaiProvider(Provider):
                                   f"{IMAGE_VAR} (README, vast.ai); nothing was rented")
         for line in plan_lines(plan, [sp.name for sp in specs], s, self.run_label):
             _say(line)
-        spares = list(plan.spares)
+        spares, self._total_dph = list(plan.spares), plan.total_dph
         try:
             for i, (spec, offer) in enumerate(zip(specs, plan.chosen)):
-                self._create(spec, offer, spares, plan.total_dph, f"{i + 1}/{len(specs)}")
+                self._create(spec, offer, spares, f"{i + 1}/{len(specs)}")
             self._wait_running()
         except ProviderError as exc:
             warnings = self.destroy_all()
@@ -143,8 +147,7 @@ class VastaiProvider(Provider):
             raise (NotReady if isinstance(exc, NotReady) else ProvisionFailed)(f"{exc}; {done}") from exc
         return list(self.instances)
 
-    def _create(self, spec: NodeSpec, offer: dict[str, Any], spares: list[dict[str, Any]], total_dph: float,
-                which: str) -> None:
+    def _create(self, spec: NodeSpec, offer: dict[str, Any], spares: list[dict[str, Any]], which: str) -> None:
         env = {**spec.env, LABEL_VAR: self.run_label}
         body = create_body(self.settings, spec.image or self.image, self.run_label, env)
         while True:
@@ -153,35 +156,59 @@ class VastaiProvider(Provider):
                 break
             except VastApiError as exc:
                 if exc.new_contract is not None:
-                    self._adopt(exc.new_contract, spec.name, offer)
+                    self._discard(exc.new_contract, spec.name, offer)
                 if exc.error == "no_such_ask" and spares:
                     replacement = spares.pop(0)
-                    total_dph += float(replacement["dph_total"]) - float(offer["dph_total"])
-                    if total_dph <= self.settings.max_total_dph:
+                    total = self._total_dph + float(replacement["dph_total"]) - float(offer["dph_total"])
+                    if total <= self.settings.max_total_dph:
                         _say(f"  offer {offer['id']} is gone; {spec.name} takes offer {replacement['id']} "
                              f"(${float(replacement['dph_total']):.3f}/hr) instead")
-                        offer = replacement
+                        offer, self._total_dph = replacement, total
                         continue
                 raise ProvisionFailed(f"creating instance {which} ({spec.name}) failed: {exc}") from exc
         self._adopt(iid, spec.name, offer)
 
-    def _adopt(self, iid: int, name: str, offer: dict[str, Any]) -> None:
-        self.instances.append(Instance(id=str(iid), name=name, provider=self.kind, meta={
+    def _adopt(self, iid: int, name: str, offer: dict[str, Any]) -> Instance:
+        inst = Instance(id=str(iid), name=name, provider=self.kind, meta={
             "offer": str(offer["id"]), "dph_total": f"{float(offer['dph_total']):.4f}",
-            "gpu": f"{offer.get('num_gpus')}x {offer.get('gpu_name')}"}))
+            "gpu": f"{offer.get('num_gpus')}x {offer.get('gpu_name')}"})
+        self.instances.append(inst)
+        return inst
+
+    def _discard(self, iid: int, name: str, offer: dict[str, Any]) -> None:
+        """An instance a failed create left behind: destroyed now, or kept (unwatched) for destroy_all to retry."""
+        try:
+            self.client.destroy_instance(iid)
+            self._destroyed.add(iid)
+        except VastApiError:
+            self._orphans.add(iid)
+            self._adopt(iid, f"{name} (failed create)", offer)
 
     def _list_mine(self) -> dict[int, dict[str, Any]]:
         recs = self.client.list_instances({"label": {"eq": self.run_label}})
-        return {int(r["id"]): r for r in recs if "id" in r}
+        found = {int(r["id"]): r for r in recs if "id" in r}
+        self._seen.update(found)
+        return found
+
+    def _watched(self) -> list[Instance]:
+        return [i for i in self.instances if int(i.id) not in self._destroyed and int(i.id) not in self._orphans]
+
+    def _failure(self, iid: int, polls: int) -> str | None:
+        """Why instance ``iid`` will not serve, by the last list; one not listed yet is given ``UNLISTED_GRACE``
+        polls to appear (a new instance may show up in the list late)."""
+        rec = self._records.get(iid)
+        if rec is None and iid not in self._seen and polls < UNLISTED_GRACE:
+            return None
+        return failure_of(rec)
 
     def _wait_running(self) -> None:
-        pending = {int(i.id): i for i in self.instances}
+        pending = {int(i.id): i for i in self._watched()}
         for poll in range(MAX_POLLS):
             self._records = self._list_mine()
             self._polled_at = time.monotonic()
             for iid, inst in list(pending.items()):
                 rec = self._records.get(iid)
-                why = failure_of(rec)
+                why = self._failure(iid, poll + 1)
                 if why is not None:
                     raise NotReady(f"vast.ai instance {iid} ({inst.name}) will not run: {why}")
                 if rec is not None and is_running(rec):
@@ -198,7 +225,7 @@ class VastaiProvider(Provider):
 
     def exited(self) -> list[tuple[Instance, int]]:
         """Instances that stopped serving (exited, lost, stopped, gone), as exit code 1: the API reports no code."""
-        live = [i for i in self.instances if int(i.id) not in self._destroyed]
+        live = self._watched()
         if live and time.monotonic() - self._polled_at >= self.poll_s:
             self._polled_at = time.monotonic()
             try:
@@ -209,7 +236,7 @@ class VastaiProvider(Provider):
                 if self._watch_failures >= WATCH_FAILURES_MAX:
                     raise ProviderError(f"cannot watch the vast.ai instances: {exc}") from exc
                 return []
-        return [(i, 1) for i in live if failure_of(self._records.get(int(i.id))) is not None]
+        return [(i, 1) for i in live if self._failure(int(i.id), UNLISTED_GRACE) is not None]
 
     def logs(self, instance: Instance, lines: int = 20) -> str:
         """What the API says of the instance (its container log is not part of the API subset used here)."""

@@ -21,15 +21,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
+from backends.vastai_emulator_api import Reply, handle_create, handle_list, handle_manage, handle_search, validate_key
 from backends.vastai_emulator_runners import DockerRunner, ProcessRunner
 from backends.vastai_emulator_state import EmuInstance, Faults, Timeline, make_catalog
-from backends.vastai_emulator_api import Reply, handle_create, handle_list, handle_manage, handle_search, validate_key
 from ppharness.errors import ProviderError
 
 # Minimum seconds between calls of one endpoint by one identity (shared/vastai-api.md §1), before ``rate_scale``.
@@ -78,7 +79,7 @@ class Emulator:
         self.creates = 0
         self.storm_replies = 0
         self.next_id = 9_000_000 + seed * 1000
-        self.requests: list[tuple[str, str, int]] = []
+        self.requests: deque[tuple[str, str, int]] = deque(maxlen=100_000)  # (method, path, status), oldest first
         self._last_call: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()
         self._server = ThreadingHTTPServer((host, port), _handler_for(self))
@@ -320,13 +321,16 @@ def parse_faults(specs: list[str]) -> Faults:
         try:
             if name == "offers-cap":
                 f.offers_cap = int(value)
-            elif name in ("reject-create", "vanish-offer", "stuck-loading", "oci-error", "outbid", "null-ssh-port"):
+            elif name in ("reject-create", "vanish-offer", "stuck-loading", "oci-error", "outbid", "null-ssh-port",
+                          "leave-stopped"):
                 k = int(value)
                 if name == "reject-create":
                     f.reject_create[k] = (400, "invalid_args", "error 400/3010: the host rejected this instance")
                 else:
-                    {"vanish-offer": f.vanish_offers, "stuck-loading": f.stuck_loading, "oci-error": f.oci_error,
-                     "outbid": f.outbid, "null-ssh-port": f.null_ssh_port}[name].add(k)
+                    switches = {"vanish-offer": f.vanish_offers, "stuck-loading": f.stuck_loading,
+                                "oci-error": f.oci_error, "outbid": f.outbid, "null-ssh-port": f.null_ssh_port,
+                                "leave-stopped": f.leave_stopped}
+                    switches[name].add(k)
             elif name == "fail-as":
                 k, status = value.split(":")
                 if status not in ("exited", "unknown", "offline"):

@@ -126,10 +126,10 @@ def handle_create(emu: Any, offer_id: int, body: Any) -> Reply:
         return _bad(400, "invalid_args", f"error 400/3003: {parsed}")
     price = body.get("price")
     inst = emu.new_instance(offer, body, *parsed)
-    if price is not None and float(price) < offer["min_bid"]:
+    if (price is not None and float(price) < offer["min_bid"]) or ordinal in f.leave_stopped:
         inst.intended_status = inst.cur_state = inst.next_state = inst.actual_status = "stopped"
         return Reply(200, {"success": False, "error": "invalid_price", "new_contract": inst.id,
-                           "msg": f"bid ${float(price):.4f}/hr is under the minimum ${offer['min_bid']:.4f}/hr; "
+                           "msg": f"bid ${float(price or 0):.4f}/hr is under the minimum ${offer['min_bid']:.4f}/hr; "
                                   "the instance was created stopped"})
     return Reply(200, {"success": True, "new_contract": inst.id, "instance_api_key": inst.instance_key})
 

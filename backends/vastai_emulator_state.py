@@ -111,6 +111,7 @@ class Faults:
     offers_cap: int | None = None
     vanish_offers: set[int] = field(default_factory=set)
     reject_create: dict[int, tuple[int, str, str]] = field(default_factory=dict)
+    leave_stopped: set[int] = field(default_factory=set)
     stuck_loading: set[int] = field(default_factory=set)
     fail_as: dict[int, str] = field(default_factory=dict)
     oci_error: set[int] = field(default_factory=set)

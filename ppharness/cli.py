@@ -339,8 +339,8 @@ def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) 
               help="Scale of the per-endpoint minimum intervals (1: vast.ai's documented ones).")
 @click.option("--fault", "faults", multiple=True, help="A fault switch, repeatable (K: the K-th create): offers-cap=N, "
               "reject-create=K, vanish-offer=K, stuck-loading=K, fail-as=K:exited|unknown|offline, oci-error=K, "
-              "outbid=K, null-ssh-port=K, leave-stopped=K, exit-after=K:SECONDS, storm-429=N, server-errors=502,503, resets=N, "
-              "search-quota, destroy-fail=N (-1: always), gone-404.")
+              "outbid=K, null-ssh-port=K, leave-stopped=K, exit-after=K:SECONDS, storm-429=N, server-errors=502,503, "
+              "resets=N, search-quota, destroy-fail=N (-1: always), gone-404.")
 @click.option("--docker-image", help="Run instances as containers of this local image (e.g. the node image) on the "
               "host network, instead of local pp-node processes.")
 def vastai_emulator(host: str, port: int, seed: int, offers: int, delays: str, rate_scale: float,

@@ -222,6 +222,16 @@ def test_second_create_rejected_destroys_the_first(vastai_api):
     assert_nothing_left(vastai_api, label)
 
 
+def test_create_that_fails_but_leaves_an_instance_destroys_it(vastai_api):
+    needs_emulator(vastai_api)
+    emu, label = vastai_api.emulator, _label()
+    emu.faults.leave_stopped.add(2)
+    message = _run_fails(vastai_scenario(vastai_api, 2), label, ProvisionFailed)
+    assert "creating instance 2/2" in message and "invalid_price" in message, message
+    assert len(emu.destroyed) == 2
+    assert_nothing_left(vastai_api, label)
+
+
 @pytest.mark.parametrize("fault", ["stuck_loading", "exited", "unknown", "offline", "oci_error", "outbid"])
 def test_instance_that_never_runs_fails_the_run(vastai_api, fault):
     needs_emulator(vastai_api)

@@ -245,11 +245,12 @@ def test_reap_destroys_only_ppharness_instances(client, emu, monkeypatch):
 
 def test_every_fault_switch_parses():
     f = parse_faults(["offers-cap=2", "reject-create=2", "vanish-offer=1", "stuck-loading=3", "fail-as=4:offline",
-                      "oci-error=5", "outbid=6", "null-ssh-port=7", "exit-after=8:1.5", "storm-429=9", "resets=2",
-                      "server-errors=502,503", "search-quota", "destroy-fail=-1", "gone-404"])
+                      "oci-error=5", "outbid=6", "null-ssh-port=7", "leave-stopped=3", "exit-after=8:1.5",
+                      "storm-429=9", "resets=2", "server-errors=502,503", "search-quota", "destroy-fail=-1",
+                      "gone-404"])
     assert (f.offers_cap, f.fail_as, f.exit_after_s, f.storm_429, f.resets) == (2, {4: "offline"}, {8: 1.5}, 9, 2)
     assert 2 in f.reject_create and f.vanish_offers == {1} and f.stuck_loading == {3} and f.oci_error == {5}
-    assert f.outbid == {6} and f.null_ssh_port == {7} and f.server_errors == [502, 503]
+    assert f.outbid == {6} and f.null_ssh_port == {7} and f.leave_stopped == {3} and f.server_errors == [502, 503]
     assert f.search_quota and f.gone_404 and f.destroy_fail == -1
     with pytest.raises(ProviderError, match="fail-as=1:sideways"):
         parse_faults(["fail-as=1:sideways"])
