@@ -299,3 +299,25 @@ def test_destroy_failure_exits_1_and_reap_removes_the_leftover(vastai_api, tmp_p
     assert "vastai: instance" in reap.stdout, reap.stdout
     assert_nothing_left(vastai_api, label)
     assert vastai_api.key not in r.stdout + reap.stdout + reap.stderr
+
+
+def test_leftovers_of_a_killed_run_are_reaped_by_label(vastai_api, tmp_path):
+    needs_emulator(vastai_api)
+    emu, label = vastai_api.emulator, _label()
+    path = write_scenario(vastai_scenario(vastai_api, 2), tmp_path / "crash.yaml")
+    with subprocess.Popen([sys.executable, "-m", "ppharness.cli_smoke", "--vastai", "--scenario", path,
+                           "--run-label", label], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT) as proc:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "joined" in line:
+                break
+        proc.kill()  # SIGKILL: no clean-up runs in pp-smoke-run
+        proc.wait(30)
+    assert len([i for i in emu.live_instances() if i["label"] == label]) == 2, "".join(lines)
+    reap = subprocess.run([sys.executable, "-m", "ppharness.cli", "reap", "--provider", "vastai", "--label", label],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert reap.returncode == 0 and reap.stdout.count("vastai: instance") == 2, reap.stdout + reap.stderr
+    assert_nothing_left(vastai_api, label)
