@@ -6,7 +6,8 @@ Guarantees:
   method, the path, the HTTP status, the API's ``error`` code and ``msg``).
 - Requests are paced per endpoint (the contract's minimum intervals, scaled by ``pace``) and retried with exponential
   backoff (tenacity) on 429, 502, 503 and 504 only, plus connection failures where a retry cannot act twice: never a
-  daily search-quota 429, never any other status. A numeric ``Retry-After`` of at most 60 s is honoured.
+  daily search-quota 429, never any other status. A numeric ``Retry-After`` of at most 60 s is waited out; a longer
+  one ends the retries at once.
 - Every failure is a ``VastApiError`` (a ProviderError) raised ``from`` the library's exception.
 """
 
@@ -30,6 +31,7 @@ GONE_ERRORS = frozenset({"no_such_instance", "not_found"})
 # Minimum seconds between two calls of one endpoint (shared/vastai-api.md §1; search: 10 requests/min per IP).
 MIN_INTERVAL_S = {"search": 6.0, "create": 4.5, "show": 2.0, "destroy": 3.0, "manage": 1.0, "list": 1.0}
 LIST_PAGE_LIMIT = 25
+MAX_RETRY_AFTER_S = 60.0
 MAX_PAGES = 400
 
 
@@ -114,20 +116,29 @@ def _error_of(what: str, resp: httpx.Response) -> VastApiError:
                         float(reset) if reset and reset.replace(".", "", 1).isdigit() else None)
 
 
-def _quota_exhausted(resp: httpx.Response) -> bool:
+def _retry_after(resp: httpx.Response) -> float | None:
+    after = resp.headers.get("Retry-After", "")
+    return float(after) if after.replace(".", "", 1).isdigit() else None
+
+
+def _not_worth_waiting(resp: httpx.Response) -> bool:
+    """The daily search quota is spent, or the server asks for more than a minute's wait: give up at once."""
     body = reply_body(resp)
-    return resp.status_code == 429 and isinstance(body, dict) and body.get("error") == "search_quota_exceeded"
+    quota = resp.status_code == 429 and isinstance(body, dict) and body.get("error") == "search_quota_exceeded"
+    after = _retry_after(resp)
+    return quota or (after is not None and after > MAX_RETRY_AFTER_S)
 
 
 class VastClient:
     """One API identity at one base URL. Thread-safe pacing; use as a context manager or call ``close()``."""
 
     def __init__(self, key: ApiKey, base_url: str = DEFAULT_URL, *, pace: float = 1.0, attempts: int = 6,
-                 timeout_s: float = 30.0, sleep: Callable[[float], None] = time.sleep) -> None:
+                 timeout_s: float = 30.0, sleep: Callable[[float], None] = time.sleep,
+                 transport: httpx.BaseTransport | None = None) -> None:
         if not isinstance(key, ApiKey):
             raise TypeError("VastClient needs an ApiKey")
         self.base_url, self.pace, self.attempts, self._sleep = base_url.rstrip("/"), pace, attempts, sleep
-        self._http = httpx.Client(base_url=self.base_url, auth=_BearerAuth(key), timeout=timeout_s,
+        self._http = httpx.Client(base_url=self.base_url, auth=_BearerAuth(key), timeout=timeout_s, transport=transport,
                                   headers={"User-Agent": "ppharness-vastai/0.1", "Accept": "application/json"})
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -235,9 +246,9 @@ class VastClient:
 
     def _backoff(self, state: tenacity.RetryCallState) -> float:
         if state.outcome is not None and not state.outcome.failed:
-            after = state.outcome.result().headers.get("Retry-After", "")
-            if after.replace(".", "", 1).isdigit() and float(after) <= 60:
-                return float(after)
+            after = _retry_after(state.outcome.result())
+            if after is not None:
+                return after
         return min(0.5 * 2 ** (state.attempt_number - 1), 30.0) * self.pace
 
     def _call(self, endpoint: str, method: str, path: str, what: str, *, json: Any = None,
@@ -251,7 +262,7 @@ class VastClient:
             if state.outcome.failed:
                 return isinstance(state.outcome.exception(), retry_exc)
             resp = state.outcome.result()
-            return resp.status_code in TRANSIENT_STATUS and not _quota_exhausted(resp)
+            return resp.status_code in TRANSIENT_STATUS and not _not_worth_waiting(resp)
 
         def attempt() -> httpx.Response:
             self._wait_turn(endpoint)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 
+import httpx
 import msgspec
 import pytest
 
@@ -120,6 +121,21 @@ def test_search_quota_is_not_retried_and_says_when_it_resets(client, emu):
         client.search_offers({})
     assert info.value.error == "search_quota_exceeded" and info.value.reset_at
     assert _statuses(emu) == [429]
+
+
+@pytest.mark.parametrize(("after", "waits"), [("2", [2.0]), ("120", [])])
+def test_retry_after_is_waited_out_up_to_a_minute(after, waits):
+    replies = iter([httpx.Response(429, text="slow down", headers={"Retry-After": after}),
+                    httpx.Response(200, json={"instances": [], "next_token": None})])
+    slept: list[float] = []
+    transport = httpx.MockTransport(lambda request: next(replies))
+    with VastClient(ApiKey("k-0123"), "http://api.test", pace=0, sleep=slept.append, transport=transport) as c:
+        if waits:
+            assert c.list_instances() == []
+        else:
+            with pytest.raises(VastApiError, match="HTTP 429"):
+                c.list_instances()
+    assert [s for s in slept if s > 0] == waits
 
 
 def test_a_paced_client_stays_under_the_rate_limits(emu):
