@@ -32,6 +32,7 @@ from ppharness.messages import (
     Stopped,
     ClockProbe,
     ClockReply,
+    Heartbeat,
     TraceReport,
     TraceRequest,
 )
@@ -126,6 +127,7 @@ def realistic_messages() -> list[Message]:
         ),
         Members(names={"stage-0": "tcp://10.0.0.7:41234", "stage-1": "tcp://10.0.0.8:41235"}),
         Ready(stage=1, params=62_914_560, tied_params=0, load_s=1.84, rss_bytes=734_003_200),
+        Heartbeat(stage=1, seq=42),
         Shutdown(reason="run finished"),
         Stopped(stage=1, served=3, peak_rss_bytes=812_646_400),
         TraceRequest(request_id="req-0001"),
