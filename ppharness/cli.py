@@ -366,6 +366,39 @@ def vastai_emulator(host: str, port: int, seed: int, offers: int, delays: str, r
         _fail(str(exc))
 
 
+@bench.command("gpu")
+@click.option("--device", default="cuda", show_default=True, help="tinygrad device for every process (cuda, nv, cpu).")
+@click.option("--preset", default="llama-3.2-1b", show_default=True)
+@click.option("--stages", default="2,5", show_default=True, help="Chain sizes, comma-separated.")
+@click.option("--transport", "transports", default="zmq,iroh", show_default=True)
+@click.option("--tokens", type=int, default=128, show_default=True)
+@click.option("--prompt-tokens", type=int, default=32, show_default=True)
+@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--check-tokens", type=int, default=32, show_default=True,
+              help="How many of the chain's first tokens must equal the single-process oracle's.")
+@click.option("--hf/--no-hf", default=True, show_default=True, help="Also run HF transformers where installed.")
+@click.option("--out", "out_dir", default="bench-results", show_default=True, type=click.Path(file_okay=False))
+def bench_gpu(device: str, preset: str, stages: str, transports: str, tokens: int, prompt_tokens: int, repeats: int,
+              check_tokens: int, hf: bool, out_dir: str) -> None:
+    """The chain on an accelerator vs single-process tinygrad and HF transformers (docs/gpu-bench.md)."""
+    from ppharness.benchmarks.gpu import report, run_gpu_bench
+    from ppharness.orchestrator import Progress
+
+    _sigterm_as_interrupt()
+    try:
+        res = run_gpu_bench(device, preset, [int(x) for x in stages.split(",")],
+                            [t.strip() for t in transports.split(",") if t.strip()], tokens, prompt_tokens, repeats,
+                            check_tokens, out_dir, hf, Progress())
+    except HarnessError as exc:
+        _fail(str(exc), exc)
+    except KeyboardInterrupt:
+        _fail("interrupted; every node was stopped")
+    click.echo(report(res))
+    click.echo(f"\nwritten: {out_dir}/gpu-bench.json, {out_dir}/gpu-bench.png")
+    if any(c.tokens_match_oracle is False for c in res.contenders):
+        _fail("a chain's first tokens differ from the single-process oracle's")
+
+
 @bench.command("failover")
 @click.option("--num-stages", "-n", type=int, default=5, show_default=True)
 @click.option("--runs", type=int, default=5, show_default=True)

@@ -126,6 +126,7 @@ class Stopped(_Msg):
     stage: int
     served: int
     peak_rss_bytes: int
+    device_bytes: int = 0  # accelerator memory the stage's buffers hold (weights, KV cache, activations)
 
 
 class Span(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

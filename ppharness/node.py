@@ -50,6 +50,12 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def device_bytes() -> int:
+    """Bytes of tinygrad buffers this process holds on its device (0 before tinygrad is imported)."""
+    helpers = sys.modules.get("tinygrad.helpers")
+    return int(helpers.GlobalCounters.mem_used) if helpers is not None else 0
+
+
 def read_env(env: dict[str, str]) -> tuple[StagePlan, dict[str, str]]:
     missing = [k for k in REQUIRED_ENV if not env.get(k)]
     if missing:
@@ -208,7 +214,7 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
             match msg:
                 case Shutdown():
                     transport.send(seed, Stopped(stage=plan.stage, served=stage.served,
-                                                 peak_rss_bytes=peak_rss_bytes()))
+                                                 peak_rss_bytes=peak_rss_bytes(), device_bytes=device_bytes()))
                     log(f"shutting down after {stage.served} request(s)")
                     return 0
                 case ClockProbe():

@@ -58,6 +58,7 @@ class StageReport:
     tied_params: int = 0
     load_s: float = 0.0
     peak_rss_bytes: int = 0
+    device_bytes: int = 0
 
 
 @dataclass
@@ -417,6 +418,7 @@ def _shutdown(transport: Any, directory: Directory, reports: list[StageReport], 
         if isinstance(msg, Stopped):
             stopped.add(msg.stage)
             reports[msg.stage].peak_rss_bytes = msg.peak_rss_bytes
+            reports[msg.stage].device_bytes = msg.device_bytes
         return len(stopped) == len(directory.joins)
 
     try:

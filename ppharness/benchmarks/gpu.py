@@ -1,0 +1,221 @@
+"""``ppharness bench gpu``: the chain on an accelerator, against single-process tinygrad and HF transformers.
+
+One run on one machine: a synthetic GGUF with llama-3.2-1B dimensions (built once), single-process tinygrad decode
+(the oracle path), the N-stage chain for each N and transport with every stage process on the same GPU, and, where
+PyTorch and transformers are installed, HF transformers' greedy decode of a LlamaForCausalLM of the same dimensions
+(random weights, bf16, dynamic and static cache): the reference a user would pick instead. Figures: decode tokens/s
+(``tokens`` after a ``prompt_tokens`` prompt), time to first token cold (first request: kernels compile) and warm,
+accelerator memory per stage, the chain's per-token breakdown, and whether the chain's first tokens equal the
+single-process oracle's. Medians over ``repeats``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ppharness.benchmarks.chain import _decode_tok_s, _scenario
+
+
+@dataclass
+class Contender:
+    name: str
+    decode_tok_s: list[float] = field(default_factory=list)
+    ttft_cold_s: float = 0.0
+    ttft_warm_s: list[float] = field(default_factory=list)
+    device_mib: list[float] = field(default_factory=list)  # per stage (one entry for a single process)
+    tokens_match_oracle: bool | None = None
+    breakdown_ms: dict[str, float] = field(default_factory=dict)  # p50 per trace component (chains only)
+
+    def median_tok_s(self) -> float:
+        return statistics.median(self.decode_tok_s) if self.decode_tok_s else 0.0
+
+
+@dataclass
+class GpuBench:
+    device: str
+    model: str
+    prompt_tokens: int
+    tokens: int
+    contenders: list[Contender] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def prompt_of(tokenizer: Any, bos: int | None, n: int) -> str:
+    """A prompt that tokenizes to exactly ``n`` tokens with the BOS (words of a fixed text, trimmed)."""
+    words = ("the pipeline stage sends its hidden state to the next stage over the wide area network and waits "
+             "for the token to come back ").split()
+    text, i = "", 0
+    target = n - (1 if bos is not None else 0)
+    while len(tokenizer.encode(text)) < target:
+        text += (" " if text else "") + words[i % len(words)]
+        i += 1
+    ids = tokenizer.encode(text)[:target]
+    out = tokenizer.decode(ids)
+    if len(tokenizer.encode(out)) != target:  # a cut inside a merge: fall back to single characters
+        out = "a" * target
+    return out
+
+
+def run_gpu_bench(device: str, preset: str, stage_counts: list[int], transports: list[str], tokens: int,
+                  prompt_tokens: int, repeats: int, check_tokens: int, out_dir: str, hf: bool,
+                  progress: Callable[[str], None]) -> GpuBench:
+    os.environ["DEV"] = device.upper()  # this process and every stage process it starts
+    from ppharness.modelfile import PRESETS, resolve_model
+    from ppharness.node import device_bytes, warm_up
+    from ppharness.oracle import oracle_decode
+    from ppharness.orchestrator import Chain
+    from ppharness.slicing import GGUFFile, ModelSlice, tokenizer_from
+    from ppharness.trace import _pct, build_trace
+
+    progress(f"model: synthetic {preset} (built once into the cache)")
+    path = str(resolve_model(f"synthetic:{preset}"))
+    f = GGUFFile(path)
+    cfg = f.config
+    max_context = prompt_tokens + tokens + 16
+    prompt = prompt_of(tokenizer_from(f.kv), cfg.bos_id, prompt_tokens)
+    res = GpuBench(device=device, model=f"{preset}: {cfg.blocks} blocks, dim {cfg.dim}, FFN {cfg.ffn}, "
+                   f"{cfg.heads}/{cfg.kv_heads} heads, vocab {cfg.vocab}", prompt_tokens=prompt_tokens, tokens=tokens)
+
+    progress("single process: loading and compiling")
+    single = ModelSlice(f, 0, cfg.blocks, True, True, max_context)
+    warm_up(single)
+    one = Contender("tinygrad, one process")
+    first = oracle_decode(path, prompt, tokens, max_context, model=single)
+    one.ttft_cold_s = first.ttft_s
+    oracle_ids = first.token_ids
+    for _ in range(repeats):
+        r = oracle_decode(path, prompt, tokens, max_context, model=single)
+        one.decode_tok_s.append(r.decode_tok_s)
+        one.ttft_warm_s.append(r.ttft_s)
+    one.device_mib = [device_bytes() / 2**20]
+    res.contenders.append(one)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save = lambda: (out / "gpu-bench.json").write_text(json.dumps(asdict(res), indent=2))  # noqa: E731
+    save()
+    progress(f"single process: {one.median_tok_s():.1f} tok/s")
+    del single
+
+    for n in stage_counts:
+        for kind in transports:
+            c = Contender(f"tinygrad, {n}-stage chain, {kind}")
+            progress(f"{c.name}: starting")
+            scenario = _scenario(preset, n, kind, tokens, max_context)
+            with Chain(scenario, progress=lambda _: None, trace=True) as chain:
+                t0 = time.monotonic()
+                resp, request_s = chain.request(prompt, tokens)
+                c.ttft_cold_s = request_s - _decode_span(resp)
+                c.tokens_match_oracle = resp.token_ids[:check_tokens] == oracle_ids[:check_tokens]
+                for _ in range(repeats):
+                    resp, request_s = chain.request(prompt, tokens)
+                    c.decode_tok_s.append(_decode_tok_s(resp))
+                    c.ttft_warm_s.append(request_s - _decode_span(resp))
+                trace = build_trace(chain.collect_trace(resp.request_id), chain.offsets_ns, resp, n)
+                rows = trace.decode
+                for name in trace.components():
+                    c.breakdown_ms[name] = _pct([r.parts.get(name, 0.0) for r in rows], 50)
+                c.breakdown_ms["other"] = _pct([r.other_ms for r in rows], 50)
+                c.breakdown_ms["per token"] = _pct([r.total_ms for r in rows], 50)
+                progress(f"{c.name}: {c.median_tok_s():.1f} tok/s ({time.monotonic() - t0:.0f} s)")
+            c.device_mib = [s.device_bytes / 2**20 for s in chain.reports]
+            res.contenders.append(c)
+            save()
+
+    if hf:
+        res.contenders += hf_reference(cfg, prompt_tokens, tokens, repeats, progress, res.notes)
+    save()
+    _plot(res, out / "gpu-bench.png")
+    return res
+
+
+def _decode_span(resp: Any) -> float:
+    t = resp.token_times
+    return t[-1] - t[0] if len(t) > 1 else 0.0
+
+
+def hf_reference(cfg: Any, prompt_tokens: int, tokens: int, repeats: int, progress: Callable[[str], None],
+                 notes: list[str]) -> list[Contender]:
+    """HF transformers greedy decode of a random LlamaForCausalLM with the same dimensions, bf16, on the GPU."""
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        notes.append(f"HF transformers reference skipped: {exc}")
+        return []
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.dim, intermediate_size=cfg.ffn,
+                         num_hidden_layers=cfg.blocks, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                         max_position_embeddings=prompt_tokens + tokens + 16, rope_theta=cfg.rope_theta,
+                         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tied)
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # initialise on the GPU: random init of 1 B parameters on the host takes minutes
+        model = LlamaForCausalLM(hf_cfg).to(dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab, (1, prompt_tokens), device="cuda")
+    out = []
+    for cache in ("dynamic", "static"):
+        c = Contender(f"HF transformers eager bf16, {cache} cache")
+        kw = {"do_sample": False, "pad_token_id": 0}
+        if cache == "static":
+            kw["cache_implementation"] = "static"
+
+        def timed(new: int) -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        progress(f"{c.name}: warming up")
+        c.ttft_cold_s = timed(1)
+        for _ in range(repeats):
+            t1, tn = timed(1), timed(tokens)
+            c.ttft_warm_s.append(t1)
+            c.decode_tok_s.append((tokens - 1) / (tn - t1) if tn > t1 else 0.0)
+        c.device_mib = [torch.cuda.max_memory_allocated() / 2**20]
+        progress(f"{c.name}: {c.median_tok_s():.1f} tok/s")
+        out.append(c)
+    return out
+
+
+def report(res: GpuBench) -> str:
+    base = res.contenders[0].median_tok_s() if res.contenders else 0.0
+    lines = [f"device {res.device}; model {res.model}; {res.tokens} tokens after a {res.prompt_tokens}-token prompt "
+             "(medians)",
+             f"{'contender':<44} {'tok/s':>8} {'x 1-proc':>9} {'TTFT cold':>10} {'TTFT warm':>10} {'= oracle':>9} "
+             f"{'device MiB per stage'}"]
+    for c in res.contenders:
+        warm = statistics.median(c.ttft_warm_s) if c.ttft_warm_s else float("nan")
+        match = "" if c.tokens_match_oracle is None else ("yes" if c.tokens_match_oracle else "NO")
+        lines.append(f"{c.name:<44} {c.median_tok_s():>8.1f} {c.median_tok_s() / base if base else 0:>9.2f} "
+                     f"{c.ttft_cold_s:>9.2f}s {warm * 1000:>8.0f}ms {match:>9} "
+                     f"{', '.join(f'{m:.0f}' for m in c.device_mib)}")
+    for c in res.contenders:
+        if c.breakdown_ms:
+            parts = sorted(((k, v) for k, v in c.breakdown_ms.items() if k != "per token"), key=lambda kv: -kv[1])
+            lines.append(f"\n{c.name}: per token p50 {c.breakdown_ms['per token']:.2f} ms; largest parts: " +
+                         ", ".join(f"{k} {v:.2f}" for k, v in parts[:8]))
+    lines += res.notes
+    return "\n".join(lines)
+
+
+def _plot(res: GpuBench, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5))
+    names = [c.name for c in res.contenders]
+    ax.barh(names, [c.median_tok_s() for c in res.contenders], color="tab:blue")
+    ax.set_xlabel("decode tokens/s (median)")
+    ax.set_title(f"{res.model} on {res.device}")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
