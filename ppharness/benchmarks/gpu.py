@@ -158,7 +158,8 @@ def hf_reference(cfg: Any, prompt_tokens: int, tokens: int, repeats: int, progre
     ids = torch.randint(0, cfg.vocab, (1, prompt_tokens), device="cuda")
     out = []
     for cache in ("dynamic", "static"):
-        c = Contender(f"HF transformers bf16, {cache} cache" + (" (compiled by generate)" if cache == "static" else ", eager"))
+        how = "compiled by generate" if cache == "static" else "eager"
+        c = Contender(f"HF transformers bf16, {cache} cache ({how})")
         kw = {"do_sample": False, "pad_token_id": 0}
         if cache == "static":
             kw["cache_implementation"] = "static"
