@@ -193,6 +193,7 @@ def plot(res: BenchResult, path: Path) -> None:
     if res.sweep_tok_s:
         ns = sorted(res.sweep_tok_s)
         b.plot(ns, [res.sweep_tok_s[n] for n in ns], marker="o", label="chain over zmq")
+        b.set_xticks(ns)
     b.axhline(statistics.median(res.single_tok_s), color="gray", linestyle="--", label="single process")
     b.set_xlabel("stages (N)")
     b.set_ylabel("decode tokens/s")
