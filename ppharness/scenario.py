@@ -8,34 +8,23 @@ builds one in code for the CLI when no file is given; ``scenario_schema`` is the
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import json
-import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
-from msgspec import inspect as mi
 
 from ppharness import registry
 from ppharness.errors import ScenarioError
+from ppharness.scenario_errors import FieldError, explain, explain_yaml, untyped
 
 SCENARIO_VERSION = 1
 WIRE_DTYPES = ("f16", "bf16", "f32")
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(gt=0)]
-
-
-class _FieldError(ValueError):
-    """A check in ``__post_init__`` failed; ``field`` is the path below the struct (``count``, ``splits[2]`` or "")."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -58,7 +47,7 @@ class SyntheticModel(_Section):
             return
         presets = getattr(modelfile, "PRESETS", None)
         if presets is not None and self.preset not in presets:
-            raise _FieldError("preset", f"unknown preset {self.preset!r} — expected one of: {', '.join(presets)}")
+            raise FieldError("preset", f"unknown preset {self.preset!r} — expected one of: {', '.join(presets)}")
 
 
 class ModelSection(_Section):
@@ -71,17 +60,17 @@ class ModelSection(_Section):
 
     def __post_init__(self) -> None:
         if self.synthetic is not None and self.gguf is not None:
-            raise _FieldError("", "both synthetic and gguf are set — keep exactly one")
+            raise FieldError("", "both synthetic and gguf are set — keep exactly one")
         if self.synthetic is None and self.gguf is None:
-            raise _FieldError(
+            raise FieldError(
                 "", "neither synthetic nor gguf is set — add `synthetic: {preset: tiny}` or `gguf: <path or URL>`"
             )
         if self.gguf is not None and "://" in self.gguf:
             scheme = self.gguf.split("://", 1)[0].lower()
             if scheme not in ("http", "https"):
-                raise _FieldError("gguf", f"unsupported URL scheme {scheme!r} — use a local path or an http(s) URL")
+                raise FieldError("gguf", f"unsupported URL scheme {scheme!r} — use a local path or an http(s) URL")
         if self.sha256 is not None and self.gguf is None:
-            raise _FieldError("sha256", "sha256 applies only to a gguf file — remove it or set gguf")
+            raise FieldError("sha256", "sha256 applies only to a gguf file — remove it or set gguf")
 
 
 class Stages(_Section):
@@ -97,7 +86,7 @@ class Stages(_Section):
             return
         for i in range(1, len(self.splits)):
             if self.splits[i] <= self.splits[i - 1]:
-                raise _FieldError(
+                raise FieldError(
                     f"splits[{i}]",
                     f"split point {self.splits[i]} follows {self.splits[i - 1]} — split points must be strictly "
                     "increasing block indices",
@@ -106,7 +95,7 @@ class Stages(_Section):
         if self.count is UNSET:
             msgspec.structs.force_setattr(self, "count", implied)
         elif self.count != implied:
-            raise _FieldError(
+            raise FieldError(
                 "count",
                 f"count is {self.count} but {len(self.splits)} split points make {implied} stages — "
                 f"set count: {implied} or leave count out",
@@ -141,9 +130,9 @@ class TransportSection(_Section):
     def __post_init__(self) -> None:
         if self.kind not in registry.TRANSPORTS:
             known = ", ".join(sorted(registry.TRANSPORTS))
-            raise _FieldError("kind", f"unknown transport kind {self.kind!r} — expected one of: {known}")
+            raise FieldError("kind", f"unknown transport kind {self.kind!r} — expected one of: {known}")
         if self.relay is not None and self.kind != "iroh":
-            raise _FieldError("relay", f"relay applies only to the iroh transport, not {self.kind!r} — "
+            raise FieldError("relay", f"relay applies only to the iroh transport, not {self.kind!r} — "
                                        "remove relay or set kind: iroh")
 
 
@@ -168,7 +157,7 @@ class DockerSettings(_Section):
 
     def __post_init__(self) -> None:
         if self.image is not None and self.base_image is not None:
-            raise _FieldError("base_image", "base_image applies only when the image is built, and image is given — "
+            raise FieldError("base_image", "base_image applies only when the image is built, and image is given — "
                                             "keep one of them")
 
 
@@ -206,12 +195,12 @@ class ProviderSection(_Section):
     def __post_init__(self) -> None:
         if self.kind not in registry.PROVIDERS:
             known = ", ".join(sorted(registry.PROVIDERS))
-            raise _FieldError("kind", f"unknown provider kind {self.kind!r} — expected one of: {known}")
+            raise FieldError("kind", f"unknown provider kind {self.kind!r} — expected one of: {known}")
         if self.docker is not None and self.kind != "docker":
-            raise _FieldError("docker", f"docker settings apply only to kind docker, not {self.kind!r} — "
+            raise FieldError("docker", f"docker settings apply only to kind docker, not {self.kind!r} — "
                                         "remove them or set kind: docker")
         if self.vastai is not None and self.kind != "vastai":
-            raise _FieldError("vastai", f"vastai settings apply only to kind vastai, not {self.kind!r} — "
+            raise FieldError("vastai", f"vastai settings apply only to kind vastai, not {self.kind!r} — "
                                         "remove them or set kind: vastai")
         if self.kind == "vastai" and self.vastai is None:
             msgspec.structs.force_setattr(self, "vastai", VastaiSettings())
@@ -293,10 +282,10 @@ class Scenario(_Section):
     def __post_init__(self) -> None:
         for i, fault in enumerate(self.faults):
             if fault.stage >= self.stages.num_stages:
-                raise _FieldError(f"faults[{i}].stage", f"stage {fault.stage} does not exist in a "
+                raise FieldError(f"faults[{i}].stage", f"stage {fault.stage} does not exist in a "
                                   f"{self.stages.num_stages}-stage run — use 0..{self.stages.num_stages - 1}")
         if self.request.max_tokens >= self.model.max_context:
-            raise _FieldError(
+            raise FieldError(
                 "request.max_tokens",
                 f"{self.request.max_tokens} tokens do not fit max_context {self.model.max_context} — "
                 "lower max_tokens or raise model.max_context",
@@ -318,9 +307,9 @@ def load_scenario(path: str | Path) -> Scenario:
     try:
         scenario = msgspec.yaml.decode(text, type=Scenario)
     except msgspec.ValidationError as exc:
-        raise ScenarioError(f"{src}: {_explain(exc, _untyped(text))}") from None
+        raise ScenarioError(f"{src}: {explain(exc, untyped(text), Scenario, SCENARIO_VERSION)}") from None
     except msgspec.DecodeError as exc:
-        raise ScenarioError(f"{src}: {_explain_yaml(exc)}") from None
+        raise ScenarioError(f"{src}: {explain_yaml(exc)}") from None
     if not scenario.name:
         scenario = msgspec.structs.replace(scenario, name=path.stem)
     blocks = _known_blocks(scenario)
@@ -409,7 +398,7 @@ def scenario_from_args(
     try:
         checked = msgspec.convert(raw, type=Scenario)
     except msgspec.ValidationError as exc:
-        raise ScenarioError(f"<arguments>: {_explain(exc, raw)}") from None
+        raise ScenarioError(f"<arguments>: {explain(exc, raw, Scenario, SCENARIO_VERSION)}") from None
     blocks = _known_blocks(checked)
     if blocks is not None:
         check_against_model(checked, blocks, source="<arguments>")
@@ -420,7 +409,7 @@ def _set(obj: Any, where: str, **changes: Any) -> Any:
     """``msgspec.structs.replace`` whose failed checks become ``ScenarioError`` naming ``where``'s field."""
     try:
         return msgspec.structs.replace(obj, **changes)
-    except _FieldError as exc:
+    except FieldError as exc:
         sub = f"{'' if exc.field.startswith('[') else '.'}{exc.field}" if exc.field else ""
         raise ScenarioError(f"<arguments>: {where}{sub}: {exc}") from None
     except (ValueError, TypeError) as exc:
@@ -440,112 +429,6 @@ def scenario_schema() -> dict[str, Any]:
 
 
 # --- error messages -----------------------------------------------------------------------------------------------
-
-_AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>\$[^`]*)`)?$", re.S)
-_SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
-_MISSING = object()
-_YAML_WORDS = {"object": "a mapping", "array": "a list", "null": "null"}
-
-
-def _explain(exc: msgspec.ValidationError, raw: Any) -> str:
-    """One line for a validation error: the ``$.path``, what was wrong, and what is expected."""
-    m = _AT.match(str(exc))
-    assert m is not None
-    msg, path = m["msg"], m["path"] or "$"
-    cause = exc.__cause__
-    if isinstance(cause, _FieldError):
-        sub = cause.field
-        full = path if not sub else f"{path}{'' if sub.startswith('[') else '.'}{sub}"
-        return f"{full}: {cause}"
-    got = _raw_at(raw, path)
-    shown = "" if got is _MISSING else f" {got!r}"
-    if mm := re.fullmatch(r"Object contains unknown field `(.+)`", msg):
-        field, valid = mm[1], _field_names(path)
-        close = difflib.get_close_matches(field, valid, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return f"unknown field {field!r} at {path} — expected one of: {', '.join(valid)}{hint}"
-    if mm := re.fullmatch(r"Object missing required field `(.+)`", msg):
-        example = f"{mm[1]}: {SCENARIO_VERSION}" if mm[1] == "version" else f"{mm[1]}: ..."
-        return f"{path}: missing required field {mm[1]!r} — add `{example}`"
-    if re.fullmatch(r"Invalid enum value .+", msg):
-        if path == "$.version":
-            return f"{path}: unsupported scenario version{shown} — this ppharness reads version 1; set `version: 1`"
-        allowed = ", ".join(str(v) for v in _literal_values(path))
-        return f"{path}:{shown or ' this value'} is not allowed — expected one of: {allowed}"
-    if mm := re.fullmatch(r"Expected `(.+?)`, got `(.+?)`", msg):
-        if path == "$" and got is None:
-            return "$: the file is empty — a scenario needs at least `version: 1`"
-        expected, actual = (_YAML_WORDS.get(w, w) for w in (mm[1], mm[2]))
-        return f"{path}: expected {expected}, got {actual}{shown if actual not in _YAML_WORDS.values() else ''}"
-    if msg.startswith("Expected "):
-        return f"{path}: expected {msg[len('Expected '):].replace('`', '')}, got{shown or ' something else'}"
-    return f"{path}: {msg}"
-
-
-def _explain_yaml(exc: msgspec.DecodeError) -> str:
-    cause = exc.__cause__ or exc.__context__
-    mark = getattr(cause, "problem_mark", None) or getattr(cause, "context_mark", None)
-    problem = getattr(cause, "problem", None) or str(exc).splitlines()[0]
-    if mark is not None:
-        return f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {problem}"
-    m = re.search(r"line (\d+), column (\d+)", str(exc))
-    where = f" at line {m[1]}, column {m[2]}" if m else ""
-    return f"not valid YAML{where}: {problem}"
-
-
-def _segments(path: str) -> Iterator[str | int]:
-    for m in _SEGMENT.finditer(path[1:]):
-        yield m[1] if m[1] is not None else int(m[2])
-
-
-def _flat(t: mi.Type) -> Iterator[mi.Type]:
-    if isinstance(t, mi.Metadata):
-        yield from _flat(t.type)
-    elif isinstance(t, mi.UnionType):
-        for u in t.types:
-            yield from _flat(u)
-    else:
-        yield t
-
-
-def _type_at(path: str) -> list[mi.Type]:
-    """The possible types of the value at ``path`` (a union flattened), walking from ``Scenario``."""
-    types: list[mi.Type] = list(_flat(mi.type_info(Scenario)))
-    for seg in _segments(path):
-        nxt: list[mi.Type] = []
-        for t in types:
-            if isinstance(seg, str) and isinstance(t, mi.StructType):
-                nxt += [u for f in t.fields if f.encode_name == seg for u in _flat(f.type)]
-            elif isinstance(seg, int) and isinstance(t, (mi.ListType, mi.VarTupleType)):
-                nxt += list(_flat(t.item_type))
-        types = nxt
-    return types
-
-
-def _field_names(path: str) -> list[str]:
-    return [f.encode_name for t in _type_at(path) if isinstance(t, mi.StructType) for f in t.fields]
-
-
-def _literal_values(path: str) -> list[Any]:
-    return [v for t in _type_at(path) if isinstance(t, mi.LiteralType) for v in t.values]
-
-
-def _untyped(text: str) -> Any:
-    try:
-        return msgspec.yaml.decode(text)
-    except msgspec.DecodeError:
-        return _MISSING
-
-
-def _raw_at(raw: Any, path: str) -> Any:
-    node = raw
-    for seg in _segments(path):
-        try:
-            node = node[seg]
-        except (KeyError, IndexError, TypeError):
-            return _MISSING
-    return node
-
 
 if __name__ == "__main__":
     print(json.dumps(scenario_schema(), indent=2))

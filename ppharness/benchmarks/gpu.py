@@ -66,7 +66,7 @@ def run_gpu_bench(device: str, preset: str, stage_counts: list[int], transports:
                   prompt_tokens: int, repeats: int, check_tokens: int, out_dir: str, hf: bool,
                   progress: Callable[[str], None]) -> GpuBench:
     os.environ["DEV"] = device.upper()  # this process and every stage process it starts
-    from ppharness.modelfile import PRESETS, resolve_model
+    from ppharness.modelfile import resolve_model
     from ppharness.node import device_bytes, warm_up
     from ppharness.oracle import oracle_decode
     from ppharness.orchestrator import Chain
