@@ -5,9 +5,11 @@ Every command exits 0 on success and 1 with a one-line reason on any failure, af
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -25,6 +27,21 @@ def _fail(reason: str, exc: BaseException | None = None) -> NoReturn:
     sys.exit(1)
 
 
+@contextlib.contextmanager
+def _exit_1_on_failure(before_exit: Callable[[], object] = lambda: None) -> Iterator[None]:
+    """Around long work: SIGTERM behaves like Ctrl-C, and a HarnessError or an interrupt ends the command with exit 1
+    and one line, after ``before_exit`` (e.g. the run's last sweep)."""
+    _sigterm_as_interrupt()
+    try:
+        yield
+    except HarnessError as exc:
+        before_exit()
+        _fail(str(exc), exc)
+    except KeyboardInterrupt:
+        before_exit()
+        _fail("interrupted; every node was stopped")
+
+
 def _sigterm_as_interrupt() -> None:
     """SIGTERM takes the same clean path as Ctrl-C: unwind, destroy every node, exit 1."""
 
@@ -32,6 +49,11 @@ def _sigterm_as_interrupt() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def _kinds(csv: str) -> list[str]:
+    """``"zmq, iroh"`` -> ``["zmq", "iroh"]``."""
+    return [t.strip() for t in csv.split(",") if t.strip()]
 
 
 def _human_bytes(n: int) -> str:
@@ -82,18 +104,11 @@ def run_and_report(scenario: Any, quiet: bool = False, run_label: str | None = N
 
     import uuid
 
-    _sigterm_as_interrupt()
     run_label = run_label or f"pp-{uuid.uuid4().hex[:8]}"
-    try:
-        trace_path = trace_path or scenario.trace.path
-        trace_on = bool(trace_path) or (scenario.trace.enabled if trace is None else trace)
+    trace_path = trace_path or scenario.trace.path
+    trace_on = bool(trace_path) or (scenario.trace.enabled if trace is None else trace)
+    with _exit_1_on_failure(lambda: _reap_own(scenario.provider.kind, run_label)):
         result = run_scenario(scenario, progress=Progress(quiet=quiet), run_label=run_label, trace=trace_on)
-    except HarnessError as exc:
-        _reap_own(scenario.provider.kind, run_label)
-        _fail(str(exc), exc)
-    except KeyboardInterrupt:
-        _reap_own(scenario.provider.kind, run_label)
-        _fail("interrupted; every node was stopped")
     if _reap_own(scenario.provider.kind, run_label):
         _fail(f"resources of run {run_label} outlived it and were reaped")
     print_summary(result)
@@ -301,14 +316,8 @@ def bench(ctx: click.Context, num_stages: int, transports: str, tokens: int, rep
     from ppharness.benchmarks.chain import report, run_chain_bench
     from ppharness.orchestrator import Progress
 
-    _sigterm_as_interrupt()
-    try:
-        res = run_chain_bench(preset, num_stages, [t.strip() for t in transports.split(",") if t.strip()], tokens,
-                              repeats, out_dir, sweep, Progress())
-    except HarnessError as exc:
-        _fail(str(exc), exc)
-    except KeyboardInterrupt:
-        _fail("interrupted; every node was stopped")
+    with _exit_1_on_failure():
+        res = run_chain_bench(preset, num_stages, _kinds(transports), tokens, repeats, out_dir, sweep, Progress())
     click.echo(report(res))
     click.echo(f"\nwritten: {out_dir}/bench.json, {out_dir}/bench.png")
 
@@ -322,10 +331,8 @@ def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) 
     """Round-trip latency p50/p99 per payload size: raw libraries vs ppharness transports, with ratios."""
     from ppharness.benchmarks.transport import run_transport_bench
 
-    try:
-        run_transport_bench([int(x) for x in sizes.split(",")], repeats, kinds.split(","), json_out)
-    except HarnessError as exc:
-        _fail(str(exc))
+    with _exit_1_on_failure():
+        run_transport_bench([int(x) for x in sizes.split(",")], repeats, _kinds(kinds), json_out)
 
 
 @main.command("vastai-emulator")
@@ -384,15 +391,9 @@ def bench_gpu(device: str, preset: str, stages: str, transports: str, tokens: in
     from ppharness.benchmarks.gpu import report, run_gpu_bench
     from ppharness.orchestrator import Progress
 
-    _sigterm_as_interrupt()
-    try:
-        res = run_gpu_bench(device, preset, [int(x) for x in stages.split(",")],
-                            [t.strip() for t in transports.split(",") if t.strip()], tokens, prompt_tokens, repeats,
-                            check_tokens, out_dir, hf, Progress())
-    except HarnessError as exc:
-        _fail(str(exc), exc)
-    except KeyboardInterrupt:
-        _fail("interrupted; every node was stopped")
+    with _exit_1_on_failure():
+        res = run_gpu_bench(device, preset, [int(x) for x in stages.split(",")], _kinds(transports), tokens,
+                            prompt_tokens, repeats, check_tokens, out_dir, hf, Progress())
     click.echo(report(res))
     click.echo(f"\nwritten: {out_dir}/gpu-bench.json, {out_dir}/gpu-bench.png")
     if any(c.tokens_match_oracle is False for c in res.contenders):
@@ -410,10 +411,8 @@ def bench_failover(num_stages: int, runs: int, sig: str, engine: str) -> None:
     from ppharness.benchmarks.failover import report, run_failover_bench
     from ppharness.orchestrator import Progress
 
-    try:
+    with _exit_1_on_failure():
         results = run_failover_bench(num_stages, runs, sig, engine, Progress())
-    except HarnessError as exc:
-        _fail(str(exc), exc)
     click.echo(report(results, num_stages, sig, engine))
 
 

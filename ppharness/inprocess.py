@@ -39,15 +39,13 @@ def load_slices(gguf_file: Any, ranges: list[tuple[int, int]], max_context: int 
 def run_inprocess(gguf_file: Any, slices: list[Any], prompt: str, max_tokens: int, wire_dtype: str = "f16",
                   plan_id: str = "inprocess") -> InferenceResponse:
     """Serve one request through ``slices`` (stage order) and return the last stage's response."""
-    from ppharness.slicing import tokenizer_from
-
     memory = transport_class("memory")
     n = len(slices)
     transports = [memory() for _ in range(n + 1)]
     try:
         addrs = [t.start() for t in transports]
         names = {name: addrs[i] for i in range(n) for name in names_of(i, n)}
-        tok = tokenizer_from(gguf_file.kv)
+        tok = gguf_file.tokenizer
         stages = [Stage(i, n, slices[i], transports[i], names, plan_id, wire_dtype,
                         tok if i in (0, n - 1) else None, log=lambda _: None) for i in range(n)]
         client = transports[n]

@@ -88,12 +88,12 @@ def make_transport(kind: str, env: dict[str, str]) -> Any:
 def load_stage_model(model_source: str, plan: StagePlan) -> tuple[Any, Any, float]:
     """(ModelSlice, tokenizer or None, seconds): only this stage's tensors, decode step compiled and warmed."""
     from ppharness.modelfile import resolve_model
-    from ppharness.slicing import GGUFFile, ModelSlice, tokenizer_from
+    from ppharness.slicing import GGUFFile, ModelSlice
 
     t0 = time.monotonic()
     gguf_file = GGUFFile(resolve_model(model_source))
     model = ModelSlice(gguf_file, plan.lo, plan.hi, plan.first, plan.last, plan.max_context)
-    tokenizer = tokenizer_from(gguf_file.kv) if plan.first or plan.last else None
+    tokenizer = gguf_file.tokenizer if plan.first or plan.last else None
     warm_up(model)
     return model, tokenizer, time.monotonic() - t0
 

@@ -24,16 +24,18 @@ class OracleResult:
 
 def oracle_decode(model_path: str | os.PathLike[str], prompt: str, max_tokens: int, max_context: int = 256,
                   model: object | None = None) -> OracleResult:
-    """Greedy decode of ``prompt`` with the whole model in this process. ``model`` reuses an already loaded one."""
+    """Greedy decode of ``prompt`` with the whole model in this process. ``model`` reuses an already loaded one
+    (its file and tokenizer too)."""
     from ppharness.node import warm_up
-    from ppharness.slicing import GGUFFile, ModelSlice, tokenizer_from
+    from ppharness.slicing import GGUFFile, ModelSlice
 
     t0 = time.monotonic()
-    f = GGUFFile(Path(model_path))
     if model is None:
+        f = GGUFFile(Path(model_path))
         model = ModelSlice(f, 0, f.config.blocks, True, True, max_context)
         warm_up(model)
-    tok = tokenizer_from(f.kv)
+    f = model.file  # type: ignore[attr-defined]
+    tok = f.tokenizer
     load_s = time.monotonic() - t0
     cfg = f.config
     ids = ([cfg.bos_id] if cfg.bos_id is not None else []) + tok.encode(prompt)

@@ -76,14 +76,11 @@ class RunResult:
 
     @property
     def decode_s(self) -> float:
-        t = self.response.token_times
-        return t[-1] - t[0] if len(t) > 1 else 0.0
+        return decode_span(self.response)
 
     @property
     def decode_tok_s(self) -> float:
-        """Tokens per second after the first token, on the last stage's clock."""
-        n = len(self.response.token_times)
-        return (n - 1) / self.decode_s if self.decode_s > 0 else 0.0
+        return decode_tok_s(self.response)
 
     @property
     def ttft_s(self) -> float:
@@ -95,17 +92,26 @@ class RunResult:
         return None if self.oracle is None else self.response.token_ids == self.oracle.token_ids
 
 
+def decode_span(response: InferenceResponse) -> float:
+    """Seconds from the first token to the last, on the last stage's clock."""
+    t = response.token_times
+    return t[-1] - t[0] if len(t) > 1 else 0.0
+
+
+def decode_tok_s(response: InferenceResponse) -> float:
+    """Tokens per second after the first token, on the last stage's clock."""
+    span = decode_span(response)
+    return (len(response.token_times) - 1) / span if span > 0 else 0.0
+
+
 def model_source(scenario: Any) -> tuple[str, str | None]:
     """The scenario's model as a source string for ``resolve_model`` (and its sha256)."""
-    from dataclasses import asdict
-
     from ppharness.modelfile import preset_spec, synthetic_source
 
     m = scenario.model
     if m.synthetic is not None:
         s = m.synthetic
         spec = preset_spec(s.preset, seed=s.seed, blocks=s.blocks, dim=s.dim, tied_embeddings=s.tied_embeddings)
-        asdict(spec)  # validated by ModelSpec.__post_init__
         return synthetic_source(spec), None
     return m.gguf, m.sha256
 
@@ -305,6 +311,12 @@ class Chain:
         self._wait(on_response, self.scenario.budget.total_s, "the InferenceResponse from the last stage", "decoding")
         return got[0], time.monotonic() - t0
 
+    def trace_of(self, response: InferenceResponse) -> Any:
+        """The per-token trace of a request this chain served (its stages must trace)."""
+        from ppharness.trace import build_trace
+
+        return build_trace(self.collect_trace(response.request_id), self.offsets_ns, response, self.plan.num_stages)
+
     def collect_trace(self, request_id: str) -> list[TraceReport]:
         """Every stage's spans for ``request_id`` (stage order)."""
         for j in self.directory.joins.values():
@@ -342,14 +354,10 @@ def run_scenario(scenario: Any, progress: Callable[[str], None] = Progress(), ru
     with Chain(scenario, progress, run_label, log_dir, trace=trace) as chain:
         progress(f"request: {req.max_tokens} tokens after {req.prompt!r}")
         response, request_s = chain.request(req.prompt, req.max_tokens)
-        traces = chain.collect_trace(response.request_id) if trace else []
+        traced = chain.trace_of(response) if trace else None
     n = chain.plan.num_stages
     result = RunResult(scenario=scenario.name, run_label=chain.run_label, plan=chain.plan, response=response,
-                       request_s=request_s, stages=chain.reports, model_path=chain.model_path)
-    if trace:
-        from ppharness.trace import build_trace
-
-        result.trace = build_trace(traces, chain.offsets_ns, response, n)
+                       request_s=request_s, stages=chain.reports, model_path=chain.model_path, trace=traced)
     if scenario.expect.non_empty and not response.token_ids:
         raise StageError(f"stage {n - 1} (last) reported done with no text ({response.finish_reason})")
     if scenario.expect.match_oracle:

@@ -196,12 +196,10 @@ class ProviderSection(_Section):
         if self.kind not in registry.PROVIDERS:
             known = ", ".join(sorted(registry.PROVIDERS))
             raise FieldError("kind", f"unknown provider kind {self.kind!r} — expected one of: {known}")
-        if self.docker is not None and self.kind != "docker":
-            raise FieldError("docker", f"docker settings apply only to kind docker, not {self.kind!r} — "
-                                        "remove them or set kind: docker")
-        if self.vastai is not None and self.kind != "vastai":
-            raise FieldError("vastai", f"vastai settings apply only to kind vastai, not {self.kind!r} — "
-                                        "remove them or set kind: vastai")
+        for kind in ("local", "docker", "vastai"):  # each settings field is named after its provider kind
+            if getattr(self, kind) is not None and self.kind != kind:
+                raise FieldError(kind, f"{kind} settings apply only to kind {kind}, not {self.kind!r} — "
+                                       f"remove them or set kind: {kind}")
         if self.kind == "vastai" and self.vastai is None:
             msgspec.structs.force_setattr(self, "vastai", VastaiSettings())
 

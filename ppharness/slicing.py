@@ -11,6 +11,7 @@ runs are the same whatever the split, and an fp16 (or f32) wire gives token-for-
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -110,6 +111,11 @@ class GGUFFile:
     def names(self) -> list[str]:
         return list(self._tensors)
 
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The file's tokenizer, built once (building one compiles a large regex: most of a second)."""
+        return tokenizer_from(self.kv)
+
 
 def tokenizer_from(kv: dict[str, Any]) -> Any:
     from tinygrad.apps.llm import SimpleTokenizer
@@ -158,7 +164,7 @@ class ModelSlice:
         cfg = gguf_file.config
         if not 0 <= lo < hi <= cfg.blocks and not (lo == hi and first and last and cfg.blocks == 0):
             raise ModelError(f"block range [{lo}, {hi}) is not inside the model's {cfg.blocks} blocks")
-        self.config, self.lo, self.hi, self.first, self.last = cfg, lo, hi, first, last
+        self.file, self.config, self.lo, self.hi, self.first, self.last = gguf_file, cfg, lo, hi, first, last
         self.max_context = min(max_context or cfg.context, cfg.context)
         self.blk = [TransformerBlock(cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.norm_eps, cfg.head_dim,
                                      cfg.rope_theta, self.max_context) for _ in range(hi - lo)]

@@ -79,6 +79,14 @@ class Trace:
             f.write(self.jsonl())
         return [path, jsonl]
 
+    def p50_parts(self) -> dict[str, float]:
+        """Over the decode tokens: the p50 of every component, of "other", and of the whole ("per token"), in ms."""
+        rows = self.decode or self.records
+        out = {name: percentile([r.parts.get(name, 0.0) for r in rows], 50) for name in self.components()}
+        out["other"] = percentile([r.other_ms for r in rows], 50)
+        out["per token"] = percentile([r.total_ms for r in rows], 50)
+        return out
+
     def summary(self) -> str:
         """A small table: per component p50/p99 over decode tokens, bytes per hop, share of the per-token time."""
         rows = self.decode or self.records
@@ -87,18 +95,20 @@ class Trace:
         totals = [r.total_ms for r in rows]
         total_sum = sum(totals)
         prefill = self.records[0].total_ms if self.records and self.records[0].step == 0 else float("nan")
-        lines = [f"per token (decode, {len(rows)} tokens): p50 {_pct(totals, 50):.3f} ms, p99 {_pct(totals, 99):.3f} ms,"
+        lines = [f"per token (decode, {len(rows)} tokens): p50 {percentile(totals, 50):.3f} ms, "
+                 f"p99 {percentile(totals, 99):.3f} ms,"
                  f" {1000 / statistics.median(totals):.1f} tok/s; first token (prefill) {prefill:.1f} ms",
                  f"{'component':<22} {'p50 ms':>9} {'p99 ms':>9} {'bytes':>8} {'share':>7}"]
         for name in self.components() + ["other"]:
             vals = [r.other_ms if name == "other" else r.parts.get(name, 0.0) for r in rows]
             nbytes = rows[-1].hop_bytes.get(name.removeprefix("hop "), 0) if name.startswith("hop") else 0
-            lines.append(f"{name:<22} {_pct(vals, 50):>9.3f} {_pct(vals, 99):>9.3f} "
+            lines.append(f"{name:<22} {percentile(vals, 50):>9.3f} {percentile(vals, 99):>9.3f} "
                          f"{nbytes if nbytes else '':>8} {100 * sum(vals) / total_sum:>6.1f}%")
         return "\n".join(lines)
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by nearest rank; NaN for no values."""
     s = sorted(values)
     if not s:
         return float("nan")

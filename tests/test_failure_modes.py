@@ -15,6 +15,7 @@ import pytest
 
 from backends.local import labelled_pids
 from ppharness.scenario import FaultSection, LocalSettings, scenario_from_args
+from ppharness.watched import WatchedRun
 
 pytestmark = pytest.mark.local
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,23 +101,13 @@ def test_reap_command_destroys_a_crashed_runs_leftovers():
 @pytest.mark.parametrize("phase", ["membership:", "joined", "ready", "request:"])
 def test_sigint_at_any_phase_stops_everything(tmp_path, phase):
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen([sys.executable, "-m", "ppharness.cli_smoke", "--scenario",
-                             str(_write(tmp_path, max_tokens=200)), "--run-label", label],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    lines = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if phase in line:
-                break
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(lines) + rest
-    assert proc.returncode == 1, out
+    cmd = [sys.executable, "-m", "ppharness.cli_smoke", "--scenario", str(_write(tmp_path, max_tokens=200)),
+           "--run-label", label]
+    with WatchedRun(cmd, cwd=ROOT) as run:
+        run.until(phase)
+        run.proc.send_signal(signal.SIGINT)
+        out = run.finish(timeout=60)
+    assert run.returncode == 1, out
     assert "FAILED: interrupted" in out
     assert not labelled_pids(label)
 

@@ -15,6 +15,7 @@ import pytest
 from backends.local import labelled_pids
 from ppharness.orchestrator import Progress, run_scenario
 from ppharness.scenario import load_scenario, scenario_from_args
+from ppharness.watched import WatchedRun
 
 pytestmark = pytest.mark.local
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,66 +57,33 @@ def test_scenario_option(scenario_option):
     _assert_chain_ok(result, scenario.stages.count)
 
 
-def _smoke(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "ppharness.cli_smoke", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-
-
-def test_sigkill_of_a_stage_fails_the_run_and_leaves_nothing():
+@pytest.mark.parametrize("transport", ["zmq", "iroh"])
+def test_sigkill_of_a_stage_fails_the_run_and_leaves_nothing(transport):
     label = _label()
-    proc = _smoke("--num-stages", "3", "--max-tokens", "200", "--run-label", label)
-    lines = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "request:" in line:  # every stage is ready and decoding has begun
-                break
-        else:
-            pytest.fail("pp-smoke-run never reached the request:\n" + "".join(lines))
+    cmd = [sys.executable, "-m", "ppharness.cli_smoke", "--num-stages", "3", "--transport", transport,
+           "--max-tokens", "200", "--run-label", label]
+    with WatchedRun(cmd, cwd=ROOT) as run:
+        run.until("request:")  # every stage is ready and decoding has begun
         time.sleep(0.3)
         victims = labelled_pids(label)
         assert len(victims) >= 3, f"expected 3 pp-node processes, found {victims}"
         os.kill(victims[1], signal.SIGKILL)
         killed_at = time.monotonic()
-        out, _ = proc.communicate(timeout=60)
+        output = run.finish(timeout=60)
         elapsed = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    output = "".join(lines) + out
-    assert proc.returncode == 1, output
+    assert run.returncode == 1, output
     assert elapsed < 30, f"took {elapsed:.1f} s to notice the dead stage"
     assert "FAILED" in output and "exited with code -9" in output, output
     assert not labelled_pids(label), "pp-node processes outlived the failed run"
 
 
-def test_sigint_of_smoke_run_stops_every_node():
-    label = _label()
-    proc = _smoke("--num-stages", "2", "--run-label", label)
-    try:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "joined" in line:
-                break
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, "".join(lines) + out
-    assert "interrupted" in out
-    assert not labelled_pids(label)
-
-
 def test_typo_in_scenario_is_rejected_before_anything_starts(tmp_path):
     bad = tmp_path / "typo.yaml"
     bad.write_text((ROOT / "scenarios" / "smoke-2stage-local.yaml").read_text().replace("max_tokens:", "max_tokns:"))
-    proc = _smoke("--scenario", str(bad))
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 1
+    r = subprocess.run([sys.executable, "-m", "ppharness.cli_smoke", "--scenario", str(bad)], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1
     assert str(bad) in out and "max_tokns" in out and "$.request" in out, out
     assert "starting" not in out
 

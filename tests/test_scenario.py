@@ -266,3 +266,13 @@ def test_wan_template_passes_scenario_check(tmp_path: Path) -> None:
     assert check(local) == (0, f"ok: {local}\n")
     s = load_scenario(local)
     assert (s.transport.kind, s.transport.relay, s.model.synthetic.preset) == ("iroh", "default", "llama-3.2-1b")
+
+
+@pytest.mark.parametrize("kind", ["local", "docker", "vastai"])
+def test_provider_settings_of_another_kind_are_rejected(tmp_path, kind):
+    other = "local" if kind == "docker" else "docker"
+    path = tmp_path / "s.yaml"
+    path.write_text(f"version: 1\nprovider:\n  kind: {other}\n  {kind}: {{}}\n")
+    with pytest.raises(ScenarioError, match=rf"\$\.provider\.{kind}: {kind} settings apply only to kind {kind}, "
+                                            rf"not '{other}'"):
+        load_scenario(path)

@@ -10,7 +10,6 @@ from ppharness.inprocess import load_slices
 from ppharness.messages import Error, InferenceRequest, NextToken, RequestOpen, StageActivation
 from ppharness.plan import names_of
 from ppharness.registry import transport_class
-from ppharness.slicing import tokenizer_from
 from ppharness.stage import Stage
 
 
@@ -24,7 +23,7 @@ def two_stage(tiny_gguf):
     names = {name: addrs[i] for i in range(2) for name in names_of(i, 2)}
     logs: list[str] = []
     slices = load_slices(tiny_gguf, [(0, 4), (4, 8)], cache=_cache)
-    stage = Stage(1, 2, slices[1], t1, names, "plan-a", tokenizer=tokenizer_from(tiny_gguf.kv), log=logs.append)
+    stage = Stage(1, 2, slices[1], t1, names, "plan-a", tokenizer=tiny_gguf.tokenizer, log=logs.append)
     yield stage, t0, client, logs, slices
     for t in (t0, t1, client):
         t.close()
@@ -100,7 +99,7 @@ def test_first_stage_rejects_impossible_max_tokens(tiny_gguf):
     t0.start(), client.start()
     names = {n: t0.address for n in names_of(0, 1)}
     stage = Stage(0, 1, load_slices(tiny_gguf, [(0, 8)], cache=_cache)[0], t0, names, "p",
-                  tokenizer=tokenizer_from(tiny_gguf.kv), log=lambda _: None)
+                  tokenizer=tiny_gguf.tokenizer, log=lambda _: None)
     stage.handle(client.address, InferenceRequest(reply_to=client.address, prompt="hi", max_tokens=10_000))
     _, msg = client.recv(0)
     assert isinstance(msg, Error) and "max_tokens 10000" in msg.reason

@@ -23,6 +23,7 @@ from backends.local import labelled_pids
 from ppharness.errors import HarnessError, NotReady, ProvisionFailed
 from ppharness.orchestrator import Progress, run_scenario
 from ppharness.scenario import load_scenario, scenario_from_args
+from ppharness.watched import WatchedRun
 
 pytestmark = pytest.mark.vastai
 ROOT = Path(__file__).resolve().parent.parent
@@ -305,18 +306,12 @@ def test_leftovers_of_a_killed_run_are_reaped_by_label(vastai_api, tmp_path):
     needs_emulator(vastai_api)
     emu, label = vastai_api.emulator, _label()
     path = write_scenario(vastai_scenario(vastai_api, 2), tmp_path / "crash.yaml")
-    with subprocess.Popen([sys.executable, "-m", "ppharness.cli_smoke", "--vastai", "--scenario", path,
-                           "--run-label", label], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT) as proc:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "joined" in line:
-                break
-        proc.kill()  # SIGKILL: no clean-up runs in pp-smoke-run
-        proc.wait(30)
-    assert len([i for i in emu.live_instances() if i["label"] == label]) == 2, "".join(lines)
+    with WatchedRun([sys.executable, "-m", "ppharness.cli_smoke", "--vastai", "--scenario", path, "--run-label",
+                     label], cwd=ROOT) as run:
+        run.until("joined")
+        run.proc.kill()  # SIGKILL: no clean-up runs in pp-smoke-run
+        run.proc.wait(30)
+    assert len([i for i in emu.live_instances() if i["label"] == label]) == 2, "".join(run.lines)
     reap = subprocess.run([sys.executable, "-m", "ppharness.cli", "reap", "--provider", "vastai", "--label", label],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert reap.returncode == 0 and reap.stdout.count("vastai: instance") == 2, reap.stdout + reap.stderr

@@ -43,11 +43,6 @@ class BenchResult:
         return out
 
 
-def _decode_tok_s(response: Any) -> float:
-    t = response.token_times
-    return (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 0.0
-
-
 def _scenario(preset: str, n: int, kind: str, tokens: int, max_context: int) -> Any:
     import msgspec
 
@@ -76,7 +71,7 @@ def run_chain_bench(preset: str, num_stages: int, transports: list[str], tokens:
     """Measure; write ``bench.json`` and ``bench.png`` into ``out_dir``; return the result."""
     from ppharness.modelfile import PRESETS, resolve_model
     from ppharness.oracle import oracle_decode
-    from ppharness.orchestrator import Chain
+    from ppharness.orchestrator import Chain, decode_tok_s
     from ppharness.slicing import GGUFFile, ModelSlice
 
     if preset not in PRESETS:
@@ -107,7 +102,7 @@ def run_chain_bench(preset: str, num_stages: int, transports: list[str], tokens:
             res.single_tok_s.append(oracle_decode(path, PROMPT, tokens, max_context, model=single).decode_tok_s)
             for kind, chain in chains.items():
                 response, _ = chain.request(PROMPT, tokens)
-                res.chain_tok_s.setdefault(kind, []).append(_decode_tok_s(response))
+                res.chain_tok_s.setdefault(kind, []).append(decode_tok_s(response))
                 if kind == "zmq+trace" and r == repeats - 1:
                     _absorb_trace(res, chain, response)
             for kind, ms in _raw_rtt_ms(transports, res.activation_bytes, 50).items():
@@ -120,7 +115,7 @@ def run_chain_bench(preset: str, num_stages: int, transports: list[str], tokens:
             progress(f"tokens/s vs N: {n} stage(s) over zmq")
             with Chain(_scenario(preset, n, "zmq", tokens, max_context), progress=lambda _: None) as chain:
                 chain.request(PROMPT, tokens)
-                res.sweep_tok_s[n] = statistics.median(_decode_tok_s(chain.request(PROMPT, tokens)[0])
+                res.sweep_tok_s[n] = statistics.median(decode_tok_s(chain.request(PROMPT, tokens)[0])
                                                        for _ in range(max(1, repeats // 2)))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,16 +125,11 @@ def run_chain_bench(preset: str, num_stages: int, transports: list[str], tokens:
 
 
 def _absorb_trace(res: BenchResult, chain: Any, response: Any) -> None:
-    from ppharness.trace import _pct, build_trace
-
-    trace = build_trace(chain.collect_trace(response.request_id), chain.offsets_ns, response, chain.plan.num_stages)
+    trace = chain.trace_of(response)
     rows = trace.decode
-    res.per_token_ms = _pct([r.total_ms for r in rows], 50)
-    for name in trace.components():
-        res.components_ms[name] = _pct([r.parts.get(name, 0.0) for r in rows], 50)
-        if name.startswith("hop "):
-            res.hop_p50_ms[name.removeprefix("hop ")] = res.components_ms[name]
-    res.components_ms["other"] = _pct([r.other_ms for r in rows], 50)
+    res.components_ms = trace.p50_parts()
+    res.per_token_ms = res.components_ms.pop("per token")
+    res.hop_p50_ms = {k.removeprefix("hop "): v for k, v in res.components_ms.items() if k.startswith("hop ")}
     res.components_share = statistics.median(sum(r.parts.values()) / r.total_ms for r in rows if r.total_ms > 0)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ppharness.errors import HarnessError
+from ppharness.watched import WatchedRun
 
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 
@@ -57,34 +57,23 @@ def run_once(num_stages: int, victim: int, sig: str, engine: str, timeout: float
     label = f"pp-failover-{uuid.uuid4().hex[:8]}"
     scenario = _scenario_file(num_stages, engine)
     cmd = [sys.executable, "-m", "ppharness.cli_smoke", "--scenario", scenario, "--no-trace", "--run-label", label]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "request:" in line:
-                break
-        else:
-            raise HarnessError("pp-smoke-run ended before decoding began:\n" + "".join(lines[-10:]))
-        time.sleep(0.5)  # well into decoding
-        pids = _labelled_pids(label)
-        stage_pids = [p for p in pids if _stage_of(p) == victim]
-        if not stage_pids:
-            raise HarnessError(f"no process of stage {victim} found among {pids}")
-        t0 = time.monotonic()
-        os.kill(stage_pids[0], SIGNALS[sig])
-        rest, _ = proc.communicate(timeout=timeout)
-        seconds = time.monotonic() - t0
+        with WatchedRun(cmd) as run:
+            run.until("request:")
+            time.sleep(0.5)  # well into decoding
+            pids = _labelled_pids(label)
+            stage_pids = [p for p in pids if _stage_of(p) == victim]
+            if not stage_pids:
+                raise HarnessError(f"no process of stage {victim} found among {pids}")
+            t0 = time.monotonic()
+            os.kill(stage_pids[0], SIGNALS[sig])
+            out = run.finish(timeout)
+            seconds = time.monotonic() - t0
     finally:
         os.unlink(scenario)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    out = "".join(lines) + rest
     reason = next((ln for ln in out.splitlines() if ln.startswith("FAILED: ")), "(no FAILED line)")
     left = _labelled_pids(label)
-    return FailoverRun(seconds=seconds, exit_code=proc.returncode, reason=reason, leftovers=len(left))
+    return FailoverRun(seconds=seconds, exit_code=run.returncode, reason=reason, leftovers=len(left))
 
 
 def _stage_of(pid: int) -> int | None:

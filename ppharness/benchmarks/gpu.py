@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ppharness.benchmarks.chain import _decode_tok_s, _scenario
+from ppharness.benchmarks.chain import _scenario
 
 
 @dataclass
@@ -69,16 +69,15 @@ def run_gpu_bench(device: str, preset: str, stage_counts: list[int], transports:
     from ppharness.modelfile import resolve_model
     from ppharness.node import device_bytes, warm_up
     from ppharness.oracle import oracle_decode
-    from ppharness.orchestrator import Chain
-    from ppharness.slicing import GGUFFile, ModelSlice, tokenizer_from
-    from ppharness.trace import _pct, build_trace
+    from ppharness.orchestrator import Chain, decode_span, decode_tok_s
+    from ppharness.slicing import GGUFFile, ModelSlice
 
     progress(f"model: synthetic {preset} (built once into the cache)")
     path = str(resolve_model(f"synthetic:{preset}"))
     f = GGUFFile(path)
     cfg = f.config
     max_context = prompt_tokens + tokens + 16
-    prompt = prompt_of(tokenizer_from(f.kv), cfg.bos_id, prompt_tokens)
+    prompt = prompt_of(f.tokenizer, cfg.bos_id, prompt_tokens)
     res = GpuBench(device=device, model=f"{preset}: {cfg.blocks} blocks, dim {cfg.dim}, FFN {cfg.ffn}, "
                    f"{cfg.heads}/{cfg.kv_heads} heads, vocab {cfg.vocab}", prompt_tokens=prompt_tokens, tokens=tokens)
 
@@ -110,18 +109,13 @@ def run_gpu_bench(device: str, preset: str, stage_counts: list[int], transports:
             with Chain(scenario, progress=lambda _: None, trace=True) as chain:
                 t0 = time.monotonic()
                 resp, request_s = chain.request(prompt, tokens)
-                c.ttft_cold_s = request_s - _decode_span(resp)
+                c.ttft_cold_s = request_s - decode_span(resp)
                 c.tokens_match_oracle = resp.token_ids[:check_tokens] == oracle_ids[:check_tokens]
                 for _ in range(repeats):
                     resp, request_s = chain.request(prompt, tokens)
-                    c.decode_tok_s.append(_decode_tok_s(resp))
-                    c.ttft_warm_s.append(request_s - _decode_span(resp))
-                trace = build_trace(chain.collect_trace(resp.request_id), chain.offsets_ns, resp, n)
-                rows = trace.decode
-                for name in trace.components():
-                    c.breakdown_ms[name] = _pct([r.parts.get(name, 0.0) for r in rows], 50)
-                c.breakdown_ms["other"] = _pct([r.other_ms for r in rows], 50)
-                c.breakdown_ms["per token"] = _pct([r.total_ms for r in rows], 50)
+                    c.decode_tok_s.append(decode_tok_s(resp))
+                    c.ttft_warm_s.append(request_s - decode_span(resp))
+                c.breakdown_ms = chain.trace_of(resp).p50_parts()
                 progress(f"{c.name}: {c.median_tok_s():.1f} tok/s ({time.monotonic() - t0:.0f} s)")
             c.device_mib = [s.device_bytes / 2**20 for s in chain.reports]
             res.contenders.append(c)
@@ -132,11 +126,6 @@ def run_gpu_bench(device: str, preset: str, stage_counts: list[int], transports:
     save()
     _plot(res, out / "gpu-bench.png")
     return res
-
-
-def _decode_span(resp: Any) -> float:
-    t = resp.token_times
-    return t[-1] - t[0] if len(t) > 1 else 0.0
 
 
 def hf_reference(cfg: Any, prompt_tokens: int, tokens: int, repeats: int, progress: Callable[[str], None],

@@ -29,6 +29,7 @@ from typing import Any, Callable
 from ppharness.errors import HarnessError
 from ppharness.messages import StageActivation
 from ppharness.registry import transport_class
+from ppharness.trace import percentile
 
 BATCH = 10
 WARMUP = 5
@@ -50,8 +51,8 @@ class Row:
 
 
 def _pct(samples: list[float], q: float) -> float:
-    s = sorted(samples)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))] * 1000
+    """Seconds in, the ``q``-quantile (0..1) out in ms."""
+    return percentile(samples, 100 * q) * 1000
 
 
 def _human(size: int) -> str:
