@@ -11,7 +11,7 @@ from ppharness.errors import HarnessError
 
 class WatchedRun:
     """``cmd`` started with stdout and stderr merged; ``until(marker)`` reads up to the first line containing it;
-    ``finish(timeout)`` waits for the end and returns all the output. Leaving the ``with`` kills it if still running."""
+    ``finish(timeout)`` waits for the end and returns all the output. Leaving the ``with`` kills it if still running and closes its pipe."""
 
     def __init__(self, cmd: list[str], **popen: object):
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -43,4 +43,6 @@ class WatchedRun:
                  tb: TracebackType | None) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+        self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
