@@ -6,10 +6,10 @@ tests use to try many splits quickly. Slices can be passed in (and kept between 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ppharness.errors import StageError, TransportTimeout
-from ppharness.messages import Error, InferenceRequest, InferenceResponse
+from ppharness.messages import Error, InferenceRequest, InferenceResponse, Message
 from ppharness.plan import ENTRY, names_of
 from ppharness.registry import transport_class
 from ppharness.stage import Stage
@@ -18,17 +18,17 @@ MAX_STEPS = 1_000_000
 
 
 def load_slices(gguf_file: Any, ranges: list[tuple[int, int]], max_context: int = 256,
-                cache: dict[tuple[int, int, bool, bool], Any] | None = None) -> list[Any]:
-    """One ModelSlice per range (from ``cache`` when it holds the same range and role)."""
+                cache: dict[tuple[int, int, bool, bool, bool], Any] | None = None, taps: bool = False) -> list[Any]:
+    """One ModelSlice per range (from ``cache`` when it holds the same range and role; ``taps`` as ModelSlice's)."""
     from ppharness.node import warm_up
     from ppharness.slicing import ModelSlice
 
     out = []
     n = len(ranges)
     for i, (lo, hi) in enumerate(ranges):
-        key = (lo, hi, i == 0, i == n - 1)
+        key = (lo, hi, i == 0, i == n - 1, taps)
         if cache is None or key not in cache:
-            s = ModelSlice(gguf_file, lo, hi, i == 0, i == n - 1, max_context)
+            s = ModelSlice(gguf_file, lo, hi, i == 0, i == n - 1, max_context, taps=taps)
             warm_up(s)
             if cache is not None:
                 cache[key] = s
@@ -37,8 +37,12 @@ def load_slices(gguf_file: Any, ranges: list[tuple[int, int]], max_context: int 
 
 
 def run_inprocess(gguf_file: Any, slices: list[Any], prompt: str, max_tokens: int, wire_dtype: str = "f16",
-                  plan_id: str = "inprocess") -> InferenceResponse:
-    """Serve one request through ``slices`` (stage order) and return the last stage's response."""
+                  plan_id: str = "inprocess", digests: dict[int, list[bytes]] | None = None,
+                  on_message: Callable[[int, Message], None] | None = None) -> InferenceResponse:
+    """Serve one request through ``slices`` (stage order) and return the last stage's response.
+
+    ``digests``, when given, receives each stage's digests of the hidden states it sent (ppharness.exactness);
+    ``on_message(stage, message)`` sees every message a stage receives, as decoded from the wire."""
     memory = transport_class("memory")
     n = len(slices)
     transports = [memory() for _ in range(n + 1)]
@@ -59,6 +63,8 @@ def run_inprocess(gguf_file: Any, slices: list[Any], prompt: str, max_tokens: in
                 except TransportTimeout:
                     continue
                 idle = False
+                if on_message is not None:
+                    on_message(stage.index, msg)
                 stage.handle(sender, msg)
             try:
                 _, reply = client.recv(0)
@@ -69,6 +75,8 @@ def run_inprocess(gguf_file: Any, slices: list[Any], prompt: str, max_tokens: in
             if isinstance(reply, Error):
                 raise StageError(f"stage {reply.stage}: {reply.reason}")
             assert isinstance(reply, InferenceResponse)
+            if digests is not None:
+                digests.update({s.index: s.digests.get("r0", []) for s in stages})
             return reply
         raise StageError(f"the in-process chain did not finish in {MAX_STEPS} steps")
     finally:

@@ -153,6 +153,21 @@ class TraceReport(_Msg):
     spans: list[Span]
 
 
+class DigestRequest(_Msg):
+    """Seed -> node: send me the digests of the hidden states you sent for ``request_id``."""
+
+    request_id: str
+
+
+class DigestReport(_Msg):
+    """Node -> seed: one digest per activation a stage sent for one request, in step order (step 0 = prefill); empty
+    on the last stage, which sends no activation. ``ppharness.exactness`` compares them with the unsplit model's."""
+
+    stage: int
+    request_id: str
+    digests: list[bytes]
+
+
 class ClockProbe(_Msg):
     """Seed -> node: a clock-offset probe, stamped with the seed's monotonic clock."""
 
@@ -189,6 +204,8 @@ Message = (
     | Stopped
     | TraceRequest
     | TraceReport
+    | DigestRequest
+    | DigestReport
     | ClockProbe
     | ClockReply
     | Error

@@ -26,6 +26,8 @@ from ppharness.membership import NodeMembership
 from ppharness.messages import (
     ClockProbe,
     ClockReply,
+    DigestReport,
+    DigestRequest,
     Error,
     Join,
     Message,
@@ -223,6 +225,9 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
                 case TraceRequest():
                     spans = tracer.take(msg.request_id) if tracer else []
                     transport.send(sender, TraceReport(stage=plan.stage, request_id=msg.request_id, spans=spans))
+                case DigestRequest():
+                    transport.send(sender, DigestReport(stage=plan.stage, request_id=msg.request_id,
+                                                        digests=stage.digests.get(msg.request_id, [])))
                 case _:
                     stage.handle(sender, msg, rx)
     except HarnessError as exc:

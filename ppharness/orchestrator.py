@@ -21,6 +21,8 @@ from ppharness.errors import ClusterError, HarnessError, StageError
 from ppharness.messages import (
     ClockProbe,
     ClockReply,
+    DigestReport,
+    DigestRequest,
     Error,
     InferenceRequest,
     InferenceResponse,
@@ -72,6 +74,8 @@ class RunResult:
     model_path: str
     oracle: Any = None  # OracleResult when the scenario asks to match the oracle
     trace: Any = None  # ppharness.trace.Trace when tracing was on
+    digests: dict[int, list[bytes]] = field(default_factory=dict)  # stage -> digests of the hidden states it sent
+    verdict: Any = None  # ppharness.exactness.Verdict when the oracle ran
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -89,7 +93,8 @@ class RunResult:
 
     @property
     def matches_oracle(self) -> bool | None:
-        return None if self.oracle is None else self.response.token_ids == self.oracle.token_ids
+        """True only when the tokens and every stage boundary's hidden state equal the unsplit model's."""
+        return None if self.verdict is None else self.verdict.exact
 
 
 def decode_span(response: InferenceResponse) -> float:
@@ -317,6 +322,27 @@ class Chain:
 
         return build_trace(self.collect_trace(response.request_id), self.offsets_ns, response, self.plan.num_stages)
 
+    def collect_digests(self, request_id: str) -> dict[int, list[bytes]]:
+        """Every stage's digests of the hidden states it sent for ``request_id`` (ppharness.exactness)."""
+        for j in self.directory.joins.values():
+            self.transport.send(j.address, DigestRequest(request_id=request_id))
+        reports: dict[int, list[bytes]] = {}
+
+        def on_report(sender: str, msg: Message) -> bool:
+            if isinstance(msg, DigestReport) and msg.request_id == request_id:
+                reports[msg.stage] = msg.digests
+            return len(reports) == len(self.directory.joins)
+
+        self._wait(on_report, 30.0, "the stages' hidden-state digests", "collecting digests")
+        return reports
+
+    def verdict(self, response: InferenceResponse, oracle: Any) -> Any:
+        """Compare a response this chain gave with the oracle's answer to the same request (run with boundaries)."""
+        from ppharness.exactness import compare
+
+        return compare(response.token_ids, oracle.token_ids, self.plan.ranges, self.collect_digests(
+            response.request_id), oracle.boundary_digests, oracle.prompt_tokens)
+
     def collect_trace(self, request_id: str) -> list[TraceReport]:
         """Every stage's spans for ``request_id`` (stage order)."""
         for j in self.directory.joins.values():
@@ -355,16 +381,22 @@ def run_scenario(scenario: Any, progress: Callable[[str], None] = Progress(), ru
         progress(f"request: {req.max_tokens} tokens after {req.prompt!r}")
         response, request_s = chain.request(req.prompt, req.max_tokens)
         traced = chain.trace_of(response) if trace else None
+        digests = chain.collect_digests(response.request_id) if scenario.expect.match_oracle else {}
     n = chain.plan.num_stages
     result = RunResult(scenario=scenario.name, run_label=chain.run_label, plan=chain.plan, response=response,
-                       request_s=request_s, stages=chain.reports, model_path=chain.model_path, trace=traced)
+                       request_s=request_s, stages=chain.reports, model_path=chain.model_path, trace=traced,
+                       digests=digests)
     if scenario.expect.non_empty and not response.token_ids:
         raise StageError(f"stage {n - 1} (last) reported done with no text ({response.finish_reason})")
     if scenario.expect.match_oracle:
+        from ppharness.exactness import compare
         from ppharness.oracle import oracle_decode
 
         progress("running the unsplit model in this process (the oracle)")
-        result.oracle = oracle_decode(chain.model_path, req.prompt, req.max_tokens, scenario.model.max_context)
+        result.oracle = oracle_decode(chain.model_path, req.prompt, req.max_tokens, scenario.model.max_context,
+                                      boundaries=True)
+        result.verdict = compare(response.token_ids, result.oracle.token_ids, chain.plan.ranges, digests,
+                                 result.oracle.boundary_digests, result.oracle.prompt_tokens)
     return result
 
 

@@ -5,8 +5,14 @@ output head (the embedding matrix again when the model ties them). ``ModelSlice.
 file (memory-mapped, dequantised by the ``gguf`` package when quantised) and renames ``blk.{lo+i}`` to ``blk.{i}`` in one
 place, ``_local_name``. The unsplit model is the slice (embed, all blocks, head): the oracle runs the same code.
 
-Every block boundary is a realised fp16 buffer in the whole model and in any split alike, so the kernels each block
-runs are the same whatever the split, and an fp16 (or f32) wire gives token-for-token equality with the unsplit model.
+Split == unsplit, bit for bit, by construction: the model is defined with an fp16 residual stream at every block
+boundary (each block's output is cast to fp16 and realised as its own buffer, as is the embedding's). tinygrad's own
+block keeps the residual in fp32 (its attention computes in fp32), so an unsplit compiled step would carry fp32
+between blocks while a split must round at the stage boundary; rounding at *every* boundary removes that difference.
+A block's kernels then read an fp16 buffer and write one whatever precedes or follows it, so each block compiles to
+the same kernels in the whole model and in any split (``tests/test_slicing.py`` compares the compiled kernels), and an
+fp16 (or f32) wire carries a boundary's bytes exactly. ``taps=True`` keeps every boundary's hidden state of the last
+step, which is how the tests compare the unsplit model with a split byte for byte.
 """
 
 from __future__ import annotations
@@ -157,16 +163,18 @@ class ModelSlice:
     (1, T, D) as fp16 numpy, or, on the last stage, the greedy next token id.
     """
 
-    def __init__(self, gguf_file: GGUFFile, lo: int, hi: int, first: bool, last: bool, max_context: int | None = None):
+    def __init__(self, gguf_file: GGUFFile, lo: int, hi: int, first: bool, last: bool, max_context: int | None = None,
+                 taps: bool = False):
         from tinygrad import TinyJit, UOp, nn
-        from tinygrad.apps.llm import TransformerBlock
 
         cfg = gguf_file.config
         if not 0 <= lo < hi <= cfg.blocks and not (lo == hi and first and last and cfg.blocks == 0):
             raise ModelError(f"block range [{lo}, {hi}) is not inside the model's {cfg.blocks} blocks")
         self.file, self.config, self.lo, self.hi, self.first, self.last = gguf_file, cfg, lo, hi, first, last
         self.max_context = min(max_context or cfg.context, cfg.context)
-        self.blk = [TransformerBlock(cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.norm_eps, cfg.head_dim,
+        self.taps = taps
+        self._tapped: list[Any] = []  # with taps: every block's output of the last step (tinygrad tensors)
+        self.blk = [_block_class()(cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.norm_eps, cfg.head_dim,
                                      cfg.rope_theta, self.max_context) for _ in range(hi - lo)]
         if first:
             self.token_embd = nn.Embedding(cfg.vocab, cfg.dim)
@@ -203,13 +211,16 @@ class ModelSlice:
         self.n_params -= self.tied_params
 
     def _forward(self, x: Any, start_pos: Any) -> Any:
+        """The slice's step: (B,T) ids or a (B,T,D) fp16 hidden state in; a hidden state, or token ids on the last
+        stage, out (with ``taps``, followed by every block's output)."""
+        taps = []
         if self.first:
-            x = self.token_embd(x).contiguous()  # (B,T) ids -> (B,T,D); a buffer boundary, as between blocks
+            x = self.token_embd(x).cast("float16").contiguous()  # (B,T) ids -> (B,T,D); a boundary like any other
         for block in self.blk:
-            x = block(x, start_pos)  # (B,T,D)
-        if self.last:
-            return self.output(self.output_norm(x))[:, -1, :].argmax(-1)  # (B,)
-        return x
+            x = block(x, start_pos)  # (B,T,D) fp16, a buffer of its own
+            taps.append(x)
+        out = self.output(self.output_norm(x))[:, -1, :].argmax(-1) if self.last else x  # (B,) or (B,T,D)
+        return (out, *taps) if self.taps else out
 
     def _input(self, x: list[int] | np.ndarray) -> Any:
         from tinygrad import Tensor
@@ -237,5 +248,35 @@ class ModelSlice:
             self._decode_in.uop.base.realized.copyin(memoryview(np.ascontiguousarray(arr)).cast("B"))
         return self._output(self._jit(self._decode_in, self._pos.bind(position)))
 
+    def decode_kernels(self) -> list[str]:
+        """The source of every kernel the compiled decode step runs, in order, with kernel names left out (they number
+        identical kernels apart within one process). Empty before the step is compiled."""
+        captured = getattr(self._jit, "captured", None)
+        out = []
+        for item in captured.jit_cache if captured is not None else []:
+            program = getattr(item.prg, "p", None)
+            src = getattr(program, "src", None)
+            out.append(re.sub(rf"\b{re.escape(program.function_name)}\b", "kernel", src) if src else
+                       type(item.prg).__name__)
+        return out
+
     def _output(self, out: Any) -> np.ndarray | int:
+        if self.taps:
+            out, *self._tapped = out
         return int(out.item()) if self.last else out.numpy()
+
+    def tapped(self) -> dict[int, np.ndarray]:
+        """With ``taps``: block index (in the file) -> that block's output (1,T,D) at the last prefill or decode step."""
+        return {self.lo + i: t.numpy() for i, t in enumerate(self._tapped)}
+
+
+@functools.cache
+def _block_class() -> type:
+    """tinygrad's llama block whose output is an fp16 buffer: the block boundary of the module docstring."""
+    from tinygrad.apps.llm import TransformerBlock
+
+    class Block(TransformerBlock):  # type: ignore[misc]
+        def __call__(self, x: Any, start_pos: Any) -> Any:
+            return self._feed_forward(self._attention(x, start_pos)).cast("float16").contiguous()
+
+    return Block

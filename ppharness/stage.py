@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,7 +29,8 @@ from ppharness.messages import (
     StageActivation,
 )
 from ppharness.plan import ENTRY, stage_name
-from ppharness.tracer import Tracer, now_ns
+from ppharness.exactness import digest
+from ppharness.tracer import KEEP_REQUESTS, Tracer, now_ns
 
 Rx = tuple[int, int, int, int]  # (arrived, decode start, decode end) on the monotonic clock in ns, frame bytes
 
@@ -77,6 +79,8 @@ class Stage:
         self.req: _Request | None = None
         self.served = 0
         self.tracer = tracer
+        # digests of the hidden states sent, per request (the last few), for ppharness.exactness
+        self.digests: OrderedDict[str, list[bytes]] = OrderedDict()
         if (self.first or self.last) and tokenizer is None:
             raise StageError(f"stage {index}: the first and last stages need the tokenizer")
 
@@ -266,6 +270,10 @@ class Stage:
     def _send_activation(self, hidden: Any, position: int, is_prefill: bool, step: int) -> None:
         assert self.req is not None and self.next_addr is not None
         t0 = now_ns() if self.tracer else 0
+        sent = self.digests.setdefault(self.req.request_id, [])
+        sent.append(digest(hidden))
+        while len(self.digests) > KEEP_REQUESTS:
+            self.digests.popitem(last=False)
         data, shape = codec.pack_hidden(hidden, self.wire_dtype)
         self._send(self.next_addr, StageActivation(
             request_id=self.req.request_id, position=position, hidden=data, seq_len=shape[1], is_prefill=is_prefill,

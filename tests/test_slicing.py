@@ -86,13 +86,17 @@ def test_a_file_without_a_block_fails_with_its_name(tmp_path):
 
 
 def test_oracle_equals_tinygrads_own_generate(tiny_model_path):
-    """Our slicing of the unsplit model reproduces tinygrad's Transformer.from_gguf + generate exactly."""
+    """Our unsplit model is tinygrad's Transformer.from_gguf + generate with an fp16 residual at block boundaries."""
     from pathlib import Path
 
     from tinygrad import Tensor
     from tinygrad.apps.llm import Transformer
 
+    from ppharness.slicing import _block_class
+
     model, kv = Transformer.from_gguf(Tensor(Path(tiny_model_path)), 256)
+    for block in model.blk:
+        block.__class__ = _block_class()
     tok = tokenizer_from(kv)
     prompt = "The quick brown fox"
     ids = [kv["tokenizer.ggml.bos_token_id"], *tok.encode(prompt)]
@@ -101,3 +105,22 @@ def test_oracle_equals_tinygrads_own_generate(tiny_model_path):
     ours = oracle_decode(tiny_model_path, prompt, 10)
     eos = kv["tokenizer.ggml.eos_token_id"]
     assert ours.token_ids == (reference[: reference.index(eos)] if eos in reference else reference)
+
+
+@pytest.mark.parametrize("ranges", [[(0, 4), (4, 8)], [(0, 3), (3, 5), (5, 8)], [(i, i + 1) for i in range(8)]],
+                         ids=["2-stage", "3-stage", "8-stage"])
+def test_a_split_compiles_the_same_kernels_as_the_whole_model(tiny_gguf, ranges):
+    """Bit-exactness by construction: the stages' compiled decode steps, one after another, run exactly the kernels of
+    the unsplit model's step, so no split can compute a boundary differently."""
+    whole = load_slices(tiny_gguf, [(0, 8)])[0].decode_kernels()
+    split = [k for s in load_slices(tiny_gguf, ranges) for k in s.decode_kernels()]
+    assert whole, "the decode step compiled no kernels"
+    assert len(split) == len(whole)
+    differ = [i for i, (a, b) in enumerate(zip(whole, split)) if a != b]
+    assert not differ, f"split {ranges} runs other kernels than the whole model from kernel {differ[0]} on"
+
+
+def test_boundary_taps_do_not_change_the_kernels(tiny_gguf):
+    plain = load_slices(tiny_gguf, [(0, 8)])[0].decode_kernels()
+    tapped = load_slices(tiny_gguf, [(0, 8)], taps=True)[0].decode_kernels()
+    assert plain == tapped

@@ -1,28 +1,45 @@
-"""Property: for any N, any split points and any prompt, the chain's tokens equal the unsplit model's.
+"""Property: for any N, any split points and any prompt, the chain equals the unsplit model bit for bit.
 
 Runs the real Stage objects and wire format in one process over the memory transport (ppharness.inprocess), so many
-splits fit in CI. Model slices are cached per (range, role) and reused across examples, which also checks that a
-stage serves consecutive requests independently.
+splits fit in CI. Outputs are long as well as short (up to the whole context), because a split that rounds a hidden
+state differently shows only after tens of tokens, when a near-tie in the logits turns a last-bit difference into
+another token. Tokens are compared, and so is every hidden state a stage sends: byte for byte against the unsplit
+model's output of the same block at the same step, taken from the wire as the next stage received it.
+
+Model slices are cached per (range, role) and reused across examples, which also checks that a stage serves
+consecutive requests independently.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
+from ppharness import codec
+from ppharness.exactness import compare, digest
 from ppharness.inprocess import load_slices, run_inprocess
+from ppharness.messages import StageActivation
 from ppharness.oracle import oracle_decode
 
 BLOCKS = 8  # the tiny preset
+MAX_CONTEXT = 256
 _slices: dict = {}
 _oracle_model: list = []
 
 
 def _oracle(path: str, gguf, prompt: str, max_tokens: int):
+    """The unsplit model's answer, with the digest of every block's output at every step."""
     if not _oracle_model:
-        _oracle_model.extend(load_slices(gguf, [(0, gguf.config.blocks)], cache={}))
-    return oracle_decode(path, prompt, max_tokens, model=_oracle_model[0])
+        _oracle_model.extend(load_slices(gguf, [(0, gguf.config.blocks)], MAX_CONTEXT, cache={}, taps=True))
+    return oracle_decode(path, prompt, max_tokens, MAX_CONTEXT, model=_oracle_model[0], boundaries=True)
+
+
+def _room(gguf, prompt: str) -> int:
+    """The most tokens a request may ask for after ``prompt``: the rest of the context."""
+    cfg = gguf.config
+    return MAX_CONTEXT - len(([cfg.bos_id] if cfg.bos_id is not None else []) + gguf.tokenizer.encode(prompt))
 
 
 @st.composite
@@ -33,28 +50,70 @@ def splits(draw):
 
 
 prompts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=0, max_size=24)
+# short answers, or as long as the context allows
+lengths = st.one_of(st.integers(1, 8), st.just("context"))
 
 
-@given(cuts=splits(), prompt=prompts, max_tokens=st.integers(1, 6), wire=st.sampled_from(["f16", "f32"]))
-def test_any_split_equals_unsplit_model(tiny_model_path, tiny_gguf, cuts, prompt, max_tokens, wire):
+@given(cuts=splits(), prompt=prompts, length=lengths, wire=st.sampled_from(["f16", "f32"]))
+@example(cuts=[0, 4, 8], prompt="The quick brown fox", length="context", wire="f16")
+@example(cuts=[0, 3, 6, 8], prompt="The quick brown fox", length="context", wire="f32")
+@example(cuts=list(range(BLOCKS + 1)), prompt="héllo wörld", length="context", wire="f16")
+def test_any_split_equals_unsplit_model(tiny_model_path, tiny_gguf, cuts, prompt, length, wire):
     assert tiny_gguf.config.blocks == BLOCKS
     ranges = list(zip(cuts, cuts[1:]))
-    chain = run_inprocess(tiny_gguf, load_slices(tiny_gguf, ranges, cache=_slices), prompt, max_tokens, wire)
+    max_tokens = _room(tiny_gguf, prompt) if length == "context" else length
+    received: list[tuple[int, StageActivation]] = []
+
+    def on_message(stage: int, msg) -> None:
+        if isinstance(msg, StageActivation):
+            received.append((stage, msg))
+
+    digests: dict[int, list[bytes]] = {}
+    chain = run_inprocess(tiny_gguf, load_slices(tiny_gguf, ranges, MAX_CONTEXT, cache=_slices), prompt, max_tokens,
+                          wire, digests=digests, on_message=on_message)
     expected = _oracle(tiny_model_path, tiny_gguf, prompt, max_tokens)
-    assert chain.token_ids == expected.token_ids, f"split {ranges} changed the answer"
+    verdict = compare(chain.token_ids, expected.token_ids, ranges, digests, expected.boundary_digests,
+                      expected.prompt_tokens)
+    assert verdict.exact, f"split {ranges} changed the answer: {verdict.describe(chain.token_ids, expected.token_ids)}"
     assert chain.text == expected.text
     assert chain.finish_reason == expected.finish_reason
+    # what the wire delivered is what the sender digested: every boundary of every step, byte for byte
+    steps = len(expected.token_ids) + (expected.finish_reason == "eos")
+    assert len(received) == (len(ranges) - 1) * steps
+    for stage, msg in received:
+        hidden = codec.unpack_hidden(msg)
+        step = 0 if msg.is_prefill else msg.position - expected.prompt_tokens + 1
+        block = ranges[stage][0] - 1
+        assert digest(hidden) == expected.boundary_digests[block][step], (
+            f"the hidden state entering stage {stage} (after block {block}) at step {step} differs from the unsplit "
+            f"model's")
+    assert verdict.boundaries_compared == len(received)
+
+
+def test_the_boundary_check_finds_a_changed_hidden_state(tiny_model_path, tiny_gguf):
+    """A boundary digest that differs is reported with its stage, block and step, even when the tokens agree."""
+    ranges = [(0, 3), (3, 8)]
+    digests: dict[int, list[bytes]] = {}
+    chain = run_inprocess(tiny_gguf, load_slices(tiny_gguf, ranges, MAX_CONTEXT, cache=_slices), "fox", 5,
+                          digests=digests)
+    expected = _oracle(tiny_model_path, tiny_gguf, "fox", 5)
+    digests[0][2] = digest(np.ones((1, 1, tiny_gguf.config.dim), dtype=np.float16))
+    verdict = compare(chain.token_ids, expected.token_ids, ranges, digests, expected.boundary_digests,
+                      expected.prompt_tokens)
+    assert verdict.tokens_equal and not verdict.exact
+    assert (verdict.boundary_diff.stage, verdict.boundary_diff.block, verdict.boundary_diff.step) == (0, 2, 2)
+    assert "after block 2" in verdict.describe(chain.token_ids, expected.token_ids)
 
 
 def test_bf16_wire_runs_and_stays_close(tiny_model_path, tiny_gguf):
     """bf16 is lossy: it must still produce a full answer; it is not required to equal the oracle."""
     ranges = [(0, 4), (4, 8)]
-    chain = run_inprocess(tiny_gguf, load_slices(tiny_gguf, ranges, cache=_slices), "hello", 6, "bf16")
+    chain = run_inprocess(tiny_gguf, load_slices(tiny_gguf, ranges, MAX_CONTEXT, cache=_slices), "hello", 6, "bf16")
     assert len(chain.token_ids) == 6 or chain.finish_reason == "eos"
 
 
 @pytest.mark.parametrize("prompt", ["", "héllo wörld ✓ 日本語", "<|end_of_text|> after a special token"])
 def test_edge_prompts_match(tiny_model_path, tiny_gguf, prompt):
     ranges = [(0, 3), (3, 5), (5, 8)]
-    chain = run_inprocess(tiny_gguf, load_slices(tiny_gguf, ranges, cache=_slices), prompt, 4)
+    chain = run_inprocess(tiny_gguf, load_slices(tiny_gguf, ranges, MAX_CONTEXT, cache=_slices), prompt, 4)
     assert chain.token_ids == _oracle(tiny_model_path, tiny_gguf, prompt, 4).token_ids

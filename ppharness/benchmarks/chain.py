@@ -36,6 +36,8 @@ class BenchResult:
     components_share: float = 0.0  # median over tokens of (sum of components) / per-token time
     peak_rss_mib: dict[str, list[float]] = field(default_factory=dict)  # chain -> per stage
     sweep_tok_s: dict[int, float] = field(default_factory=dict)  # N -> median tok/s over ZeroMQ
+    # chain -> "" when its first answer equals the oracle's bit for bit (tokens and boundaries), else what differs
+    mismatch: dict[str, str] = field(default_factory=dict)
 
     def medians(self) -> dict[str, float]:
         out = {"single": statistics.median(self.single_tok_s)}
@@ -84,9 +86,10 @@ def run_chain_bench(preset: str, num_stages: int, transports: list[str], tokens:
     progress(f"single process: loading {res.model}")
     from ppharness.node import warm_up
 
-    single = ModelSlice(GGUFFile(path), 0, cfg.blocks, True, True, max_context)
+    single = ModelSlice(GGUFFile(path), 0, cfg.blocks, True, True, max_context, taps=True)
     warm_up(single)
-    oracle_decode(path, PROMPT, tokens, max_context, model=single)  # compiles the prefill for this prompt
+    # compiles the prefill for this prompt; the answer every chain must give, bit for bit
+    oracle = oracle_decode(path, PROMPT, tokens, max_context, model=single, boundaries=True)
 
     chains: dict[str, Any] = {}
     with ExitStack() as stack:
@@ -96,7 +99,9 @@ def run_chain_bench(preset: str, num_stages: int, transports: list[str], tokens:
             chain = Chain(_scenario(preset, num_stages, transport, tokens, max_context), progress=lambda _: None,
                           trace=kind.endswith("+trace"))
             chains[kind] = stack.enter_context(chain)
-            chains[kind].request(PROMPT, tokens)  # warm: compiles the prefill for this prompt length
+            first, _ = chains[kind].request(PROMPT, tokens)  # warm: compiles the prefill for this prompt length
+            verdict = chains[kind].verdict(first, oracle)
+            res.mismatch[kind] = "" if verdict.exact else verdict.describe(first.token_ids, oracle.token_ids)
         for r in range(repeats):
             progress(f"repeat {r + 1}/{repeats}")
             res.single_tok_s.append(oracle_decode(path, PROMPT, tokens, max_context, model=single).decode_tok_s)
@@ -160,6 +165,9 @@ def report(res: BenchResult) -> str:
         f"{k}: {', '.join(f'{x:.0f}' for x in v)}" for k, v in res.peak_rss_mib.items()))
     if res.sweep_tok_s:
         lines.append("tokens/s vs N (zmq): " + ", ".join(f"N={n}: {v:.1f}" for n, v in res.sweep_tok_s.items()))
+    for kind, why in res.mismatch.items():
+        lines.append(f"{kind} chain: " + (f"MISMATCH: {why}" if why else f"MATCH: {res.tokens} tokens and every "
+                                           "stage-boundary hidden state equal the unsplit model's"))
     return "\n".join(lines)
 
 

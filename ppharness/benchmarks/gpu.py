@@ -29,7 +29,8 @@ class Contender:
     ttft_cold_s: float = 0.0
     ttft_warm_s: list[float] = field(default_factory=list)
     device_mib: list[float] = field(default_factory=list)  # per stage (one entry for a single process)
-    tokens_match_oracle: bool | None = None
+    tokens_match_oracle: bool | None = None  # tokens and every stage-boundary hidden state, bit for bit
+    mismatch: str = ""  # what differs, when they do not match
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # p50 per trace component (chains only)
 
     def median_tok_s(self) -> float:
@@ -63,7 +64,7 @@ def prompt_of(tokenizer: Any, bos: int | None, n: int) -> str:
 
 
 def run_gpu_bench(device: str, preset: str, stage_counts: list[int], transports: list[str], tokens: int,
-                  prompt_tokens: int, repeats: int, check_tokens: int, out_dir: str, hf: bool,
+                  prompt_tokens: int, repeats: int, out_dir: str, hf: bool,
                   progress: Callable[[str], None]) -> GpuBench:
     os.environ["DEV"] = device.upper()  # this process and every stage process it starts
     from ppharness.modelfile import resolve_model
@@ -82,12 +83,11 @@ def run_gpu_bench(device: str, preset: str, stage_counts: list[int], transports:
                    f"{cfg.heads}/{cfg.kv_heads} heads, vocab {cfg.vocab}", prompt_tokens=prompt_tokens, tokens=tokens)
 
     progress("single process: loading and compiling")
-    single = ModelSlice(f, 0, cfg.blocks, True, True, max_context)
+    single = ModelSlice(f, 0, cfg.blocks, True, True, max_context, taps=True)  # taps: the same kernels
     warm_up(single)
     one = Contender("tinygrad, one process")
-    first = oracle_decode(path, prompt, tokens, max_context, model=single)
-    one.ttft_cold_s = first.ttft_s
-    oracle_ids = first.token_ids
+    oracle = oracle_decode(path, prompt, tokens, max_context, model=single, boundaries=True)
+    one.ttft_cold_s = oracle.ttft_s
     for _ in range(repeats):
         r = oracle_decode(path, prompt, tokens, max_context, model=single)
         one.decode_tok_s.append(r.decode_tok_s)
@@ -110,7 +110,9 @@ def run_gpu_bench(device: str, preset: str, stage_counts: list[int], transports:
                 t0 = time.monotonic()
                 resp, request_s = chain.request(prompt, tokens)
                 c.ttft_cold_s = request_s - decode_span(resp)
-                c.tokens_match_oracle = resp.token_ids[:check_tokens] == oracle_ids[:check_tokens]
+                verdict = chain.verdict(resp, oracle)
+                c.tokens_match_oracle = verdict.exact
+                c.mismatch = "" if verdict.exact else verdict.describe(resp.token_ids, oracle.token_ids)
                 for _ in range(repeats):
                     resp, request_s = chain.request(prompt, tokens)
                     c.decode_tok_s.append(decode_tok_s(resp))
@@ -190,6 +192,9 @@ def report(res: GpuBench) -> str:
             parts = sorted(((k, v) for k, v in c.breakdown_ms.items() if k != "per token"), key=lambda kv: -kv[1])
             lines.append(f"\n{c.name}: per token p50 {c.breakdown_ms['per token']:.2f} ms; largest parts: " +
                          ", ".join(f"{k} {v:.2f}" for k, v in parts[:8]))
+    for c in res.contenders:
+        if c.mismatch:
+            lines.append(f"\n{c.name}: MISMATCH: {c.mismatch}")
     lines += res.notes
     return "\n".join(lines)
 
