@@ -274,6 +274,48 @@ def model_info(source: str) -> None:
     click.echo(f"{'path':>12}: {f.path}")
 
 
+@main.command("split-check")
+@click.option("--model", "source", default="synthetic:tiny", show_default=True,
+              help="A GGUF path, URL or synthetic: spec.")
+@click.option("--stages", default="2,3,5", show_default=True,
+              help="Even splits to check, comma-separated stage counts; or explicit cut points: 1/3/6 (several "
+                   "splits separated by commas: 1/3/6,4).")
+@click.option("--prompt", default="The quick brown fox", show_default=True)
+@click.option("--max-tokens", type=int, default=200, show_default=True)
+@click.option("--max-context", type=int, default=256, show_default=True)
+def split_check(source: str, stages: str, prompt: str, max_tokens: int, max_context: int) -> None:
+    """Check, in one process on this machine's device (DEV=CUDA for a GPU), that splits equal the unsplit model bit
+    for bit: tokens, every stage-boundary hidden state, and the compiled kernels. Exits 1 on any difference."""
+    from ppharness.exactness import check_splits
+    from ppharness.modelfile import resolve_model
+    from ppharness.plan import make_plan
+    from ppharness.slicing import GGUFFile
+
+    with _exit_1_on_failure():
+        path = str(resolve_model(source))
+        blocks = GGUFFile(path).config.blocks
+        splits = []
+        for item in _kinds(stages):
+            try:
+                plan = make_plan(blocks, splits=[int(c) for c in item.split("/")]) if "/" in item or \
+                    not item.isdigit() else make_plan(blocks, num_stages=int(item))
+            except ValueError:
+                _fail(f"--stages: {item!r} is neither a stage count nor cut points like 1/3/6")
+            splits.append(list(plan.ranges))
+        if max_tokens >= max_context:
+            _fail(f"--max-tokens {max_tokens} does not fit --max-context {max_context}")
+        oracle_result, checks = check_splits(path, prompt, max_tokens, splits, max_context)
+    click.echo(f"unsplit model: {len(oracle_result.token_ids)} tokens ({oracle_result.finish_reason}), "
+               f"decode {oracle_result.decode_tok_s:.1f} tok/s")
+    for c in checks:
+        spans = ", ".join(f"[{lo},{hi})" for lo, hi in c.ranges)
+        kernels = "same kernels" if c.same_kernels else "OTHER KERNELS than the unsplit model"
+        click.echo(f"{'MATCH' if c.exact else 'MISMATCH'} {spans}: {len(c.token_ids)} tokens; "
+                   f"{c.verdict.describe(c.token_ids, oracle_result.token_ids)}; {kernels}")
+    if not all(c.exact for c in checks):
+        _fail("a split differs from the unsplit model")
+
+
 @main.command()
 @click.option("--scenario", "scenario_file", type=click.Path(dir_okay=False), help=SCENARIO_HELP)
 @click.option("--prompt")

@@ -252,12 +252,19 @@ class ModelSlice:
         """The source of every kernel the compiled decode step runs, in order, with kernel names left out (they number
         identical kernels apart within one process). Empty before the step is compiled."""
         captured = getattr(self._jit, "captured", None)
-        out = []
-        for item in captured.jit_cache if captured is not None else []:
-            program = getattr(item.prg, "p", None)
-            src = getattr(program, "src", None)
-            out.append(re.sub(rf"\b{re.escape(program.function_name)}\b", "kernel", src) if src else
-                       type(item.prg).__name__)
+        out: list[str] = []
+
+        def walk(items: list[Any]) -> None:
+            for item in items:
+                if hasattr(item.prg, "jit_cache"):  # a device graph (CUDA graph, ...) batching several kernels
+                    walk(item.prg.jit_cache)
+                    continue
+                program = getattr(item.prg, "p", None)
+                src = getattr(program, "src", None)
+                out.append(re.sub(rf"\b{re.escape(program.function_name)}\b", "kernel", src) if src else
+                           type(item.prg).__name__)
+
+        walk(captured.jit_cache if captured is not None else [])
         return out
 
     def _output(self, out: Any) -> np.ndarray | int:

@@ -27,6 +27,20 @@ BLOCKS = 8  # the tiny preset
 MAX_CONTEXT = 256
 _slices: dict = {}
 _oracle_model: list = []
+_seen: list[tuple[int, int, int]] = []  # per example: stages, tokens, boundary hidden states compared
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_what_the_property_saw(request):
+    """One line in the test log: how many examples ran, the longest output, the boundaries compared."""
+    yield
+    if _seen:
+        capture = request.config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled():
+            stages = [n for n, _, _ in _seen]
+            print(f"\nsplit property: {len(_seen)} examples, N = {min(stages)}..{max(stages)}, longest output {max(t for _, t, _ in _seen)} tokens, {sum(t >= 200 for _, t, _ in _seen)} "
+                  f"examples of 200+ tokens, {sum(b for _, _, b in _seen)} stage-boundary hidden states compared "
+                  "byte for byte")
 
 
 def _oracle(path: str, gguf, prompt: str, max_tokens: int):
@@ -88,6 +102,7 @@ def test_any_split_equals_unsplit_model(tiny_model_path, tiny_gguf, cuts, prompt
             f"the hidden state entering stage {stage} (after block {block}) at step {step} differs from the unsplit "
             f"model's")
     assert verdict.boundaries_compared == len(received)
+    _seen.append((len(ranges), len(chain.token_ids), len(received)))
 
 
 def test_the_boundary_check_finds_a_changed_hidden_state(tiny_model_path, tiny_gguf):
