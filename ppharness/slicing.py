@@ -273,7 +273,7 @@ class ModelSlice:
         return int(out.item()) if self.last else out.numpy()
 
     def tapped(self) -> dict[int, np.ndarray]:
-        """With ``taps``: block index (in the file) -> that block's output (1,T,D) at the last prefill or decode step."""
+        """With ``taps``: block index (in the file) -> its output (1,T,D) at the last prefill or decode step."""
         return {self.lo + i: t.numpy() for i, t in enumerate(self._tapped)}
 
 

@@ -38,7 +38,9 @@ def _report_what_the_property_saw(request):
         capture = request.config.pluginmanager.getplugin("capturemanager")
         with capture.global_and_fixture_disabled():
             stages = [n for n, _, _ in _seen]
-            print(f"\nsplit property: {len(_seen)} examples, N = {min(stages)}..{max(stages)}, longest output {max(t for _, t, _ in _seen)} tokens, {sum(t >= 200 for _, t, _ in _seen)} "
+            tokens = [t for _, t, _ in _seen]
+            print(f"\nsplit property: {len(_seen)} examples, N = {min(stages)}..{max(stages)}, longest output "
+                  f"{max(tokens)} tokens, {sum(t >= 200 for t in tokens)} "
                   f"examples of 200+ tokens, {sum(b for _, _, b in _seen)} stage-boundary hidden states compared "
                   "byte for byte")
 
