@@ -370,7 +370,8 @@ def serve_forever(host: str = "127.0.0.1", port: int = 8765, seed: int = 0, offe
     emu = Emulator(key, seed=seed, offers=offers, delays=delays, rate_scale=rate_scale, host=host, port=port,
                    faults=faults, docker_image=docker_image).start()
     announce(f"vast.ai emulator at {emu.url} ({len(emu.catalog)} offers, seed {seed}; node logs in {emu.log_dir})")
-    announce(f"point ppharness at it:  VAST_URL={emu.url} pp-smoke-run --vastai   (or --vastai-url {emu.url})")
+    announce(f"point ppharness at it:  VAST_URL={emu.url} pp-smoke-run --vastai --transport zmq --scenario "
+             f"scenarios/acceptance-5stage-vastai.yaml   (or --vastai-url {emu.url})")
     if key is None:
         announce(f"it accepts one API key, generated for this run: export VAST_API_KEY={emu.key}")
     try:

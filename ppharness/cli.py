@@ -148,8 +148,9 @@ def _load(scenario_file: str | None, **overrides: Any) -> Any:
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Write the per-token trace: FILE (Perfetto/Chrome JSON) and FILE's .jsonl (one line per token).")
 @click.option("--no-trace", is_flag=True, help="Record no timings (no per-token summary).")
-@click.option("--vastai", is_flag=True, help="Rent one vast.ai instance per stage (default scenario: "
-              "scenarios/acceptance-5stage-vastai.yaml); prints the plan and its cost first.")
+@click.option("--vastai", is_flag=True, help="Rent one vast.ai instance per stage (default scenario: the SPEC's "
+              "request, scenarios/templates/acceptance-5stage-vastai-llama3.2-1b.yaml; its CI variant on the tiny "
+              "model is scenarios/acceptance-5stage-vastai.yaml); prints the plan and its cost first.")
 @click.option("--api-key", help="vast.ai API key (default: $VAST_API_KEY, which keeps it out of the process list).")
 @click.option("--vastai-url", help="vast.ai API base URL (default: $VAST_URL, else https://console.vast.ai), "
               "e.g. a `ppharness vastai-emulator`.")
@@ -166,6 +167,10 @@ def smoke_run(num_stages: int | None, scenario_file: str | None, transport: str 
                    trace=False if no_trace else None)
 
 
+# the SPEC's rung-1 request on vast.ai (llama3.2:1b, "Say hello", 64 tokens): what --vastai runs by default
+VASTAI_ACCEPTANCE = "acceptance-5stage-vastai-llama3.2-1b.yaml"
+
+
 def _use_vastai(provider: str | None, scenario_file: str | None, api_key: str | None,
                 vastai_url: str | None) -> tuple[str, str]:
     """``--vastai``: the provider and scenario it implies; the key and URL go where the provider (and the reaper)
@@ -180,7 +185,7 @@ def _use_vastai(provider: str | None, scenario_file: str | None, api_key: str | 
         os.environ["VAST_URL"] = vastai_url
     if not os.environ.get("VAST_API_KEY", "").strip():
         _fail("--vastai needs a vast.ai API key: --api-key KEY or VAST_API_KEY")
-    default = Path(__file__).resolve().parent.parent / "scenarios" / "acceptance-5stage-vastai.yaml"
+    default = Path(__file__).resolve().parent.parent / "scenarios" / "templates" / VASTAI_ACCEPTANCE
     return "vastai", scenario_file or str(default)
 
 
@@ -244,6 +249,8 @@ def model() -> None:
 @click.option("--context", type=int)
 @click.option("--tied/--untied", "tied_embeddings", default=None, help="Tie the output head to the embedding.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--type", "type", default="f16", show_default=True,
+              help="How the weight matrices are stored: f16, or quantised q8_0 or q4_0 (norms stay f32).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), required=True)
 def model_make(preset: str, output: str, **overrides: Any) -> None:
     """Write a deterministic synthetic llama GGUF (same arguments, same bytes)."""
@@ -251,7 +258,8 @@ def model_make(preset: str, output: str, **overrides: Any) -> None:
 
     try:
         spec = preset_spec(preset, **overrides)
-        click.echo(f"writing {spec.n_params:,} parameters ({spec.blocks} blocks, dim {spec.dim}) to {output}", err=True)
+        click.echo(f"writing {spec.n_params:,} parameters ({spec.blocks} blocks, dim {spec.dim}, {spec.type}) to "
+                   f"{output}", err=True)
         path = make_synthetic(spec, output)
     except HarnessError as exc:
         _fail(str(exc))
@@ -332,8 +340,8 @@ def oracle(scenario_file: str | None, prompt: str | None, max_tokens: int | None
         res = oracle_decode(path, sc.request.prompt, sc.request.max_tokens, sc.model.max_context)
     except HarnessError as exc:
         _fail(str(exc))
-    click.echo(f"text: {res.text!r}\ntokens: {res.token_ids}\nfirst token {res.ttft_s * 1000:.0f} ms, decode "
-               f"{res.decode_tok_s:.1f} tok/s, {res.n_params:,} parameters")
+    click.echo(f"text: {res.text!r}\ntokens: {res.token_ids}\nloaded and compiled in {res.load_s:.1f} s, first token "
+               f"{res.ttft_s * 1000:.0f} ms, decode {res.decode_tok_s:.1f} tok/s, {res.n_params:,} parameters")
 
 
 @main.group(invoke_without_command=True)

@@ -3,6 +3,9 @@
 ``make_synthetic(spec, path)`` writes a llama-architecture GGUF that tinygrad 0.12 reads like any llama file: random
 fp16 weights from a seeded generator and a byte-level BPE vocabulary (256 byte tokens, merges learned from a built-in
 corpus and then extended by seeded concatenations, then llama-3 special tokens). The same spec gives the same bytes.
+``spec.type`` picks how the 2-D weight matrices are stored: ``f16`` (default), or quantised by the ``gguf`` package's
+own quantisers to ``q8_0`` (the format ``ollama pull llama3.2:1b`` serves) or ``q4_0``; the quantised model is the f16
+model of the same seed, quantised. 1-D weights (the norms) stay F32, as llama.cpp keeps them.
 
 ``resolve_model(source)`` turns a scenario's model (synthetic spec, local path or URL) into a local GGUF path, building
 or downloading it once into the cache directory.
@@ -14,6 +17,7 @@ import collections
 import hashlib
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -40,9 +44,18 @@ on rented machines, and checks that a split never changes the answer: token for 
 """
 
 
+# weight type -> (the GGML type of every 2-D weight, the file's general.file_type)
+WEIGHT_TYPES: dict[str, tuple[str, str]] = {
+    "f16": ("F16", "MOSTLY_F16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+}
+QUANT_BLOCK = 32  # elements per Q8_0 / Q4_0 block, along a row
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A synthetic llama model: dimensions, vocabulary size and the seed of its weights."""
+    """A synthetic llama model: dimensions, vocabulary size, the seed of its weights and how they are stored."""
 
     blocks: int = 8
     dim: int = 64
@@ -55,8 +68,16 @@ class ModelSpec:
     norm_eps: float = 1e-5
     tied_embeddings: bool = False
     seed: int = 0
+    type: str = "f16"
 
     def __post_init__(self) -> None:
+        wtype = str(self.type).lower()
+        if wtype not in WEIGHT_TYPES:
+            raise ModelError(f"unknown weight type {self.type!r}: expected one of {', '.join(WEIGHT_TYPES)}")
+        object.__setattr__(self, "type", wtype)
+        if wtype != "f16" and (self.dim % QUANT_BLOCK or self.ffn % QUANT_BLOCK):
+            raise ModelError(f"{wtype} stores rows in blocks of {QUANT_BLOCK}: dim {self.dim} and ffn {self.ffn} must "
+                             f"be multiples of {QUANT_BLOCK}")
         n_special = len(SPECIAL_TOKENS)
         if self.vocab < 256 + n_special:
             raise ModelError(f"vocab {self.vocab} is too small: a byte-level BPE vocabulary needs at least {256 + n_special}")
@@ -76,8 +97,13 @@ class ModelSpec:
         return self.vocab * self.dim + self.blocks * per_block + self.dim + head
 
     def slug(self) -> str:
-        digest = hashlib.sha256(repr(sorted(asdict(self).items())).encode()).hexdigest()[:12]
-        return f"synthetic-{self.blocks}x{self.dim}-v{self.vocab}-s{self.seed}-{digest}"
+        """The cache file's name: dimensions, seed, weight type (when not f16) and a digest of every field."""
+        fields = asdict(self)
+        if self.type == "f16":  # f16 files keep the names they had before weight types existed
+            del fields["type"]
+        digest = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:12]
+        wtype = "" if self.type == "f16" else f"-{self.type}"
+        return f"synthetic-{self.blocks}x{self.dim}-v{self.vocab}-s{self.seed}{wtype}-{digest}"
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -161,7 +187,13 @@ def build_vocab(n_merges: int, seed: int) -> tuple[list[str], list[str]]:
 
 
 def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
-    """Write ``spec`` as a GGUF file at ``path`` (atomically) and return the path. Deterministic in ``spec``."""
+    """Write ``spec`` as a GGUF file at ``path`` (atomically) and return the path. Deterministic in ``spec``.
+
+    Every 2-D weight (embedding, attention and FFN matrices, the untied head) is stored in ``spec.type``, quantised
+    with ``gguf.quants.quantize`` for q8_0 and q4_0, as llama.cpp's converter writes ``--outtype q8_0``; the 1-D norm
+    weights are F32. (llama.cpp's ``llama-quantize`` to Q4_0 would also store the output head as Q6_K, which the
+    ``gguf`` package cannot quantise; here the head is Q4_0 like every other matrix.)
+    """
     import gguf
 
     path = Path(path)
@@ -172,7 +204,7 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
     token_types = [1] * (len(tokens) - n_special) + [3] * n_special
     bos, eos = tokens.index("<|begin_of_text|>"), tokens.index("<|end_of_text|>")
 
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")  # processes building the same model do not collide
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name(spec.slug())
     w.add_context_length(spec.context)
@@ -185,7 +217,9 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
     w.add_rope_freq_base(spec.rope_theta)
     w.add_rope_dimension_count(spec.dim // spec.heads)
     w.add_vocab_size(spec.vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    ggml_type, file_type = WEIGHT_TYPES[spec.type]
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    w.add_file_type(gguf.LlamaFileType[file_type])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("llama-bpe")
     w.add_token_list(tokens)
@@ -204,22 +238,28 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
     def norm_weight() -> np.ndarray:
         return (1.0 + rng.standard_normal(spec.dim, dtype=np.float32) * 0.1).astype(np.float32)
 
+    def matrix(name: str, arr: np.ndarray) -> None:
+        if qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, arr)
+        else:  # (rows, bytes) of blocks; the writer records the element shape
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+
     # Shapes are tinygrad's (out, in); GGUF stores dimensions reversed and tinygrad reverses them back.
-    w.add_tensor("token_embd.weight", rand(spec.vocab, spec.dim, std=1.0))
+    matrix("token_embd.weight", rand(spec.vocab, spec.dim, std=1.0))
     lin = 1.0 / np.sqrt(spec.dim)
     for i in range(spec.blocks):
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm_weight())
-        w.add_tensor(f"blk.{i}.attn_q.weight", rand(spec.heads * hd, spec.dim, std=lin))
-        w.add_tensor(f"blk.{i}.attn_k.weight", rand(spec.kv_heads * hd, spec.dim, std=lin))
-        w.add_tensor(f"blk.{i}.attn_v.weight", rand(spec.kv_heads * hd, spec.dim, std=lin))
-        w.add_tensor(f"blk.{i}.attn_output.weight", rand(spec.dim, spec.heads * hd, std=lin))
+        matrix(f"blk.{i}.attn_q.weight", rand(spec.heads * hd, spec.dim, std=lin))
+        matrix(f"blk.{i}.attn_k.weight", rand(spec.kv_heads * hd, spec.dim, std=lin))
+        matrix(f"blk.{i}.attn_v.weight", rand(spec.kv_heads * hd, spec.dim, std=lin))
+        matrix(f"blk.{i}.attn_output.weight", rand(spec.dim, spec.heads * hd, std=lin))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", norm_weight())
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(spec.ffn, spec.dim, std=lin))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(spec.ffn, spec.dim, std=lin))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(spec.dim, spec.ffn, std=1.0 / np.sqrt(spec.ffn)))
+        matrix(f"blk.{i}.ffn_gate.weight", rand(spec.ffn, spec.dim, std=lin))
+        matrix(f"blk.{i}.ffn_up.weight", rand(spec.ffn, spec.dim, std=lin))
+        matrix(f"blk.{i}.ffn_down.weight", rand(spec.dim, spec.ffn, std=1.0 / np.sqrt(spec.ffn)))
     w.add_tensor("output_norm.weight", norm_weight())
     if not spec.tied_embeddings:
-        w.add_tensor("output.weight", rand(spec.vocab, spec.dim, std=lin))
+        matrix("output.weight", rand(spec.vocab, spec.dim, std=lin))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
@@ -252,16 +292,25 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+_BLOB_DIGEST = re.compile(r"/blobs/sha256:([0-9a-fA-F]{64})$")
+
+
 def download(url: str, sha256: str | None = None, progress: bool = True) -> Path:
-    """Download ``url`` once into the cache (resumable by re-running), check its sha256, return the path."""
+    """Download ``url`` once into the cache (resumable by re-running), check its sha256, return the path.
+
+    A registry blob URL (``.../blobs/sha256:<digest>``, e.g. ollama's) names its own sha256, which is checked when
+    ``sha256`` is not given. A download that nothing pins prints its sha256 (on stderr) so that it can be pinned.
+    """
     import httpx
     from tqdm import tqdm
 
+    if sha256 is None and (m := _BLOB_DIGEST.search(url.split("?", 1)[0])):
+        sha256 = m.group(1)
     name = re.sub(r"[^A-Za-z0-9._-]", "_", url.rsplit("/", 1)[-1]) or "model.gguf"
     path = cache_dir() / "downloads" / f"{hashlib.sha256(url.encode()).hexdigest()[:12]}-{name}"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".part")
+        tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.part")  # nodes sharing a cache download side by side
         try:
             with httpx.stream("GET", url, follow_redirects=True, timeout=httpx.Timeout(30.0, read=300.0)) as r:
                 r.raise_for_status()
@@ -275,6 +324,9 @@ def download(url: str, sha256: str | None = None, progress: bool = True) -> Path
             tmp.unlink(missing_ok=True)
             raise ModelError(f"downloading {url} failed: {exc}") from exc
         os.replace(tmp, path)
+        if not sha256:
+            print(f"downloaded {url} to {path}: {path.stat().st_size:,} bytes, sha256 {sha256_file(path)} "
+                  "(pin it with the scenario's model.sha256)", file=sys.stderr, flush=True)
     if sha256:
         actual = sha256_file(path)
         if actual != sha256.lower():

@@ -116,7 +116,8 @@ def model_source(scenario: Any) -> tuple[str, str | None]:
     m = scenario.model
     if m.synthetic is not None:
         s = m.synthetic
-        spec = preset_spec(s.preset, seed=s.seed, blocks=s.blocks, dim=s.dim, tied_embeddings=s.tied_embeddings)
+        spec = preset_spec(s.preset, seed=s.seed, blocks=s.blocks, dim=s.dim, tied_embeddings=s.tied_embeddings,
+                           type=s.type)
         return synthetic_source(spec), None
     return m.gguf, m.sha256
 

@@ -17,7 +17,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from ppharness import registry
-from ppharness.errors import ScenarioError
+from ppharness.errors import ModelError, ScenarioError
 from ppharness.scenario_errors import FieldError, explain, explain_yaml, untyped
 
 SCENARIO_VERSION = 1
@@ -39,6 +39,7 @@ class SyntheticModel(_Section):
     blocks: PositiveInt | None = None
     dim: PositiveInt | None = None
     tied_embeddings: bool | None = None
+    type: Annotated[str, Meta(description="how the weight matrices are stored: f16, q8_0 or q4_0")] = "f16"
 
     def __post_init__(self) -> None:
         try:
@@ -48,6 +49,16 @@ class SyntheticModel(_Section):
         presets = getattr(modelfile, "PRESETS", None)
         if presets is not None and self.preset not in presets:
             raise FieldError("preset", f"unknown preset {self.preset!r} — expected one of: {', '.join(presets)}")
+        types = getattr(modelfile, "WEIGHT_TYPES", None)
+        if types is not None and self.type.lower() not in types:
+            raise FieldError("type", f"unknown weight type {self.type!r} — expected one of: {', '.join(types)}")
+        preset_spec = getattr(modelfile, "preset_spec", None)
+        if preset_spec is not None:
+            try:
+                preset_spec(self.preset, seed=self.seed, blocks=self.blocks, dim=self.dim,
+                            tied_embeddings=self.tied_embeddings, type=self.type)
+            except ModelError as exc:
+                raise FieldError("", f"{exc} — change the preset's overrides or the type") from None
 
 
 class ModelSection(_Section):

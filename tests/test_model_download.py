@@ -47,3 +47,27 @@ def test_wrong_digest_removes_the_download(served):
         resolve_model(f"{base}/m.gguf", "f" * 64)
     with pytest.raises(ModelError, match="404"):
         resolve_model(f"{base}/missing.gguf")
+
+
+def test_an_unpinned_download_prints_its_sha256(served, capsys):
+    base, model, _ = served
+    path = resolve_model(f"{base}/m.gguf")
+    err = capsys.readouterr().err
+    assert f"sha256 {sha256_file(model)}" in err and "model.sha256" in err
+    resolve_model(f"{base}/m.gguf")
+    assert "sha256" not in capsys.readouterr().err  # cached: nothing downloaded, nothing printed
+    assert sha256_file(path) == sha256_file(model)
+
+
+def test_a_registry_blob_url_is_checked_against_its_digest(served, capsys):
+    base, model, hits = served
+    digest = sha256_file(model)
+    blobs = model.parent / "v2" / "library" / "m" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / f"sha256:{digest}").write_bytes(model.read_bytes())
+    (blobs / f"sha256:{'e' * 64}").write_bytes(model.read_bytes())  # served under a digest that is not its own
+    path = resolve_model(f"{base}/v2/library/m/blobs/sha256:{digest}")
+    assert sha256_file(path) == digest and GGUFFile(path).config.blocks == 2
+    assert "model.sha256" not in capsys.readouterr().err  # pinned by its URL: nothing to print
+    with pytest.raises(ModelError, match="does not match"):
+        resolve_model(f"{base}/v2/library/m/blobs/sha256:{'e' * 64}")

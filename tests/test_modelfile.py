@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,6 +10,7 @@ from ppharness.errors import ModelError
 from ppharness.modelfile import (
     PRESETS,
     SPECIAL_TOKENS,
+    WEIGHT_TYPES,
     ModelSpec,
     build_vocab,
     make_synthetic,
@@ -83,11 +86,55 @@ def test_synthetic_source_round_trip():
     spec = ModelSpec(blocks=3, seed=4, tied_embeddings=True)
     assert parse_synthetic(synthetic_source(spec)) == spec
     assert parse_synthetic("synthetic:tiny,blocks=4").blocks == 4
+    quantised = replace(spec, type="q8_0")
+    assert parse_synthetic(synthetic_source(quantised)) == quantised
+    assert parse_synthetic("synthetic:tiny,type=Q4_0").type == "q4_0"
+
+
+@pytest.mark.parametrize("wtype", ["q8_0", "q4_0"])
+def test_same_spec_same_bytes_per_weight_type(tmp_path, wtype):
+    spec = ModelSpec(blocks=2, dim=32, ffn=64, heads=2, kv_heads=1, vocab=300, seed=7, type=wtype)
+    a, b = make_synthetic(spec, tmp_path / "a.gguf"), make_synthetic(spec, tmp_path / "b.gguf")
+    assert sha256_file(a) == sha256_file(b)
+    others = {t: sha256_file(make_synthetic(replace(spec, type=t), tmp_path / f"{t}.gguf")) for t in WEIGHT_TYPES}
+    assert len(set(others.values())) == len(WEIGHT_TYPES) and others[wtype] == sha256_file(a)
+
+
+def test_cache_name_differs_per_weight_type():
+    tiny = PRESETS["tiny"]
+    slugs = {t: replace(tiny, type=t).slug() for t in WEIGHT_TYPES}
+    assert len(set(slugs.values())) == len(WEIGHT_TYPES)
+    assert slugs["f16"] == "synthetic-8x64-v512-s0-fc6c96297ee1"  # f16 files keep their names (and bytes)
+    assert slugs["q8_0"].startswith("synthetic-8x64-v512-s0-q8_0-")
+
+
+def test_weight_type_is_checked():
+    with pytest.raises(ModelError, match="unknown weight type 'q5_k': expected one of f16, q8_0, q4_0"):
+        ModelSpec(type="q5_k")
+    with pytest.raises(ModelError, match="blocks of 32"):
+        ModelSpec(dim=48, heads=4, kv_heads=2, type="q8_0")
+    assert ModelSpec(dim=48, heads=4, kv_heads=2).type == "f16"
+
+
+def test_model_make_type_option(tmp_path):
+    from click.testing import CliRunner
+
+    from ppharness.cli import main
+
+    out = tmp_path / "q.gguf"
+    r = CliRunner().invoke(main, ["model", "make", "--preset", "tiny", "--blocks", "2", "--type", "q8_0",
+                                  "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    expected = make_synthetic(replace(PRESETS["tiny"], blocks=2, type="q8_0"), tmp_path / "expected.gguf")
+    assert sha256_file(out) == sha256_file(expected)
+    r = CliRunner().invoke(main, ["model", "make", "--type", "q3", "-o", str(tmp_path / "x.gguf")])
+    assert r.exit_code == 1 and "expected one of f16, q8_0, q4_0" in r.output, r.output
 
 
 @pytest.mark.parametrize("source, needle", [
     ("synthetic:huge", "unknown model preset"),
     ("synthetic:tiny,colour=3", "unknown synthetic model field"),
+    ("synthetic:tiny,type=q2_k", "unknown weight type"),
     ("/nonexistent/model.gguf", "does not exist"),
 ])
 def test_bad_sources(source, needle):

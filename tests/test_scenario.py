@@ -276,3 +276,53 @@ def test_provider_settings_of_another_kind_are_rejected(tmp_path, kind):
     with pytest.raises(ScenarioError, match=rf"\$\.provider\.{kind}: {kind} settings apply only to kind {kind}, "
                                             rf"not '{other}'"):
         load_scenario(path)
+
+
+# --- quantised synthetic models and the SPEC's request on vast.ai ---------------------------------------------------
+
+SPEC_TEMPLATE = SCENARIOS / "templates" / "acceptance-5stage-vastai-llama3.2-1b.yaml"
+# the model layer of ollama's llama3.2:1b: its sha256, and its name in the registry
+LLAMA_3_2_1B_Q8_0 = "74701a8c35f6c8d9a4b91f3f3497643001d63e0c7a84e085bed452548fa88d45"
+
+
+def test_synthetic_weight_type(tmp_path: Path) -> None:
+    s = load_scenario(_write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, seed: 0, type: q8_0}}\n"))
+    assert s.model.synthetic.type == "q8_0"
+    assert load_scenario(_write(tmp_path, "version: 1\n", "plain.yaml")).model.synthetic.type == "f16"
+    message = _error(_write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, type: q5_k}}\n", "bad.yaml"))
+    assert "$.model.synthetic.type" in message and "unknown weight type 'q5_k'" in message
+    assert "f16, q8_0, q4_0" in message
+    message = _error(_write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, dim: 48, type: q4_0}}\n",
+                            "dim.yaml"))
+    assert "$.model.synthetic" in message and "blocks of 32" in message
+
+
+def test_scenario_weight_type_reaches_the_model(tmp_path: Path) -> None:
+    from ppharness.modelfile import parse_synthetic
+    from ppharness.orchestrator import model_source
+
+    s = load_scenario(_write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, type: q8_0}}\n"))
+    source, sha = model_source(s)
+    assert parse_synthetic(source).type == "q8_0" and sha is None
+
+
+def test_spec_template_is_the_specs_request() -> None:
+    from click.testing import CliRunner
+
+    from ppharness.cli import VASTAI_ACCEPTANCE, main
+
+    assert SPEC_TEMPLATE.name == VASTAI_ACCEPTANCE  # what pp-smoke-run --vastai runs by default
+    r = CliRunner().invoke(main, ["scenario", "check", str(SPEC_TEMPLATE)])
+    assert (r.exit_code, r.output) == (0, f"ok: {SPEC_TEMPLATE}\n")
+    s = load_scenario(SPEC_TEMPLATE)
+    assert s.model.synthetic is None and s.model.sha256 == LLAMA_3_2_1B_Q8_0
+    assert s.model.gguf == f"https://registry.ollama.ai/v2/library/llama3.2/blobs/sha256:{LLAMA_3_2_1B_Q8_0}"
+    assert (s.request.prompt, s.request.max_tokens) == ("Say hello", 64)
+    assert s.expect.match_oracle and s.provider.kind == "vastai"
+
+
+def test_vastai_ci_variant_differs_from_the_spec_template_only_in_model_and_request() -> None:
+    spec, ci = load_scenario(SPEC_TEMPLATE), load_scenario(SCENARIOS / "acceptance-5stage-vastai.yaml")
+    assert ci.model.synthetic is not None and ci.model.synthetic.preset == "tiny" and ci.model.gguf is None
+    assert (ci.stages, ci.transport, ci.expect, ci.cluster) == (spec.stages, spec.transport, spec.expect, spec.cluster)
+    assert ci.provider.vastai == spec.provider.vastai
