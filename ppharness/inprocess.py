@@ -50,9 +50,9 @@ def run_inprocess(gguf_file: Any, slices: list[Any], prompt: str, max_tokens: in
         addrs = [t.start() for t in transports]
         names = {name: addrs[i] for i in range(n) for name in names_of(i, n)}
         tok = gguf_file.tokenizer
-        stages = [Stage(i, n, slices[i], transports[i], names, plan_id, wire_dtype,
-                        tok if i in (0, n - 1) else None, log=lambda _: None) for i in range(n)]
         client = transports[n]
+        stages = [Stage(i, n, slices[i], transports[i], names, plan_id, wire_dtype,
+                        tok if i in (0, n - 1) else None, log=lambda _: None, seed=client.address) for i in range(n)]
         client.send(names[ENTRY], InferenceRequest(reply_to=client.address, prompt=prompt, max_tokens=max_tokens,
                                                    request_id="r0"))
         for _ in range(MAX_STEPS):

@@ -156,6 +156,18 @@ def with_fault(model: Any, fault: str, plan: StagePlan) -> Any:
     return _Faulty(model, fault) if fault in ("eos-first", "exit-mid-decode") else model
 
 
+# what only the orchestrator may send a node; replies go to the orchestrator, never to an address a frame names
+CONTROL = (Shutdown, ClockProbe, TraceRequest, DigestRequest)
+
+
+def _reply(transport: Any, seed: str, msg: Message, log: Any) -> None:
+    """Answer the orchestrator; a failed answer is logged, never fatal (the orchestrator notices the silence)."""
+    try:
+        transport.send(seed, msg)
+    except HarnessError as exc:
+        log(f"could not answer the orchestrator with {type(msg).__name__}: {exc}")
+
+
 def serve(plan: StagePlan, env: dict[str, str]) -> int:
     from ppharness.stage import Stage
 
@@ -195,7 +207,7 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
         names = resolve_members(transport.recv, plan.resolve_s, lambda s, m: early.append((s, m)), log=log)
         tracer = Tracer() if plan.trace else None
         stage = Stage(plan.stage, plan.num_stages, model, transport, names, plan.plan_id, plan.wire_dtype,
-                      tokenizer, log=log, tracer=tracer)
+                      tokenizer, log=log, tracer=tracer, seed=seed)
         transport.send(seed, Ready(stage=plan.stage, params=model.n_params, tied_params=model.tied_params,
                                    load_s=load_s, rss_bytes=peak_rss_bytes()))
         while True:
@@ -213,21 +225,24 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
                 except CodecError as exc:
                     log(f"dropped a bad frame: {exc}")
                     continue
+            if isinstance(msg, CONTROL) and sender != seed:
+                log(f"dropped {type(msg).__name__} from {sender[:120]}: only the orchestrator sends it")
+                continue
             match msg:
                 case Shutdown():
-                    transport.send(seed, Stopped(stage=plan.stage, served=stage.served,
-                                                 peak_rss_bytes=peak_rss_bytes(), device_bytes=device_bytes()))
+                    _reply(transport, seed, Stopped(stage=plan.stage, served=stage.served,
+                                                    peak_rss_bytes=peak_rss_bytes(), device_bytes=device_bytes()), log)
                     log(f"shutting down after {stage.served} request(s)")
                     return 0
                 case ClockProbe():
-                    transport.send(sender, ClockReply(stage=plan.stage, t_seed_ns=msg.t_seed_ns,
-                                                      t_node_ns=now_ns()))
+                    _reply(transport, seed, ClockReply(stage=plan.stage, t_seed_ns=msg.t_seed_ns, t_node_ns=now_ns()),
+                           log)
                 case TraceRequest():
                     spans = tracer.take(msg.request_id) if tracer else []
-                    transport.send(sender, TraceReport(stage=plan.stage, request_id=msg.request_id, spans=spans))
+                    _reply(transport, seed, TraceReport(stage=plan.stage, request_id=msg.request_id, spans=spans), log)
                 case DigestRequest():
-                    transport.send(sender, DigestReport(stage=plan.stage, request_id=msg.request_id,
-                                                        digests=stage.digests.get(msg.request_id, [])))
+                    _reply(transport, seed, DigestReport(stage=plan.stage, request_id=msg.request_id,
+                                                         digests=stage.digests.get(msg.request_id, [])), log)
                 case _:
                     stage.handle(sender, msg, rx)
     except HarnessError as exc:

@@ -209,7 +209,10 @@ class Chain:
         self.directory = directory = Directory(n)
 
         def on_join(sender: str, msg: Message) -> bool:
-            if isinstance(msg, Join):
+            if isinstance(msg, Join) and msg.address != sender:
+                progress(f"warning: ignored a Join of stage {msg.stage} from {sender[:120]} naming another address "
+                         f"({msg.address[:120]})")
+            elif isinstance(msg, Join):
                 directory.add(msg)
                 self.detector.watch([msg.stage])
                 progress(f"stage {msg.stage} joined from {msg.address}")

@@ -28,7 +28,7 @@ from ppharness.messages import (
     RequestOpen,
     StageActivation,
 )
-from ppharness.plan import ENTRY, stage_name
+from ppharness.plan import ENTRY, EXIT, stage_name
 from ppharness.exactness import digest
 from ppharness.tracer import KEEP_REQUESTS, Tracer, now_ns
 
@@ -65,17 +65,25 @@ class Stage:
     """Stage ``index`` of ``num_stages``, computing with ``model`` (a ModelSlice) and talking over ``transport``.
 
     ``names`` is the directory (name -> address) from the cluster; next and previous stages are computed locally.
+    ``seed`` is the orchestrator's address: the only member that may send requests, and the only one answered.
+
+    Every message is taken only from the member whose role sends it (requests from the seed, RequestOpen and
+    activations from the previous stage, NextToken from the last), by the sender address the transport authenticated;
+    anything else is dropped with a log line, so no member can steer a stage it does not feed.
     """
 
     def __init__(self, index: int, num_stages: int, model: Any, transport: Any, names: dict[str, str], plan_id: str,
                  wire_dtype: str = "f16", tokenizer: Any = None, log: Callable[[str], None] = print,
-                 tracer: Tracer | None = None):
+                 tracer: Tracer | None = None, seed: str | None = None):
         self.index, self.num_stages = index, num_stages
         self.first, self.last = index == 0, index == num_stages - 1
         self.model, self.transport, self.plan_id = model, transport, plan_id
         self.wire_dtype, self.tokenizer, self.log = wire_dtype, tokenizer, log
         self.next_addr = None if self.last else names[stage_name(index + 1)]
+        self.prev_addr = None if self.first else names[stage_name(index - 1)]
         self.entry_addr = names[ENTRY]
+        self.exit_addr = names[EXIT]
+        self.seed = seed
         self.req: _Request | None = None
         self.served = 0
         self.tracer = tracer
@@ -91,6 +99,10 @@ class Stage:
 
         ``rx`` carries the message's arrival and decoding times when the caller decoded the frame itself (tracing).
         """
+        role = self._sender_role(msg)
+        if role is not None and sender != role[1]:
+            self.log(f"stage {self.index}: dropped {type(msg).__name__} from {sender}: only {role[0]} sends it")
+            return
         match msg:
             case InferenceRequest() if self.first:
                 self._on_request(msg, rx)
@@ -106,6 +118,8 @@ class Stage:
     # --- first stage ------------------------------------------------------------------------------------------------
 
     def _on_request(self, msg: InferenceRequest, rx: Rx | None) -> None:
+        if not self._reply_to_ok(msg.reply_to, "InferenceRequest"):
+            return
         request_id = msg.request_id or uuid.uuid4().hex[:12]
         if self.req is not None:
             self.transport.send(msg.reply_to, Error(stage=self.index, request_id=request_id,
@@ -157,6 +171,8 @@ class Stage:
     # --- later stages -----------------------------------------------------------------------------------------------
 
     def _on_open(self, msg: RequestOpen) -> None:
+        if not self._reply_to_ok(msg.reply_to, "RequestOpen"):
+            return
         if msg.plan_id != self.plan_id:
             self.log(f"stage {self.index}: dropped RequestOpen of plan {msg.plan_id}, this stage serves {self.plan_id}")
             return
@@ -177,6 +193,11 @@ class Stage:
             self.log(f"stage {self.index}: dropped activation at position {msg.position} (prefill={msg.is_prefill}), "
                      f"expected position {req.next_position}")
             return
+        want = req.prompt_tokens if msg.is_prefill else 1
+        if msg.seq_len != want or tuple(msg.shape) != (1, want, self.model.config.dim):
+            self.log(f"stage {self.index}: dropped activation of shape {tuple(msg.shape)} (seq_len {msg.seq_len}) at "
+                     f"position {msg.position}: the plan expects (1, {want}, {self.model.config.dim})")
+            return
         step = 0 if msg.is_prefill else msg.position - req.prompt_tokens + 1
         self._trace_rx(step, rx)
         t0 = now_ns() if self.tracer else 0
@@ -187,7 +208,7 @@ class Stage:
         except CodecError as exc:
             self.log(f"stage {self.index}: dropped activation: {exc}")
             return
-        if hidden.ndim != 3 or hidden.shape[1] != msg.seq_len or hidden.shape[2] != self.model.config.dim:
+        if hidden.shape != (1, want, self.model.config.dim):
             self.log(f"stage {self.index}: dropped activation of shape {hidden.shape}, expected (1, {msg.seq_len}, "
                      f"{self.model.config.dim})")
             return
@@ -237,6 +258,24 @@ class Stage:
         self.served += 1
 
     # --- helpers ------------------------------------------------------------------------------------------------------
+
+    def _sender_role(self, msg: Message) -> tuple[str, str] | None:
+        """(role, address) of the only member this stage takes ``msg`` from; None when any member may send it."""
+        match msg:
+            case InferenceRequest() if self.seed is not None:
+                return "the orchestrator", self.seed
+            case RequestOpen() | StageActivation() if self.prev_addr is not None:
+                return f"stage {self.index - 1}", self.prev_addr
+            case NextToken():
+                return f"stage {self.num_stages - 1}", self.exit_addr
+        return None
+
+    def _reply_to_ok(self, reply_to: str, what: str) -> bool:
+        """Answers go to the orchestrator that asked, never to another address a frame names."""
+        if self.seed is None or reply_to == self.seed:
+            return True
+        self.log(f"stage {self.index}: dropped {what} whose reply_to {reply_to[:120]!r} is not the orchestrator")
+        return False
 
     def _current(self, request_id: str, plan_id: str, what: str) -> _Request | None:
         if plan_id != self.plan_id:

@@ -23,7 +23,8 @@ def two_stage(tiny_gguf):
     names = {name: addrs[i] for i in range(2) for name in names_of(i, 2)}
     logs: list[str] = []
     slices = load_slices(tiny_gguf, [(0, 4), (4, 8)], cache=_cache)
-    stage = Stage(1, 2, slices[1], t1, names, "plan-a", tokenizer=tiny_gguf.tokenizer, log=logs.append)
+    stage = Stage(1, 2, slices[1], t1, names, "plan-a", tokenizer=tiny_gguf.tokenizer, log=logs.append,
+                  seed=client.address)
     yield stage, t0, client, logs, slices
     for t in (t0, t1, client):
         t.close()
@@ -48,7 +49,7 @@ def _open(client, request_id="r1", plan_id="plan-a", max_tokens=3):
 
 def test_activation_for_unknown_request_is_dropped(two_stage):
     stage, t0, client, logs, slices = two_stage
-    stage.handle("x", _activation(slices, request_id="nobody"))
+    stage.handle(t0.address, _activation(slices, request_id="nobody"))
     assert any("unknown request 'nobody'" in line for line in logs)
     with pytest.raises(TransportTimeout):
         t0.recv(0)
@@ -56,32 +57,32 @@ def test_activation_for_unknown_request_is_dropped(two_stage):
 
 def test_stale_plan_is_dropped(two_stage):
     stage, t0, client, logs, slices = two_stage
-    stage.handle("x", _open(client, plan_id="plan-old"))
+    stage.handle(t0.address, _open(client, plan_id="plan-old"))
     assert stage.req is None and "plan plan-old" in logs[-1]
 
 
 def test_tensor_of_wrong_size_is_dropped_then_the_request_goes_on(two_stage):
     stage, t0, client, logs, slices = two_stage
-    stage.handle("x", _open(client))
+    stage.handle(t0.address, _open(client))
     good = _activation(slices)
-    stage.handle("x", StageActivation(**{**{f: getattr(good, f) for f in good.__struct_fields__},
+    stage.handle(t0.address, StageActivation(**{**{f: getattr(good, f) for f in good.__struct_fields__},
                                          "hidden": good.hidden[:-2]}))
     assert "needs" in logs[-1]
-    stage.handle("x", StageActivation(**{**{f: getattr(good, f) for f in good.__struct_fields__},
+    stage.handle(t0.address, StageActivation(**{**{f: getattr(good, f) for f in good.__struct_fields__},
                                          "shape": (1, 3, 7), "hidden": good.hidden[: 3 * 7 * 2]}))
     assert "shape" in logs[-1]
-    stage.handle("x", good)  # the real prefill still works
+    stage.handle(t0.address, good)  # the real prefill still works
     _, msg = t0.recv(0)
     assert isinstance(msg, NextToken) and msg.position == 3 and not msg.done
 
 
 def test_duplicate_activation_is_dropped(two_stage):
     stage, t0, client, logs, slices = two_stage
-    stage.handle("x", _open(client))
+    stage.handle(t0.address, _open(client))
     act = _activation(slices)
-    stage.handle("x", act)
+    stage.handle(t0.address, act)
     t0.recv(0)
-    stage.handle("x", act)
+    stage.handle(t0.address, act)
     assert "duplicate" in logs[-1]
     with pytest.raises(TransportTimeout):
         t0.recv(0)
@@ -89,8 +90,65 @@ def test_duplicate_activation_is_dropped(two_stage):
 
 def test_unexpected_message_type_is_dropped(two_stage):
     stage, t0, client, logs, slices = two_stage
-    stage.handle("x", InferenceRequest(reply_to=client.address, prompt="hi", max_tokens=2))
+    stage.handle(client.address, InferenceRequest(reply_to=client.address, prompt="hi", max_tokens=2))
     assert "unexpected InferenceRequest" in logs[-1]
+
+
+# --- only the member whose role sends a message is heard -----------------------------------------------------------
+
+
+def test_a_request_open_from_another_member_cannot_take_the_stage_over(two_stage):
+    stage, t0, client, logs, slices = two_stage
+    stage.handle(t0.address, _open(client))
+    stage.handle(client.address, _open(client, request_id="hijack"))
+    assert stage.req.request_id == "r1"
+    assert "dropped RequestOpen from" in logs[-1] and "only stage 0 sends it" in logs[-1]
+
+
+def test_an_activation_from_another_member_is_dropped_before_compute(two_stage):
+    stage, t0, client, logs, slices = two_stage
+    stage.handle(t0.address, _open(client))
+    stage.handle(client.address, _activation(slices))
+    assert "only stage 0 sends it" in logs[-1] and stage.req.next_position == 0
+    with pytest.raises(TransportTimeout):
+        t0.recv(0)
+
+
+def test_answers_go_only_to_the_orchestrator(two_stage):
+    stage, t0, client, logs, slices = two_stage
+    stage.handle(t0.address, RequestOpen(request_id="r1", reply_to=t0.address, max_tokens=3, prompt_tokens=3,
+                                         plan_id="plan-a"))
+    assert stage.req is None and "is not the orchestrator" in logs[-1]
+
+
+@pytest.mark.parametrize("seq_len, shape", [(2, (1, 2, 64)), (3, (1, 3, 32)), (3, (2, 3, 64)), (1, (1, 1, 64))],
+                         ids=["short", "narrow", "batch", "decode-sized-prefill"])
+def test_an_activation_of_the_wrong_shape_for_the_plan_is_refused_before_compute(two_stage, seq_len, shape):
+    stage, t0, client, logs, slices = two_stage
+    stage.handle(t0.address, _open(client))
+    n = 1
+    for d in shape:
+        n *= d
+    stage.handle(t0.address, _activation(slices, seq_len=seq_len, shape=shape, hidden=b"\0\0" * n))
+    assert "the plan expects (1, 3, 64)" in logs[-1] and stage.req.next_position == 0
+    stage.handle(t0.address, _activation(slices))  # the real prefill still works
+    assert isinstance(t0.recv(0)[1], NextToken)
+
+
+def test_a_next_token_from_another_stage_is_dropped(tiny_gguf):
+    memory = transport_class("memory")
+    ts = [memory() for _ in range(4)]
+    addrs = [t.start() for t in ts]
+    names = {name: addrs[i] for i in range(3) for name in names_of(i, 3)}
+    logs: list[str] = []
+    stage = Stage(0, 3, load_slices(tiny_gguf, [(0, 3), (3, 5), (5, 8)], cache=_cache)[0], ts[0], names, "p",
+                  tokenizer=tiny_gguf.tokenizer, log=logs.append, seed=addrs[3])
+    stage.handle(addrs[1], NextToken(request_id="r", token_id=1, position=5, done=True, plan_id="p"))
+    assert "only stage 2 sends it" in logs[-1]
+    stage.handle(addrs[1], InferenceRequest(reply_to=addrs[1], prompt="hi", max_tokens=2))
+    assert "only the orchestrator sends it" in logs[-1] and stage.req is None
+    for t in ts:
+        t.close()
 
 
 def test_first_stage_rejects_impossible_max_tokens(tiny_gguf):
@@ -99,7 +157,7 @@ def test_first_stage_rejects_impossible_max_tokens(tiny_gguf):
     t0.start(), client.start()
     names = {n: t0.address for n in names_of(0, 1)}
     stage = Stage(0, 1, load_slices(tiny_gguf, [(0, 8)], cache=_cache)[0], t0, names, "p",
-                  tokenizer=tiny_gguf.tokenizer, log=lambda _: None)
+                  tokenizer=tiny_gguf.tokenizer, log=lambda _: None, seed=client.address)
     stage.handle(client.address, InferenceRequest(reply_to=client.address, prompt="hi", max_tokens=10_000))
     _, msg = client.recv(0)
     assert isinstance(msg, Error) and "max_tokens 10000" in msg.reason

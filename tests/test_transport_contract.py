@@ -344,15 +344,38 @@ def test_memory_auto_names_are_unique() -> None:
 # --- zmq only -------------------------------------------------------------------------------------------------------
 
 
+ZMQ_RUN = 3  # receiver, sender, and a third member whose key a raw socket uses
+
+
 @pytest.fixture
-def zmq_pair() -> Iterator[tuple[Transport, Transport]]:
+def zmq_run() -> list[dict]:
+    return transport_class("zmq").plan_endpoints(ZMQ_RUN, {})
+
+
+@pytest.fixture
+def zmq_pair(zmq_run: list[dict]) -> Iterator[tuple[Transport, Transport]]:
     cls = transport_class("zmq")
-    receiver, sender = cls(), cls()
+    receiver, sender = cls(**zmq_run[0]), cls(**zmq_run[1])
     receiver.start()
     sender.start()
     yield receiver, sender
     receiver.close()
     sender.close()
+
+
+def raw_member_push(ctx, receiver: Transport, secret_z85: str):
+    """A plain pyzmq PUSH socket connected to ``receiver`` with a run member's CURVE key."""
+    import zmq
+
+    from transports.zmq import split_address
+
+    endpoint, key = split_address(receiver.address)
+    push = ctx.socket(zmq.PUSH)
+    push.curve_secretkey = secret_z85.encode()
+    push.curve_publickey = zmq.curve_public(secret_z85.encode())
+    push.curve_serverkey = zmq.utils.z85.encode(bytes.fromhex(key))
+    push.connect(endpoint)
+    return push
 
 
 @pytest.mark.parametrize(
@@ -364,15 +387,14 @@ def zmq_pair() -> Iterator[tuple[Transport, Transport]]:
     ],
 )
 def test_zmq_raw_multipart_of_wrong_shape_is_rejected(
-    zmq_pair: tuple[Transport, Transport], parts: list[bytes]
+    zmq_pair: tuple[Transport, Transport], zmq_run: list[dict], parts: list[bytes]
 ) -> None:
     import zmq
 
     receiver, sender = zmq_pair
     ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
+    push = raw_member_push(ctx, receiver, zmq_run[2]["secret_key"])
     try:
-        push.connect(receiver.address)
         push.send_multipart(parts)
         with pytest.raises(CodecError):
             receiver.recv(timeout=WAIT)
@@ -383,11 +405,23 @@ def test_zmq_raw_multipart_of_wrong_shape_is_rejected(
         ctx.term()
 
 
-@pytest.mark.parametrize("address", ["memory://stage-1", "tcp://no-port", "not an address", "tcp://127.0.0.1:x"])
-def test_zmq_send_to_invalid_address_raises_connect_failed(
+@pytest.mark.parametrize("address", ["memory://stage-1", "tcp://no-port", "not an address", "tcp://127.0.0.1:5555",
+                                     "tcp://127.0.0.1:5555?curve=abc"])
+def test_zmq_send_to_an_address_without_a_key_raises_connect_failed(
     zmq_pair: tuple[Transport, Transport], address: str
 ) -> None:
     _, sender = zmq_pair
+    with pytest.raises(ConnectFailed, match="not a ppharness zmq address") as info:
+        sender.send(address, Shutdown())
+    assert address in str(info.value)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://no-port", "tcp://127.0.0.1:x", "udp://127.0.0.1:1"])
+def test_zmq_send_to_an_undiallable_address_raises_connect_failed(
+    zmq_pair: tuple[Transport, Transport], endpoint: str
+) -> None:
+    _, sender = zmq_pair
+    address = f"{endpoint}?curve={'ab' * 32}"
     with pytest.raises(ConnectFailed, match="connect to") as info:
         sender.send(address, Shutdown())
     assert address in str(info.value)
@@ -404,10 +438,11 @@ def test_zmq_wildcard_bind_needs_an_advertised_host() -> None:
         assert receiver.recv(timeout=WAIT)[1] == Shutdown("via wildcard bind")
 
 
-def test_zmq_transports_in_one_process_are_independent(zmq_pair: tuple[Transport, Transport]) -> None:
+def test_zmq_transports_in_one_process_are_independent(zmq_pair: tuple[Transport, Transport],
+                                                       zmq_run: list[dict]) -> None:
     receiver, sender = zmq_pair
     cls = transport_class("zmq")
-    with cls() as other:
+    with cls(**zmq_run[2]) as other:
         other.send(receiver.address, Shutdown("from other"))
     sender.send(receiver.address, Shutdown("from sender"))
     got = {receiver.recv(timeout=WAIT)[1] for _ in range(2)}
