@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -80,8 +81,11 @@ class Provider(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def reap(cls, label: str | None = None) -> list[str]:
-        """Destroy every resource carrying ``label`` (any ppharness label when None); return what was destroyed."""
+    def reap(cls, label: str | None = None, select: Callable[[str], bool] | None = None,
+             dry_run: bool = False) -> list[str]:
+        """Destroy every resource carrying ``label`` (any ppharness label when None) whose run label ``select``
+        accepts (all when None); ``dry_run`` destroys nothing. Return what was (or would be) destroyed, each entry
+        ending with ``(run LABEL)``."""
 
     def destroy_all(self) -> list[str]:
         """Destroy every instance this provider created; returns one warning per instance that failed to go."""

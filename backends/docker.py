@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -306,14 +306,15 @@ class DockerProvider(Provider):
         return warnings
 
     @classmethod
-    def reap(cls, label: str | None = None) -> list[str]:
-        """Remove every container and network labelled with ``label`` (any ppharness run when None). Nothing to do
-        when no daemon answers."""
+    def reap(cls, label: str | None = None, select: Callable[[str], bool] | None = None,
+             dry_run: bool = False) -> list[str]:
+        """Remove every container and network labelled with ``label`` (any ppharness run when None) whose run label
+        ``select`` accepts; ``dry_run`` only lists them. Nothing to do when no daemon answers."""
         if daemon_problem() is not None:
             return []
         c = client()
         try:
-            return remove_labelled(c, f"{RUN_LABEL}={label}" if label else RUN_LABEL)
+            return remove_labelled(c, f"{RUN_LABEL}={label}" if label else RUN_LABEL, RUN_LABEL, select, dry_run)
         finally:
             c.close()
 
@@ -329,7 +330,7 @@ def _signals_deferred() -> Iterator[None]:
     def hold(signum: int, frame: FrameType | None) -> None:
         pending.append(signum)
 
-    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:

@@ -14,6 +14,7 @@ import ipaddress
 import os
 import random
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import docker
@@ -116,19 +117,30 @@ def free_subnet(c: docker.DockerClient) -> ipaddress.IPv4Network:
     raise ProvisionFailed(f"no free /24 left in {SUBNET_POOL} for the run network; `ppharness reap` old runs")
 
 
-def remove_labelled(c: docker.DockerClient, label_filter: str) -> list[str]:
-    """Remove the containers, then the networks, matching ``label_filter``; return what went."""
+def remove_labelled(c: docker.DockerClient, label_filter: str, run_key: str = "ppharness.run",
+                    select: Callable[[str], bool] | None = None, dry_run: bool = False) -> list[str]:
+    """Remove the containers, then the networks, matching ``label_filter`` whose ``run_key`` label ``select``
+    accepts (all when None); ``dry_run`` only lists them. Return what went (or would go)."""
     gone = []
     for row in c.api.containers(all=True, filters={"label": label_filter}):
+        run = (row.get("Labels") or {}).get(run_key, "")
+        if select is not None and not select(run):
+            continue
         try:
-            c.api.remove_container(row["Id"], force=True, v=True)
-            gone.append(f"container {row['Names'][0].lstrip('/') if row.get('Names') else row['Id'][:12]}")
+            if not dry_run:
+                c.api.remove_container(row["Id"], force=True, v=True)
+            name = row["Names"][0].lstrip("/") if row.get("Names") else row["Id"][:12]
+            gone.append(f"container {name} (run {run})")
         except docker.errors.NotFound:
             continue
     for net in c.api.networks(filters={"label": label_filter}):
+        run = (net.get("Labels") or {}).get(run_key, "")
+        if select is not None and not select(run):
+            continue
         try:
-            c.api.remove_network(net["Id"])
-            gone.append(f"network {net['Name']}")
+            if not dry_run:
+                c.api.remove_network(net["Id"])
+            gone.append(f"network {net['Name']} (run {run})")
         except docker.errors.NotFound:
             continue
     return gone

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from backends.base import Instance, NodeSpec, Provider
@@ -103,11 +104,12 @@ class LocalProvider(Provider):
         return labelled_pids(label)
 
     @classmethod
-    def reap(cls, label: str | None = None) -> list[str]:
-        victims = labelled_pids(label)
-        for pid in victims:
+    def reap(cls, label: str | None = None, select: Callable[[str], bool] | None = None,
+             dry_run: bool = False) -> list[str]:
+        victims = [(pid, lbl) for pid, lbl in labelled_nodes(label) if select is None or select(lbl)]
+        for pid, _ in victims if not dry_run else []:
             _kill_group(pid, signal.SIGKILL)
-        return [f"process {pid}" for pid in victims]
+        return [f"process {pid} (run {lbl})" for pid, lbl in victims]
 
 
 def _kill_group(pid: int, sig: signal.Signals) -> None:
@@ -120,17 +122,33 @@ def _kill_group(pid: int, sig: signal.Signals) -> None:
 
 
 def labelled_pids(label: str | None = None) -> list[int]:
-    """Live processes whose environment carries PP_RUN_LABEL (equal to ``label`` when given)."""
-    want = f"{LABEL_VAR}={label}".encode() if label else f"{LABEL_VAR}=".encode()
-    pids = []
+    """Live pp-node processes of this user carrying PP_RUN_LABEL (equal to ``label`` when given)."""
+    return [pid for pid, _ in labelled_nodes(label)]
+
+
+def _is_node(cmdline: bytes) -> bool:
+    """Whether a command line runs the node entry point (``pp-node`` or ``python -m ppharness.node``)."""
+    args = cmdline.split(b"\0")
+    return any(a.endswith(b"pp-node") for a in args[:3]) or b"ppharness.node" in args[:4]
+
+
+def labelled_nodes(label: str | None = None) -> list[tuple[int, str]]:
+    """(pid, run label) of every live pp-node process of this user whose environment carries PP_RUN_LABEL (equal
+    to ``label`` when given). A process that merely has the variable (a shell, an editor) is not a node."""
+    prefix = f"{LABEL_VAR}=".encode()
+    out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
+            if entry.stat().st_uid != os.getuid():
+                continue
             env = (entry / "environ").read_bytes().split(b"\0")
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if state != "Z" and any(v == want or (label is None and v.startswith(want)) for v in env):
-            pids.append(int(entry.name))
-    return sorted(pids)
+        found = next((v[len(prefix):].decode("utf-8", "replace") for v in env if v.startswith(prefix)), None)
+        if state != "Z" and found is not None and (label is None or found == label) and _is_node(cmdline):
+            out.append((int(entry.name), found))
+    return sorted(out)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -280,9 +281,11 @@ class VastaiProvider(Provider):
             self.client.close()
 
     @classmethod
-    def reap(cls, label: str | None = None) -> list[str]:
+    def reap(cls, label: str | None = None, select: Callable[[str], bool] | None = None,
+             dry_run: bool = False) -> list[str]:
         """Destroy the instances labelled ``label`` (every instance a ppharness run started, recognised by its
-        ``PP_RUN_LABEL`` environment entry, when None). Without ``VAST_API_KEY`` there is nothing to reach."""
+        ``PP_RUN_LABEL`` environment entry, when None) whose run label ``select`` accepts; ``dry_run`` only lists
+        them. Without ``VAST_API_KEY`` there is nothing to reach."""
         client = client_from_env()
         if client is None:
             _say("vastai: VAST_API_KEY is not set; no vast.ai instances were looked for")
@@ -290,13 +293,14 @@ class VastaiProvider(Provider):
         with client:
             try:
                 recs = client.list_instances({"label": {"eq": label}} if label else None)
-                victims = [r for r in recs if not is_gone(r) and (label or _run_label_of(r))]
-                for rec in victims:
+                victims = [r for r in recs if not is_gone(r) and (label or _run_label_of(r))
+                           and (select is None or select(_run_label_of(r) or str(r.get("label") or "")))]
+                for rec in victims if not dry_run else []:
                     client.destroy_instance(int(rec["id"]))
             except VastApiError as exc:
                 raise ProviderError(f"reaping vast.ai instances at {client.base_url} failed: {exc}") from exc
-        return [f"instance {r['id']} (label {r.get('label')!r}, ${float(r.get('dph_total') or 0):.3f}/hr)"
-                for r in victims]
+        return [f"instance {r['id']} (${float(r.get('dph_total') or 0):.3f}/hr) (run "
+                f"{_run_label_of(r) or r.get('label')})" for r in victims]
 
     @staticmethod
     def run_emulator(**options: Any) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from typing import Any, NoReturn
 import click
 
 from ppharness.errors import HarnessError
+from ppharness.runs import RunLabelInUse
 
 SCENARIO_HELP = "Scenario YAML file (see scenarios/); flags given here override its values."
 
@@ -34,6 +36,8 @@ def _exit_1_on_failure(before_exit: Callable[[], object] = lambda: None) -> Iter
     _sigterm_as_interrupt()
     try:
         yield
+    except RunLabelInUse as exc:  # nothing was created, and what the label names is another run's
+        _fail(str(exc), exc)
     except HarnessError as exc:
         before_exit()
         _fail(str(exc), exc)
@@ -43,12 +47,22 @@ def _exit_1_on_failure(before_exit: Callable[[], object] = lambda: None) -> Iter
 
 
 def _sigterm_as_interrupt() -> None:
-    """SIGTERM takes the same clean path as Ctrl-C: unwind, destroy every node, exit 1."""
+    """SIGTERM and SIGHUP (a closed terminal, a dropped SSH session) take the same clean path as Ctrl-C: unwind,
+    destroy every node, exit 1. After a hang-up the terminal is gone, so output goes to /dev/null from then on (a
+    write to a hung-up terminal fails, and must not break the clean-up)."""
 
     def handler(signum: int, frame: Any) -> NoReturn:
         raise KeyboardInterrupt
 
+    def hangup(signum: int, frame: Any) -> NoReturn:
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+        raise KeyboardInterrupt
+
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, hangup)
 
 
 def _kinds(csv: str) -> list[str]:
@@ -467,22 +481,53 @@ def bench_failover(num_stages: int, runs: int, sig: str, engine: str) -> None:
 
 
 @main.command()
-@click.option("--label", help="Only this run's label (default: every ppharness run label).")
+@click.option("--label", help="Only this run's label, whether or not this machine knows the run (never a live one).")
 @click.option("--provider", "providers", multiple=True, help="Provider kind(s) to reap (default: all).")
-@click.option("--strict", is_flag=True, help="Exit 1 when anything was found (CI: nothing may outlive the tests).")
-def reap(label: str | None, providers: tuple[str, ...], strict: bool) -> None:
-    """Destroy leftovers of crashed runs: every resource carrying a ppharness run label."""
-    from ppharness.registry import PROVIDERS, provider_class
+@click.option("--dry-run", is_flag=True, help="Only list what would be destroyed, and what is kept and why.")
+@click.option("--strict", is_flag=True, help="Exit 1 when anything was found, reaped or not (CI: nothing may outlive "
+              "the tests).")
+def reap(label: str | None, providers: tuple[str, ...], dry_run: bool, strict: bool) -> None:
+    """Destroy leftovers of crashed runs.
 
-    found = []
+    Without --label: only the resources of runs this user started on this machine whose orchestrator is gone. A live
+    run is never touched; resources of runs this machine does not know (another user's, another machine's) are
+    listed and kept: name one with --label to reap it.
+    """
+    from ppharness.registry import PROVIDERS, provider_class
+    from ppharness.runs import forget, run_state
+
+    if label is not None:
+        info = run_state(label)
+        if info.state == "live":
+            _fail(f"run {label} is live (orchestrator pid {info.pid}); it is not reaped")
+    states: dict[str, str] = {}
+
+    def state(run: str) -> str:
+        if run not in states:
+            states[run] = run_state(run).state
+        return states[run]
+
+    found, kept = [], []
     for kind in providers or tuple(PROVIDERS):
+        cls = provider_class(kind)
         try:
-            found += [f"{kind}: {what}" for what in provider_class(kind).reap(label)]
+            if label is not None:
+                found += [f"{kind}: {what}" for what in cls.reap(label, dry_run=dry_run)]
+            else:
+                found += [f"{kind}: {what}" for what in cls.reap(select=lambda r: state(r) == "dead", dry_run=dry_run)]
+                kept += [f"{kind}: {what}: {state(what.rsplit('(run ', 1)[-1].rstrip(')'))} run, kept"
+                         for what in cls.reap(select=lambda r: state(r) != "dead", dry_run=True)]
         except HarnessError as exc:
             _fail(str(exc))
-    click.echo("\n".join(found) if found else "nothing to reap")
-    if found and strict:
-        _fail(f"{len(found)} leftover resource(s) carried a ppharness run label")
+    verb = "would destroy" if dry_run else "destroyed"
+    click.echo("\n".join(f"{verb} {f}" for f in found) if found else "nothing to reap")
+    for k in kept:
+        click.echo(k)
+    if not dry_run:
+        for run in {label} if label else {r for r, st in states.items() if st == "dead"}:
+            forget(run)
+    if strict and (found or [k for k in kept if ": live run" not in k]):
+        _fail(f"{len(found) + len(kept)} leftover resource(s) carried a ppharness run label")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from ppharness.messages import (
 )
 from ppharness.plan import ENTRY, EXIT, Plan, make_plan, stage_name
 from ppharness.registry import provider_class, transport_class
+from ppharness.runs import RunLock
 from ppharness.tracer import now_ns
 
 
@@ -136,6 +137,7 @@ class Chain:
         self.deadline = time.monotonic() + scenario.budget.total_s
         self.offsets_ns: dict[int, int] = {}
         self._provider: Any = None
+        self._lock: RunLock | None = None
         self.transport: Any = None
         self.detector: Any = None
 
@@ -160,6 +162,7 @@ class Chain:
         from ppharness.slicing import GGUFFile
 
         sc, progress = self.scenario, self.progress
+        self._lock = RunLock(self.run_label).acquire()  # a label a live run holds is refused before anything exists
         source, sha = model_source(sc)
         self.model_source = source
         progress(f"model: {source if not source.startswith('synthetic:') else 'synthetic ' + sc.model.synthetic.preset}"
@@ -362,6 +365,7 @@ class Chain:
         return [reports[i] for i in sorted(reports)]
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        destroyed = False
         try:
             if exc_type is None and self._provider is not None:
                 _shutdown(self.transport, self.directory, self.reports, self._provider, self.progress)
@@ -372,9 +376,16 @@ class Chain:
                 if self._provider is not None:
                     self._provider.__exit__(exc_type, exc, tb)
                     self._provider = None
+                destroyed = True
             finally:
-                if self.transport is not None:
-                    self.transport.close()
+                try:
+                    if self.transport is not None:
+                        self.transport.close()
+                finally:
+                    if self._lock is not None:
+                        # everything gone: forget the run; otherwise it stays registered, dead, for `ppharness reap`
+                        self._lock.release() if destroyed else self._lock.abandon()
+                        self._lock = None
 
 
 def run_scenario(scenario: Any, progress: Callable[[str], None] = Progress(), run_label: str | None = None,

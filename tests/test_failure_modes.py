@@ -74,13 +74,16 @@ def test_destroy_failure_warns_destroys_the_others_and_exits_1(tmp_path):
     assert not labelled_pids(label)  # it stopped on Shutdown, or the run's last sweep reaped it
 
 
-def test_reap_command_destroys_a_crashed_runs_leftovers():
-    """A node whose orchestrator vanished (simulated: started by hand with a label) is found and destroyed."""
+def test_reap_command_destroys_a_crashed_runs_leftovers(tmp_path):
+    """A node whose orchestrator vanished (simulated: a stand-in pp-node started by hand with a label) is found and
+    destroyed."""
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
     import os
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                            env={**os.environ, "PP_RUN_LABEL": label}, start_new_session=True)
+    node = tmp_path / "pp-node"
+    node.write_text("import time\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, str(node)], env={**os.environ, "PP_RUN_LABEL": label},
+                            start_new_session=True)
     try:
         deadline = time.monotonic() + 10
         while not labelled_pids(label) and time.monotonic() < deadline:
@@ -98,17 +101,23 @@ def test_reap_command_destroys_a_crashed_runs_leftovers():
             proc.kill()
 
 
-@pytest.mark.parametrize("phase", ["membership:", "joined", "ready", "request:"])
-def test_sigint_at_any_phase_stops_everything(tmp_path, phase):
+@pytest.mark.parametrize("phase, sig", [("membership:", signal.SIGINT), ("joined", signal.SIGINT),
+                                        ("ready", signal.SIGINT), ("request:", signal.SIGINT),
+                                        ("ready", signal.SIGTERM), ("request:", signal.SIGHUP)],
+                         ids=["SIGINT-membership", "SIGINT-joined", "SIGINT-ready", "SIGINT-request",
+                              "SIGTERM-ready", "SIGHUP-request"])
+def test_an_interrupt_at_any_phase_stops_everything(tmp_path, phase, sig):
+    """Ctrl-C, SIGTERM and SIGHUP (a closed terminal) all take the clean way out: every node stopped, exit 1."""
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
     cmd = [sys.executable, "-m", "ppharness.cli_smoke", "--scenario", str(_write(tmp_path, max_tokens=200)),
            "--run-label", label]
     with WatchedRun(cmd, cwd=ROOT) as run:
         run.until(phase)
-        run.proc.send_signal(signal.SIGINT)
+        run.proc.send_signal(sig)
         out = run.finish(timeout=60)
     assert run.returncode == 1, out
-    assert "FAILED: interrupted" in out
+    if sig != signal.SIGHUP:  # after a hang-up the terminal is gone: the run writes nothing more
+        assert "FAILED: interrupted" in out
     assert not labelled_pids(label)
 
 
