@@ -9,6 +9,7 @@ Used as a context manager: whatever happens inside the ``with``, every instance 
 from __future__ import annotations
 
 import abc
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,5 +107,17 @@ class Provider(abc.ABC):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         warnings = self.destroy_all()
+        self._tidy_logs(failed=exc_type is not None or bool(warnings))
         if warnings and exc_type is None:
             raise ProviderError(f"{len(warnings)} instance(s) could not be destroyed: {'; '.join(warnings)}")
+
+    def _tidy_logs(self, failed: bool) -> None:
+        """A log folder this provider made for itself goes when the run ended well, and stays, named, when not (a
+        folder the caller gave is the caller's)."""
+        log_dir = getattr(self, "log_dir", None)
+        if log_dir is None or not getattr(self, "owns_log_dir", False):
+            return
+        if failed:
+            print(f"the nodes' logs are kept in {log_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(log_dir, ignore_errors=True)

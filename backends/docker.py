@@ -75,6 +75,7 @@ class DockerProvider(Provider):
 
     def __init__(self, run_label: str, settings: Any = None, log_dir: str | os.PathLike[str] | None = None):
         super().__init__(run_label, settings)
+        self.owns_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"ppharness-{run_label}-"))
         self.network_name = f"ppharness-{run_label}"
         self.image: str | None = None
@@ -301,7 +302,7 @@ class DockerProvider(Provider):
             warnings.append(f"removing the run's containers and network failed: {_explain(exc)}")
             print(f"warning: {warnings[-1]}", file=sys.stderr)
         containers = len(self.instances) + sum(x.startswith("container") for x in swept)
-        _log(f"removed {containers} container(s) and the network {self.network_name}; their logs are in {self.log_dir}")
+        _log(f"removed {containers} container(s) and the network {self.network_name}")
         self.instances, self._network_id, self._dirty = [], None, False
         return warnings
 

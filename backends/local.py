@@ -35,6 +35,7 @@ class LocalProvider(Provider):
 
     def __init__(self, run_label: str, settings: object = None, log_dir: str | os.PathLike[str] | None = None):
         super().__init__(run_label, settings)
+        self.owns_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"ppharness-{run_label}-"))
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 

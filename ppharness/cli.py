@@ -236,15 +236,23 @@ def scenario_schema_cmd() -> None:
 @scenario.command("check")
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 def scenario_check(files: tuple[str, ...]) -> None:
-    """Validate scenario files without running them."""
+    """Validate scenario files without running them: every file is checked and every bad one reported; exit 1 if
+    any is bad."""
     from ppharness.scenario import load_scenario
 
+    bad = 0
     for f in files:
         try:
             load_scenario(f)
         except HarnessError as exc:
-            _fail(str(exc))
+            bad += 1
+            click.echo(f"FAILED: {exc}", err=True)
+            continue
         click.echo(f"ok: {f}")
+    if bad:
+        if len(files) > 1:
+            click.echo(f"FAILED: {bad} of {len(files)} scenario files", err=True)
+        sys.exit(1)
 
 
 @main.group()
