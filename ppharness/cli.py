@@ -152,7 +152,7 @@ def _load(scenario_file: str | None, **overrides: Any) -> Any:
 @click.command(name="pp-smoke-run")
 @click.option("--num-stages", "-n", type=int, help="Number of pipeline stages (default: the scenario's, else 2).")
 @click.option("--scenario", "scenario_file", type=click.Path(dir_okay=False), help=SCENARIO_HELP)
-@click.option("--transport", help="Transport kind (zmq, memory, ...).")
+@click.option("--transport", help="Transport kind between processes: zmq or iroh.")
 @click.option("--provider", help="Provider kind (local, ...).")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--max-tokens", type=int, help="Tokens to generate.")
