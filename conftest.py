@@ -6,6 +6,7 @@ Decisions (which backends can run here) live in ``ppharness.availability``; this
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import tinygrad  # noqa: F401  (raises the recursion limit on import: do it before hypothesis watches it)
@@ -16,8 +17,10 @@ MARKERS = {
     "docker": "needs a Docker daemon (one container per stage): pytest -m docker --num-stages 5",
     "vastai": "vast.ai provider (emulator by default, real cloud with --vastai-real): pytest -m vastai --num-stages 5",
     "gpu": "needs a GPU that tinygrad can use: pytest -m gpu",
-    "slow": "takes minutes; run deliberately: pytest -m slow",
+    "slow": "left out of the default run (5-stage chains, the benchmark): pytest -m slow; .ci/run runs them",
 }
+SLOW_STAGES = 5  # chain tests with this many stages or more are marked slow unless --num-stages asks for them
+MAX_WORKERS = 4  # pytest -n auto: one worker per core, at most this many (each runs multi-process chains)
 
 # Property-test budgets; pick one with HYPOTHESIS_PROFILE (CI defaults to "ci"). tests/README.md lists them.
 settings.register_profile("dev", max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -40,6 +43,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, usage in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {usage}")
+    # Started as a background job of a non-interactive shell (`bash .ci/run &`), the suite inherits SIGINT ignored, and
+    # so would every process a test starts: the Ctrl-C tests could not interrupt them. Ctrl-C behaves as usual instead.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (the default, pyproject.toml): one worker per core, at most MAX_WORKERS;
+    PYTEST_XDIST_AUTO_NUM_WORKERS sets the number."""
+    chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if chosen:
+        return int(chosen)
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -47,7 +63,56 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         chosen = metafunc.config.getoption("--num-stages")
         default = getattr(metafunc.function, "default_num_stages", (2, 5))
         values = [chosen] if chosen else list(default)
-        metafunc.parametrize("num_stages", values, ids=[f"N{n}" for n in values])
+        metafunc.parametrize("num_stages", [
+            pytest.param(n, id=f"N{n}", marks=[pytest.mark.slow] if n >= SLOW_STAGES and not chosen else [])
+            for n in values
+        ])
+
+
+# --- the node image, built in the background while other tests run ----------------------------------------------------
+
+_image_build: dict[str, object] = {}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The docker tests last (in their own order), so that the node image builds while the others run."""
+    items[:] = [i for i in items if not i.get_closest_marker("docker")] + \
+        [i for i in items if i.get_closest_marker("docker")]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When docker tests are selected and a daemon answers, start building (or finding) the node image now, in one
+    process beside the tests (started by the first xdist worker, or the only process): the docker tests' fixture then
+    finds it built, or waits on the same build lock."""
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0" or session.config.getoption("collectonly"):
+        return
+    if not any(item.get_closest_marker("docker") for item in session.items):
+        return
+    from ppharness.availability import unavailable_reason
+
+    if unavailable_reason("docker"):
+        return
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cache = Path(os.environ.get("PPHARNESS_CACHE") or Path.home() / ".cache" / "ppharness")
+    cache.mkdir(parents=True, exist_ok=True)
+    log = open(cache / "docker-image-build.log", "w")  # noqa: SIM115  (closed in pytest_sessionfinish)
+    _image_build["log"] = log
+    _image_build["proc"] = subprocess.Popen([sys.executable, "-m", "backends.docker_image"], stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    proc = _image_build.pop("proc", None)
+    if proc is not None:
+        try:
+            proc.wait(timeout=900)  # type: ignore[attr-defined]
+        except BaseException:
+            proc.terminate()  # type: ignore[attr-defined]
+            proc.wait()  # type: ignore[attr-defined]
+        _image_build.pop("log").close()  # type: ignore[attr-defined]
 
 
 @pytest.hookimpl(tryfirst=True)

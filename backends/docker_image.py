@@ -6,7 +6,7 @@ Two layers of caching, each a tag that is a hash of what goes in:
   ``docker/build-base.sh`` (debootstrap + ``docker import``); the hash covers that script, ``docker/base-packages.txt``
   and the suite. A user with internet may name any base instead (``base_image``, e.g. ``python:3.11-slim-bookworm``).
 - the node image, ``ppharness-node:<hash>``: ``docker/Dockerfile`` on that base with the project installed from the
-  working tree; the hash covers the base's name, the Dockerfile, ``docker/requirements.py`` and every project file
+  working tree; the hash covers the base's name, the Dockerfile, ``requirements.lock`` and every project file
   that goes into the image (``pyproject.toml``, ``README.md``, the ``ppharness``, ``transports`` and ``backends``
   packages), so an edit rebuilds it and an unchanged tree builds nothing.
 
@@ -84,7 +84,7 @@ def project_files() -> list[str]:
 
 def _image_files() -> list[str]:
     """Everything of the repository the Dockerfile copies (the context less the CA files)."""
-    return ["docker/Dockerfile", "docker/requirements.py", "docker/ca/README.md", *project_files()]
+    return ["docker/Dockerfile", "requirements.lock", "docker/ca/README.md", *project_files()]
 
 
 def node_tag(base: str) -> str:
@@ -187,7 +187,7 @@ def _build(client: docker.DockerClient, tag: str, base: str, log: Log) -> None:
                 if not line:
                     continue
                 tail.append(line)
-                if line.startswith(("Step ", "Successfully installed", "Successfully built")):
+                if line.startswith(("Step ", "Installed ", "Successfully installed", "Successfully built")):
                     log(f"  [{time.monotonic() - t0:5.0f}s] {line[:150]}")
     except docker.errors.DockerException as exc:
         err = ProvisionFailed(f"building the node image {tag} failed: {getattr(exc, 'explanation', None) or exc}")

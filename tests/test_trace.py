@@ -97,6 +97,7 @@ def test_smoke_run_trace_flag_writes_both_files(tmp_path):
 
 
 @pytest.mark.local
+@pytest.mark.slow
 def test_bench_runs_and_its_numbers_are_consistent(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ppharness.cli", "bench", "-n", "2", "--preset", "tiny", "--tokens", "8",
                         "--repeats", "2", "--no-sweep", "--out", str(tmp_path)], capture_output=True, text=True,
