@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ppharness.errors import ClusterError, CodecError, TransportTimeout
+from ppharness.errors import ClusterError, CodecError, TransportTimeout, WaitTimedOut
 from ppharness.messages import Join, Members, Message
 
 POLL_S = 0.2
@@ -60,7 +60,7 @@ def wait_for(recv: Callable[[float], tuple[str, Message]], on_message: Callable[
         check()
         left = deadline - time.monotonic()
         if left <= 0:
-            raise ClusterError(f"timed out after {timeout:g} s waiting for {what}")
+            raise WaitTimedOut(f"timed out after {timeout:g} s waiting for {what}")
         try:
             sender, msg = recv(min(POLL_S, left))
         except TransportTimeout:

@@ -66,6 +66,10 @@ class ClusterError(HarnessError):
     pass
 
 
+class WaitTimedOut(ClusterError):
+    """A bounded wait for messages ended with nothing that answered it."""
+
+
 class ModelError(HarnessError):
     pass
 

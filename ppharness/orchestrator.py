@@ -17,7 +17,7 @@ from typing import Any, Callable
 import msgspec
 
 from ppharness.cluster import Directory, wait_for
-from ppharness.errors import ClusterError, HarnessError, StageError
+from ppharness.errors import ClusterError, HarnessError, StageError, WaitTimedOut
 from ppharness.messages import (
     ClockProbe,
     ClockReply,
@@ -130,9 +130,10 @@ class Chain:
     bounded by its phase's timeout and by the total budget; any failure destroys every node before it propagates.
     """
 
-    def __init__(self, scenario: Any, progress: Callable[[str], None] = Progress(), run_label: str | None = None,
+    def __init__(self, scenario: Any, progress: Callable[[str], None] | None = None, run_label: str | None = None,
                  log_dir: str | None = None, trace: bool = False):
-        self.scenario, self.progress, self.log_dir, self.trace_on = scenario, progress, log_dir, trace
+        self.scenario, self.log_dir, self.trace_on = scenario, log_dir, trace
+        self.progress: Callable[[str], None] = progress or Progress()
         self.run_label = run_label or f"pp-{uuid.uuid4().hex[:8]}"
         self.deadline = time.monotonic() + scenario.budget.total_s
         self.offsets_ns: dict[int, int] = {}
@@ -223,9 +224,7 @@ class Chain:
 
         try:
             self._wait(on_join, budget.join_s, f"all {n} stages to join", "starting up")
-        except ClusterError as exc:
-            if "timed out" not in str(exc):
-                raise
+        except WaitTimedOut as exc:
             raise self._with_logs(ClusterError(f"the cluster never converged: stage(s) {directory.missing()} did "
                                                f"not join within {budget.join_s:g} s"), directory.missing()) from exc
         for i in range(n):  # every stage's names, resolved with a bounded wait before anything is sent
@@ -249,9 +248,7 @@ class Chain:
 
         try:
             self._wait(on_ready, budget.ready_s, "every stage to load its blocks and compile (Ready)", "starting up")
-        except ClusterError as exc:
-            if "timed out" not in str(exc):
-                raise
+        except WaitTimedOut as exc:
             missing = [i for i in range(n) if i not in ready]
             raise self._with_logs(ClusterError(f"stage(s) {missing} never reported ready within {budget.ready_s:g} s "
                                                "(loading the model and compiling)"), missing) from exc
@@ -279,9 +276,7 @@ class Chain:
 
         try:
             self._wait(on_join, timeout, f"the name {name!r} to be registered", "resolving names")
-        except ClusterError as exc:
-            if "timed out" not in str(exc):
-                raise
+        except WaitTimedOut as exc:
             raise ClusterError(f"the name {name!r} never resolved within {timeout:g} s; registered: "
                                f"{', '.join(sorted(self.directory.names)) or 'none'}") from exc
         return self.directory.names[name]
@@ -388,10 +383,11 @@ class Chain:
                         self._lock = None
 
 
-def run_scenario(scenario: Any, progress: Callable[[str], None] = Progress(), run_label: str | None = None,
+def run_scenario(scenario: Any, progress: Callable[[str], None] | None = None, run_label: str | None = None,
                  log_dir: str | None = None, trace: bool = False) -> RunResult:
     """Run ``scenario`` end to end; raise a HarnessError (after destroying everything) on any failure."""
     req = scenario.request
+    progress = progress or Progress()
     with Chain(scenario, progress, run_label, log_dir, trace=trace) as chain:
         progress(f"request: {req.max_tokens} tokens after {req.prompt!r}")
         response, request_s = chain.request(req.prompt, req.max_tokens)
