@@ -100,7 +100,7 @@ class Provider(abc.ABC):
             print(f"warning: {w}", file=sys.stderr)
         return warnings
 
-    def __enter__(self) -> "Provider":
+    def __enter__(self) -> Provider:
         return self
 
     def __exit__(

@@ -40,10 +40,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import docker
 import docker.errors
 from docker.types import EndpointConfig, IPAMConfig, IPAMPool
 
+import docker
 from backends.base import Instance, NodeSpec, Provider
 from backends.docker_image import ensure_node_image
 from backends.docker_network import client, daemon_problem, free_subnet, parse_subnet, remove_labelled

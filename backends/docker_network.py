@@ -17,10 +17,10 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-import docker
 import docker.errors
 import requests.exceptions
 
+import docker
 from ppharness.errors import ProvisionFailed
 
 SUBNET_POOL = ipaddress.ip_network("10.213.0.0/16")

@@ -66,7 +66,7 @@ class LocalProvider(Provider):
 
     def logs(self, instance: Instance, lines: int = 20) -> str:
         try:
-            with open(instance.meta["log"], "r", errors="replace") as f:
+            with open(instance.meta["log"], errors="replace") as f:
                 return "".join(deque(f, maxlen=lines))
         except OSError:
             return ""

@@ -91,7 +91,8 @@ def print_summary(result: Any) -> None:
         click.echo(f"{s.index:>5} {f'[{s.lo},{s.hi})':>9} {s.params:>12,} {s.tied_params:>10,} {s.load_s:>12.1f}s "
                    f"{_human_bytes(s.peak_rss_bytes):>9}")
     total = sum(s.params for s in result.stages)
-    click.echo(f"{'sum':>5} {'':>9} {total:>12,}" + (f"   (model: {result.oracle.n_params:,})" if result.oracle else ""))
+    model = f"   (model: {result.oracle.n_params:,})" if result.oracle else ""
+    click.echo(f"{'sum':>5} {'':>9} {total:>12,}{model}")
     if result.matches_oracle is True:
         click.echo(f"\nMATCH: the {len(result.plan.ranges)}-stage chain's {len(r.token_ids)} tokens equal the unsplit "
                    f"model's, token for token, and all {result.verdict.boundaries_compared} stage-boundary hidden "
@@ -115,9 +116,9 @@ def _reap_own(kind: str, run_label: str) -> list[str]:
 def run_and_report(scenario: Any, quiet: bool = False, run_label: str | None = None, trace_path: str | None = None,
                    trace: bool | None = None) -> None:
     """Run ``scenario``; print the summary; exit 1 on failure or mismatch."""
-    from ppharness.orchestrator import Progress, run_scenario
-
     import uuid
+
+    from ppharness.orchestrator import Progress, run_scenario
 
     run_label = run_label or f"pp-{uuid.uuid4().hex[:8]}"
     trace_path = trace_path or scenario.trace.path
@@ -130,7 +131,8 @@ def run_and_report(scenario: Any, quiet: bool = False, run_label: str | None = N
     if result.trace is not None:
         click.echo("\n" + result.trace.summary())
         if trace_path:
-            click.echo(f"trace written: {', '.join(result.trace.write(trace_path))} (open the .json in ui.perfetto.dev)")
+            written = ", ".join(result.trace.write(trace_path))
+            click.echo(f"trace written: {written} (open the .json in ui.perfetto.dev)")
     if result.matches_oracle is False:
         o, c = result.oracle.token_ids, result.response.token_ids
         _fail(f"MISMATCH: {result.verdict.describe(c, o)}; chain {c}, oracle {o}")

@@ -8,7 +8,7 @@ directory. Failure detection of a member that dies is the provider's ``exited()`
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ppharness.errors import ClusterError, CodecError, TransportTimeout, WaitTimedOut
 from ppharness.messages import Join, Members, Message

@@ -6,7 +6,8 @@ tests use to try many splits quickly. Slices can be passed in (and kept between 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ppharness.errors import StageError, TransportTimeout
 from ppharness.messages import Error, InferenceRequest, InferenceResponse, Message
@@ -70,7 +71,8 @@ def run_inprocess(gguf_file: Any, slices: list[Any], prompt: str, max_tokens: in
                 _, reply = client.recv(0)
             except TransportTimeout:
                 if idle:
-                    raise StageError("the in-process chain stalled: no stage has a message and no response came")
+                    raise StageError("the in-process chain stalled: no stage has a message and no response came") \
+                        from None
                 continue
             if isinstance(reply, Error):
                 raise StageError(f"stage {reply.stage}: {reply.reason}")

@@ -19,7 +19,8 @@ import base64
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ppharness.errors import ClusterError
 from ppharness.messages import Heartbeat

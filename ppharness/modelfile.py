@@ -80,7 +80,8 @@ class ModelSpec:
                              f"be multiples of {QUANT_BLOCK}")
         n_special = len(SPECIAL_TOKENS)
         if self.vocab < 256 + n_special:
-            raise ModelError(f"vocab {self.vocab} is too small: a byte-level BPE vocabulary needs at least {256 + n_special}")
+            raise ModelError(f"vocab {self.vocab} is too small: a byte-level BPE vocabulary needs at least "
+                             f"{256 + n_special}")
         if self.dim % self.heads or self.heads % self.kv_heads:
             raise ModelError(f"dim {self.dim}, heads {self.heads}, kv_heads {self.kv_heads}: dim must divide by heads "
                              "and heads by kv_heads")

@@ -19,8 +19,8 @@ from typing import Any
 
 import msgspec
 
-from ppharness.cluster import resolve_members
 from ppharness import codec
+from ppharness.cluster import resolve_members
 from ppharness.errors import CodecError, HarnessError, TransportTimeout
 from ppharness.membership import NodeMembership
 from ppharness.messages import (
@@ -61,7 +61,8 @@ def device_bytes() -> int:
 def read_env(env: dict[str, str]) -> tuple[StagePlan, dict[str, str]]:
     missing = [k for k in REQUIRED_ENV if not env.get(k)]
     if missing:
-        raise HarnessError(f"missing environment variable(s) {', '.join(missing)}; pp-node needs {', '.join(REQUIRED_ENV)}")
+        raise HarnessError(f"missing environment variable(s) {', '.join(missing)}; pp-node needs "
+                           f"{', '.join(REQUIRED_ENV)}")
     try:
         plan = msgspec.json.decode(env["PLAN"], type=StagePlan)
     except msgspec.DecodeError as exc:

@@ -11,8 +11,9 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
@@ -158,7 +159,7 @@ class Chain:
         wait_for(self.transport.recv, handle, self._left(phase_s, what), what,
                  check=_watchdog(self._provider, phase, self.detector), log=self.progress)
 
-    def __enter__(self) -> "Chain":
+    def __enter__(self) -> Chain:
         from ppharness.modelfile import resolve_model
         from ppharness.slicing import GGUFFile
 
@@ -203,7 +204,9 @@ class Chain:
             sp = plan.stage(i, wire_dtype=sc.transport.wire_dtype, max_context=sc.model.max_context,
                             join_s=budget.join_s, resolve_s=budget.resolve_s, trace=self.trace_on)
             env = _node_env(i, n, self.seed, self.node_model, sc.transport.kind, sp) | self.detector.node_env()
-            env.update({"PP_FAULT": f.mode for f in sc.faults if f.stage == i})
+            for fault in sc.faults:
+                if fault.stage == i:
+                    env["PP_FAULT"] = fault.mode
             if endpoint_opts[i + 1]:
                 env["PP_TRANSPORT_OPTS"] = json.dumps(endpoint_opts[i + 1])
             specs.append(self._provider.spec(stage_name(i), env))
@@ -289,7 +292,7 @@ class Chain:
                 self.transport.send(j.address, ClockProbe(t_seed_ns=now_ns()))
             got: set[int] = set()
 
-            def on_reply(sender: str, msg: Message) -> bool:
+            def on_reply(sender: str, msg: Message, got: set[int] = got) -> bool:
                 if isinstance(msg, ClockReply):
                     t1 = now_ns()
                     rtt, offset = t1 - msg.t_seed_ns, msg.t_node_ns - (msg.t_seed_ns + t1) // 2

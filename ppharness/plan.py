@@ -70,7 +70,8 @@ class Plan:
 
 
 def make_plan(blocks: int, num_stages: int | None = None, splits: list[int] | None = None, model_id: str = "") -> Plan:
-    """Block ranges for each stage: explicit ``splits`` (N-1 increasing cut points) or an even split of ``num_stages``."""
+    """Block ranges for each stage: explicit ``splits`` (N-1 increasing cut points), or an even split of
+    ``num_stages``."""
     if splits is None:
         if num_stages is None or num_stages < 1:
             raise ScenarioError(f"stages: need a stage count of at least 1, got {num_stages}")

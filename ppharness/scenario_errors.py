@@ -72,7 +72,8 @@ def explain(exc: msgspec.ValidationError, raw: Any, root: type, version: int) ->
         return f"{path}: missing required field {mm[1]!r} — add `{example}`"
     if re.fullmatch(r"Invalid enum value .+", msg):
         if path == "$.version":
-            return f"{path}: unsupported scenario version{shown} — this ppharness reads version {version}; set `version: {version}`"
+            return (f"{path}: unsupported scenario version{shown} — this ppharness reads version {version}; "
+                    f"set `version: {version}`")
         allowed = ", ".join(str(v) for v in _literal_values(root, path))
         return f"{path}:{shown or ' this value'} is not allowed — expected one of: {allowed}"
     if mm := re.fullmatch(r"Expected `(.+?)`, got `(.+?)`", msg):

@@ -2,8 +2,8 @@
 
 A stage owns ``(embed?, blocks [lo, hi), head?)``: the first stage the token embedding, the last the final norm and the
 output head (the embedding matrix again when the model ties them). ``ModelSlice.load`` reads only those tensors from the
-file (memory-mapped, dequantised by the ``gguf`` package when quantised) and renames ``blk.{lo+i}`` to ``blk.{i}`` in one
-place, ``_local_name``. The unsplit model is the slice (embed, all blocks, head): the oracle runs the same code.
+file (memory-mapped, dequantised by the ``gguf`` package when quantised) and renames ``blk.{lo+i}`` to ``blk.{i}`` in
+one place, ``_local_name``. The unsplit model is the slice (embed, all blocks, head): the oracle runs the same code.
 
 Split == unsplit, bit for bit, by construction: the model is defined with an fp16 residual stream at every block
 boundary (each block's output is cast to fp16 and realised as its own buffer, as is the embedding's). tinygrad's own
@@ -51,7 +51,7 @@ class ModelConfig:
     tied: bool
 
     @staticmethod
-    def from_kv(kv: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":
+    def from_kv(kv: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
         try:
             arch = kv["general.architecture"]
             if f"{arch}.expert_count" in kv:
@@ -108,7 +108,8 @@ class GGUFFile:
         arr = arr.reshape(tuple(int(d) for d in reversed(t.shape))).astype(np.float16)
         cfg = self.config
         if cfg.arch == "llama" and (m := _BLK.match(name)) and m.group(2) in ("attn_q.weight", "attn_k.weight"):
-            # interleaved -> half-split rotary layout, as tinygrad's Transformer.from_gguf does: (n h two) d -> (n two h) d
+            # interleaved -> half-split rotary layout, as tinygrad's Transformer.from_gguf does:
+            # (n h two) d -> (n two h) d
             n = cfg.heads if m.group(2) == "attn_q.weight" else cfg.kv_heads
             d = arr.shape[-1]
             arr = arr.reshape(n, -1, 2, d).transpose(0, 2, 1, 3).reshape(-1, d)

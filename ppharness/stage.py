@@ -14,11 +14,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ppharness import codec
 from ppharness.errors import CodecError, HarnessError, StageError
+from ppharness.exactness import digest
 from ppharness.messages import (
     Error,
     InferenceRequest,
@@ -29,7 +31,6 @@ from ppharness.messages import (
     StageActivation,
 )
 from ppharness.plan import ENTRY, EXIT, stage_name
-from ppharness.exactness import digest
 from ppharness.tracer import KEEP_REQUESTS, Tracer, now_ns
 
 Rx = tuple[int, int, int, int]  # (arrived, decode start, decode end) on the monotonic clock in ns, frame bytes
@@ -243,7 +244,8 @@ class Stage:
         position = req.prompt_tokens
         self._emit(int(token), position, step=0)
         while self.req is not None:
-            token = self._compute(len(req.tokens), lambda: self.model.decode([req.tokens[-1]], position))
+            token = self._compute(len(req.tokens),
+                                  lambda position=position: self.model.decode([req.tokens[-1]], position))
             position += 1
             self._emit(int(token), position, step=len(req.tokens))
 

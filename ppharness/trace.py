@@ -3,11 +3,12 @@
 How hop time is computed: every stage stamps its spans with its own monotonic clock. After the chain is ready the
 orchestrator probes each node's clock (five ping/pong pairs; the one with the shortest round trip gives the offset,
 accurate to half that round trip; an offset smaller than that is taken as zero, which it is for processes on one host,
-since they share the machine's monotonic clock) and moves every span onto its own clock. A hop is then the receiver's arrival stamp
-minus the sender's stamp just before the send call: wire time plus any queueing at either end. The per-token time is
-measured on stage 0's clock alone, by the NextToken loop closing there (arrival of token k's NextToken minus arrival
-of token k-1's), so it needs no offsets at all; the components (each stage's deserialise, tokenize, compute,
-serialise; each hop) add up to it, and what is left is reported as "other" (Python dispatch between the pieces).
+since they share the machine's monotonic clock) and moves every span onto its own clock. A hop is then the receiver's
+arrival stamp minus the sender's stamp just before the send call: wire time plus any queueing at either end. The
+per-token time is measured on stage 0's clock alone, by the NextToken loop closing there (arrival of token k's NextToken
+minus arrival of token k-1's), so it needs no offsets at all; the components (each stage's deserialise, tokenize,
+compute, serialise; each hop) add up to it, and what is left is reported as "other" (Python dispatch between the
+pieces).
 """
 
 from __future__ import annotations

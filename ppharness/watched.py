@@ -11,7 +11,8 @@ from ppharness.errors import HarnessError
 
 class WatchedRun:
     """``cmd`` started with stdout and stderr merged; ``until(marker)`` reads up to the first line containing it;
-    ``finish(timeout)`` waits for the end and returns all the output. Leaving the ``with`` kills it if still running and closes its pipe."""
+    ``finish(timeout)`` waits for the end and returns all the output. Leaving the ``with`` kills it if still running
+    and closes its pipe."""
 
     def __init__(self, cmd: list[str], **popen: object):
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -36,7 +37,7 @@ class WatchedRun:
     def returncode(self) -> int | None:
         return self.proc.returncode
 
-    def __enter__(self) -> "WatchedRun":
+    def __enter__(self) -> WatchedRun:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

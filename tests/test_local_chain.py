@@ -1,4 +1,5 @@
-"""The chain on real pp-node processes over ZeroMQ and iroh (marker ``local``): token equality, failures, no leftovers."""
+"""The chain on real pp-node processes over ZeroMQ and iroh (marker ``local``): token equality, failures, and no
+leftovers."""
 
 from __future__ import annotations
 

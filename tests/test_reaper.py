@@ -42,8 +42,8 @@ def _fake_node(tmp_path: Path, label: str) -> subprocess.Popen:
 
 def _dead_run(label: str) -> None:
     """A run whose orchestrator is gone: it took the lock, then died without letting go of it properly."""
-    subprocess.run([sys.executable, "-c", f"import os; from ppharness.runs import RunLock; RunLock({label!r}).acquire();"
-                    " os._exit(9)"], check=False, cwd=ROOT, timeout=60)
+    code = f"import os; from ppharness.runs import RunLock; RunLock({label!r}).acquire(); os._exit(9)"
+    subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, timeout=60)
 
 
 def _reap(*args: str) -> subprocess.CompletedProcess:

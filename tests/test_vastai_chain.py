@@ -134,7 +134,6 @@ def test_chain_in_node_image_containers(vastai_api, monkeypatch, tmp_path):
     arguments and environment exactly, as vast.ai starts them."""
     needs_emulator(vastai_api)
     import docker
-
     from backends.docker_image import ensure_node_image
     from backends.vastai_emulator import ApiTarget, Emulator
 

@@ -7,8 +7,9 @@ still there) and replays it over real HTTP: through the client where the client 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import pytest

@@ -29,9 +29,10 @@ import inspect
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from importlib import metadata
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 KNOWN_GOOD: dict[str, dict[str, str]] = {
     "1.2.0": {
@@ -42,7 +43,8 @@ KNOWN_GOOD: dict[str, dict[str, str]] = {
 }
 
 _lock = threading.Lock()
-_patched: tuple[ModuleType, Callable[..., Any], Callable[..., Any]] | None = None  # (module, original write, _pack_into)
+# (module, original write, _pack_into)
+_patched: tuple[ModuleType, Callable[..., Any], Callable[..., Any]] | None = None
 _status: str = "not applied"
 
 

@@ -19,8 +19,9 @@ import queue
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ppharness import codec
 from ppharness.errors import ConnectFailed, PeerClosed, TransportError
@@ -114,7 +115,7 @@ class Session:
         try:
             accepting = await incoming.accept()
             conn = await asyncio.wait_for(accepting.connect(), HANDSHAKE_TIMEOUT_S)
-        except (self.iroh.IrohError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, self.iroh.IrohError) as exc:
             if not self.closing:
                 log(f"endpoint {self.endpoint_id}: an incoming handshake failed: {iroh_reason(exc)}")
             return
@@ -205,7 +206,7 @@ class Session:
             stream = await conn.open_uni()
             hello = self.address.encode()
             await asyncio.wait_for(stream.write_all(PREFIX.pack(len(hello)) + hello), timeout)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise ConnectFailed(f"cannot connect to {address} (endpoint {remote}): no answer within {timeout:g} s "
                                 "(peer down, never started, or unreachable)") from exc
         except self.iroh.IrohError as exc:

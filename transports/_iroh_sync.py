@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Coroutine
 from types import ModuleType
-from typing import Any, Coroutine
+from typing import Any
 
 from transports._iroh_fastcopy import source_digest
 
@@ -65,7 +66,7 @@ class _Waiter:
         self.result: Any = None
         self.done = False
 
-    def create_future(self) -> "_Waiter":
+    def create_future(self) -> _Waiter:
         self.event.clear()
         self.done = False
         return self

@@ -68,7 +68,7 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release sockets. Idempotent."""
 
-    def __enter__(self) -> "Transport":
+    def __enter__(self) -> Transport:
         self.start()
         return self
 

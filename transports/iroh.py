@@ -207,7 +207,7 @@ class IrohTransport(Transport):
         if self._relay == "default":
             try:
                 await asyncio.wait_for(endpoint.online(), ONLINE_TIMEOUT_S)
-            except (asyncio.TimeoutError, iroh.IrohError):
+            except (TimeoutError, iroh.IrohError):
                 log(f"no home relay within {ONLINE_TIMEOUT_S:g} s; the ticket carries direct addresses only")
         addr = endpoint.addr()
         if self._advertise_host is not None:

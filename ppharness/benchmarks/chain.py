@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ppharness.errors import HarnessError
 

@@ -14,8 +14,8 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ppharness.errors import HarnessError
 from ppharness.watched import WatchedRun

@@ -15,9 +15,10 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ppharness.benchmarks.chain import _scenario
 
@@ -155,7 +156,7 @@ def hf_reference(cfg: Any, prompt_tokens: int, tokens: int, repeats: int, progre
         if cache == "static":
             kw["cache_implementation"] = "static"
 
-        def timed(new: int) -> float:
+        def timed(new: int, kw: dict[str, Any] = kw) -> float:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.inference_mode():
