@@ -18,7 +18,7 @@ import numpy as np
 
 def digest(hidden: np.ndarray) -> bytes:
     """The digest of a hidden state as the chain defines it: its fp16 bytes (an f32 wire widens them exactly)."""
-    return hashlib.blake2b(np.ascontiguousarray(hidden, dtype=np.float16).tobytes(), digest_size=8).digest()
+    return hashlib.blake2b(np.ascontiguousarray(hidden, dtype=np.float16), digest_size=8).digest()  # no copy
 
 
 @dataclass(frozen=True)

@@ -327,19 +327,25 @@ class Chain:
 
         return build_trace(self.collect_trace(response.request_id), self.offsets_ns, response, self.plan.num_stages)
 
-    def collect_digests(self, request_id: str) -> dict[int, list[bytes]]:
-        """Every stage's digests of the hidden states it sent for ``request_id`` (ppharness.exactness)."""
+    def _ask_every_stage(self, ask: Message, report: type, request_id: str, what: str, phase: str) -> dict[int, Any]:
+        """Send ``ask`` to every stage and gather each stage's ``report`` for ``request_id``, by stage index."""
         for j in self.directory.joins.values():
-            self.transport.send(j.address, DigestRequest(request_id=request_id))
-        reports: dict[int, list[bytes]] = {}
+            self.transport.send(j.address, ask)
+        reports: dict[int, Any] = {}
 
         def on_report(sender: str, msg: Message) -> bool:
-            if isinstance(msg, DigestReport) and msg.request_id == request_id:
-                reports[msg.stage] = msg.digests
+            if isinstance(msg, report) and msg.request_id == request_id:  # type: ignore[attr-defined]
+                reports[msg.stage] = msg  # type: ignore[attr-defined]
             return len(reports) == len(self.directory.joins)
 
-        self._wait(on_report, 30.0, "the stages' hidden-state digests", "collecting digests")
+        self._wait(on_report, 30.0, what, phase)
         return reports
+
+    def collect_digests(self, request_id: str) -> dict[int, list[bytes]]:
+        """Every stage's digests of the hidden states it sent for ``request_id`` (ppharness.exactness)."""
+        reports = self._ask_every_stage(DigestRequest(request_id=request_id), DigestReport, request_id,
+                                        "the stages' hidden-state digests", "collecting digests")
+        return {stage: r.digests for stage, r in reports.items()}
 
     def verdict(self, response: InferenceResponse, oracle: Any) -> Any:
         """Compare a response this chain gave with the oracle's answer to the same request (run with boundaries)."""
@@ -350,16 +356,8 @@ class Chain:
 
     def collect_trace(self, request_id: str) -> list[TraceReport]:
         """Every stage's spans for ``request_id`` (stage order)."""
-        for j in self.directory.joins.values():
-            self.transport.send(j.address, TraceRequest(request_id=request_id))
-        reports: dict[int, TraceReport] = {}
-
-        def on_report(sender: str, msg: Message) -> bool:
-            if isinstance(msg, TraceReport) and msg.request_id == request_id:
-                reports[msg.stage] = msg
-            return len(reports) == len(self.directory.joins)
-
-        self._wait(on_report, 30.0, "the stages' trace reports", "collecting the trace")
+        reports = self._ask_every_stage(TraceRequest(request_id=request_id), TraceReport, request_id,
+                                        "the stages' trace reports", "collecting the trace")
         return [reports[i] for i in sorted(reports)]
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

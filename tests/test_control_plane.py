@@ -12,12 +12,13 @@ import uuid
 
 import pytest
 import zmq
+from zmq_peers import raw_push
 
 from ppharness.messages import ClockProbe, Error, RequestOpen, Shutdown, StageActivation
 from ppharness.oracle import oracle_decode
 from ppharness.orchestrator import Chain
 from ppharness.scenario import scenario_from_args
-from transports.zmq import ZmqTransport, split_address
+from transports.zmq import ZmqTransport
 
 pytestmark = pytest.mark.local
 
@@ -50,14 +51,9 @@ def test_strangers_cannot_kill_steer_hang_or_fail_a_zmq_run(tiny_model_path):
         # a flood of strangers, each with its own key (it once exhausted a stage's file descriptors)
         ctx = zmq.Context()
         try:
-            endpoint, key = split_address(chain.directory.joins[1].address)
             socks = []
             for _ in range(300):
-                push = ctx.socket(zmq.PUSH)
-                push.setsockopt(zmq.LINGER, 0)
-                push.curve_publickey, push.curve_secretkey = zmq.curve_keypair()
-                push.curve_serverkey = zmq.utils.z85.encode(bytes.fromhex(key))
-                push.connect(endpoint)
+                push = raw_push(ctx, chain.directory.joins[1].address, zmq.curve_keypair()[1])
                 push.send_multipart([b"x", b"y"], zmq.NOBLOCK)
                 socks.append(push)
             time.sleep(1.0)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from zmq_peers import raw_push
 
 from ppharness import codec
 from ppharness.errors import CodecError, ConnectFailed, TransportClosed, TransportError, TransportTimeout
@@ -363,21 +364,6 @@ def zmq_pair(zmq_run: list[dict]) -> Iterator[tuple[Transport, Transport]]:
     sender.close()
 
 
-def raw_member_push(ctx, receiver: Transport, secret_z85: str):
-    """A plain pyzmq PUSH socket connected to ``receiver`` with a run member's CURVE key."""
-    import zmq
-
-    from transports.zmq import split_address
-
-    endpoint, key = split_address(receiver.address)
-    push = ctx.socket(zmq.PUSH)
-    push.curve_secretkey = secret_z85.encode()
-    push.curve_publickey = zmq.curve_public(secret_z85.encode())
-    push.curve_serverkey = zmq.utils.z85.encode(bytes.fromhex(key))
-    push.connect(endpoint)
-    return push
-
-
 @pytest.mark.parametrize(
     "parts",
     [
@@ -393,7 +379,7 @@ def test_zmq_raw_multipart_of_wrong_shape_is_rejected(
 
     receiver, sender = zmq_pair
     ctx = zmq.Context()
-    push = raw_member_push(ctx, receiver, zmq_run[2]["secret_key"])
+    push = raw_push(ctx, receiver.address, zmq_run[2]["secret_key"].encode())
     try:
         push.send_multipart(parts)
         with pytest.raises(CodecError):

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import zmq
+from zmq_peers import raw_push
 
 from ppharness import codec
 from ppharness.errors import TransportError, TransportTimeout
@@ -34,19 +35,6 @@ def run():
         m.close()
 
 
-def _raw_push(ctx: zmq.Context, receiver: ZmqTransport, secret: bytes | None):
-    """A plain pyzmq PUSH socket to ``receiver``: CURVE with ``secret`` (z85), or no security at all."""
-    endpoint, key = split_address(receiver.address)
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    if secret is not None:
-        push.curve_secretkey = secret
-        push.curve_publickey = zmq.curve_public(secret)
-        push.curve_serverkey = zmq.utils.z85.encode(bytes.fromhex(key))
-    push.connect(endpoint)
-    return push
-
-
 def test_every_address_carries_its_public_key(run):
     for m in run:
         endpoint, key = split_address(m.address)
@@ -72,7 +60,7 @@ def test_a_socket_without_curve_is_refused(run, capfd):
     receiver, member, _ = run
     ctx = zmq.Context()
     try:
-        push = _raw_push(ctx, receiver, None)
+        push = raw_push(ctx, receiver.address, None)
         push.send_multipart([member.address.encode(), codec.encode(Shutdown("plain"))])
         _until(lambda: len(receiver.refused) > 0, "the receiver to refuse a NULL-security socket")
         with pytest.raises(TransportTimeout):
@@ -87,7 +75,7 @@ def test_a_member_cannot_pose_as_another(run, capfd):
     receiver, member, impostor = run
     ctx = zmq.Context()
     try:
-        push = _raw_push(ctx, receiver, impostor._secret)
+        push = raw_push(ctx, receiver.address, impostor._secret)
         push.send_multipart([member.address.encode(), codec.encode(Shutdown("I am the seed"))])
         with pytest.raises(TransportTimeout):
             receiver.recv(timeout=1.0)
@@ -107,7 +95,7 @@ def test_many_strangers_are_logged_a_bounded_number_of_times(run, capfd):
         pushes = []
         for _ in range(40):
             _, secret = zmq.curve_keypair()
-            pushes.append(_raw_push(ctx, receiver, secret))
+            pushes.append(raw_push(ctx, receiver.address, secret))
             pushes[-1].send_multipart([b"x", b"y"])
         _until(lambda: len(set(receiver.refused)) >= 40, "40 refusals")
         for p in pushes:
