@@ -328,9 +328,9 @@ def split_check(source: str, stages: str, prompt: str, max_tokens: int, max_cont
         blocks = GGUFFile(path).config.blocks
         splits = []
         for item in _kinds(stages):
-            try:
-                plan = make_plan(blocks, splits=[int(c) for c in item.split("/")]) if "/" in item or \
-                    not item.isdigit() else make_plan(blocks, num_stages=int(item))
+            try:  # a stage count ("3") or cut points ("1/3/6")
+                plan = make_plan(blocks, num_stages=int(item)) if item.isdigit() else \
+                    make_plan(blocks, splits=[int(c) for c in item.split("/")])
             except ValueError:
                 _fail(f"--stages: {item!r} is neither a stage count nor cut points like 1/3/6")
             splits.append(list(plan.ranges))
