@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from ppharness.cluster import Directory, wait_for
-from ppharness.errors import ClusterError, HarnessError, StageError, WaitTimedOut
+from ppharness.errors import ClusterError, CodecError, HarnessError, StageError, TransportTimeout, WaitTimedOut
 from ppharness.messages import (
     ClockProbe,
     ClockReply,
@@ -156,8 +156,27 @@ class Chain:
                 return False
             return on_message(sender, msg)
 
-        wait_for(self.transport.recv, handle, self._left(phase_s, what), what,
-                 check=_watchdog(self._provider, phase, self.detector), log=self.progress)
+        watchdog = _watchdog(self._provider, phase, self.detector)
+
+        def check() -> None:
+            try:
+                watchdog()
+            except ClusterError:
+                self._drain(handle)  # a node's own Error, sent before it went, says more than its death
+                raise
+
+        wait_for(self.transport.recv, handle, self._left(phase_s, what), what, check=check, log=self.progress)
+
+    def _drain(self, handle: Callable[[str, Message], bool], limit: int = 100) -> None:
+        """Hand what has already arrived to ``handle`` (which raises on an Error), without waiting for more."""
+        for _ in range(limit):
+            try:
+                sender, msg = self.transport.recv(0.05)
+            except TransportTimeout:
+                return
+            except CodecError:
+                continue
+            handle(sender, msg)
 
     def __enter__(self) -> Chain:
         from ppharness.modelfile import resolve_model
