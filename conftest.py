@@ -1,6 +1,6 @@
 """pytest hooks and fixtures for ppharness: markers, --num-stages, --scenario, hypothesis profiles, skip-with-reason.
 
-Decisions (which backends can run here) live in ``ppharness.availability``; this file only acts on them.
+Decisions (which backends can run here) live in ``ppharness.testing.availability``; this file only acts on them.
 """
 
 from __future__ import annotations
@@ -24,20 +24,34 @@ MAX_WORKERS = 4  # pytest -n auto: one worker per core, at most this many (each 
 
 # Property-test budgets; pick one with HYPOTHESIS_PROFILE (CI defaults to "ci"). tests/README.md lists them.
 settings.register_profile("dev", max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                          derandomize=True, print_blob=True)
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+    print_blob=True,
+)
 settings.register_profile("thorough", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("ppharness")
-    group.addoption("--num-stages", type=int, default=None,
-                    help="stage count for chain tests (default: each chain test's own choices, e.g. 2 and 5)")
+    group.addoption(
+        "--num-stages",
+        type=int,
+        default=None,
+        help="stage count for chain tests (default: each chain test's own choices, e.g. 2 and 5)",
+    )
     group.addoption("--scenario", default=None, help="also run this scenario file in tests that take one")
-    group.addoption("--vastai-real", action="store_true", default=False,
-                    help="run the vastai tests against the real vast.ai (needs VAST_API_KEY; rents GPUs and costs "
-                         "money) instead of the local emulator")
+    group.addoption(
+        "--vastai-real",
+        action="store_true",
+        default=False,
+        help="run the vastai tests against the real vast.ai (needs VAST_API_KEY; rents GPUs and costs "
+        "money) instead of the local emulator",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -63,10 +77,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         chosen = metafunc.config.getoption("--num-stages")
         default = getattr(metafunc.function, "default_num_stages", (2, 5))
         values = [chosen] if chosen else list(default)
-        metafunc.parametrize("num_stages", [
-            pytest.param(n, id=f"N{n}", marks=[pytest.mark.slow] if n >= SLOW_STAGES and not chosen else [])
-            for n in values
-        ])
+        metafunc.parametrize(
+            "num_stages",
+            [
+                pytest.param(n, id=f"N{n}", marks=[pytest.mark.slow] if n >= SLOW_STAGES and not chosen else [])
+                for n in values
+            ],
+        )
 
 
 # --- the node image, built in the background while other tests run ----------------------------------------------------
@@ -76,8 +93,9 @@ _image_build: dict[str, object] = {}
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The docker tests last (in their own order), so that the node image builds while the others run."""
-    items[:] = [i for i in items if not i.get_closest_marker("docker")] + \
-        [i for i in items if i.get_closest_marker("docker")]
+    items[:] = [i for i in items if not i.get_closest_marker("docker")] + [
+        i for i in items if i.get_closest_marker("docker")
+    ]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -88,7 +106,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if not any(item.get_closest_marker("docker") for item in session.items):
         return
-    from ppharness.availability import unavailable_reason
+    from ppharness.testing.availability import unavailable_reason
 
     if unavailable_reason("docker"):
         return
@@ -100,8 +118,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     log = open(cache / "docker-image-build.log", "w")  # noqa: SIM115  (closed in pytest_sessionfinish)
     _image_build["log"] = log
-    _image_build["proc"] = subprocess.Popen([sys.executable, "-m", "backends.docker_image"], stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent)
+    _image_build["proc"] = subprocess.Popen(
+        [sys.executable, "-m", "backends.docker.image"],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=Path(__file__).parent,
+    )
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -117,7 +140,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    from ppharness.availability import must_fail, unavailable_reason
+    from ppharness.testing.availability import must_fail, unavailable_reason
 
     for marker in ("docker", "vastai", "gpu"):
         if item.get_closest_marker(marker):
@@ -131,14 +154,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     """The synthetic tiny model (8 blocks), built once into the ppharness cache."""
-    from ppharness.modelfile import PRESETS, synthetic_path
+    from ppharness.model.files import PRESETS, synthetic_path
 
     return str(synthetic_path(PRESETS["tiny"]))
 
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tiny_model_path: str):
-    from ppharness.slicing import GGUFFile
+    from ppharness.model.slicing import GGUFFile
 
     return GGUFFile(tiny_model_path)
 
@@ -150,8 +173,8 @@ def vastai_api(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, 
     the real service with --vastai-real (skipped, with the reason, without VAST_API_KEY)."""
     import os
 
-    from backends.vastai_emulator import ApiTarget, Emulator
-    from ppharness.availability import vastai_reason
+    from backends.vastai.emulator.server import ApiTarget, Emulator
+    from ppharness.testing.availability import vastai_reason
 
     if request.config.getoption("--vastai-real"):
         reason = vastai_reason(real=True)

@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from backends.base import Instance, NodeSpec, Provider
 from ppharness.errors import ProvisionFailed
+from ppharness.seams.provider import Instance, NodeSpec, Provider
 
 LABEL_VAR = "PP_RUN_LABEL"
 STOP_GRACE_S = 5.0
@@ -26,7 +26,7 @@ STOP_GRACE_S = 5.0
 
 def node_command() -> list[str]:
     """The node entry point for this interpreter (``pp-node`` is the same module)."""
-    return [sys.executable, "-m", "ppharness.node"]
+    return [sys.executable, "-m", "ppharness.run.node"]
 
 
 class LocalProvider(Provider):
@@ -46,8 +46,14 @@ class LocalProvider(Provider):
             env = {**os.environ, **spec.env, LABEL_VAR: self.run_label, "PYTHONUNBUFFERED": "1"}
             try:
                 with open(log_path, "wb") as log:
-                    proc = subprocess.Popen(node_command(), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+                    proc = subprocess.Popen(
+                        node_command(),
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
             except OSError as exc:
                 raise ProvisionFailed(f"starting {spec.name} failed: {exc}") from exc
             inst = Instance(id=str(proc.pid), name=spec.name, provider=self.kind, meta={"log": str(log_path)})
@@ -82,8 +88,10 @@ class LocalProvider(Provider):
 
     def destroy(self, instance: Instance) -> None:
         if self._fails_destroy(instance):
-            raise ProvisionFailed(f"destroy of {instance.name} (pid {instance.id}) failed: injected by "
-                                  "provider.local.fail_destroy; `ppharness reap` removes it")
+            raise ProvisionFailed(
+                f"destroy of {instance.name} (pid {instance.id}) failed: injected by "
+                "provider.local.fail_destroy; `ppharness reap` removes it"
+            )
         proc = self._procs.get(instance.id)
         if proc is None or proc.poll() is not None:
             return
@@ -105,8 +113,9 @@ class LocalProvider(Provider):
         return labelled_pids(label)
 
     @classmethod
-    def reap(cls, label: str | None = None, select: Callable[[str], bool] | None = None,
-             dry_run: bool = False) -> list[str]:
+    def reap(
+        cls, label: str | None = None, select: Callable[[str], bool] | None = None, dry_run: bool = False
+    ) -> list[str]:
         victims = [(pid, lbl) for pid, lbl in labelled_nodes(label) if select is None or select(lbl)]
         for pid, _ in victims if not dry_run else []:
             _kill_group(pid, signal.SIGKILL)
@@ -128,9 +137,9 @@ def labelled_pids(label: str | None = None) -> list[int]:
 
 
 def _is_node(cmdline: bytes) -> bool:
-    """Whether a command line runs the node entry point (``pp-node`` or ``python -m ppharness.node``)."""
+    """Whether a command line runs the node entry point (``pp-node`` or ``python -m ppharness.run.node``)."""
     args = cmdline.split(b"\0")
-    return any(a.endswith(b"pp-node") for a in args[:3]) or b"ppharness.node" in args[:4]
+    return any(a.endswith(b"pp-node") for a in args[:3]) or b"ppharness.run.node" in args[:4]
 
 
 def labelled_nodes(label: str | None = None) -> list[tuple[int, str]]:
@@ -149,7 +158,7 @@ def labelled_nodes(label: str | None = None) -> list[tuple[int, str]]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        found = next((v[len(prefix):].decode("utf-8", "replace") for v in env if v.startswith(prefix)), None)
+        found = next((v[len(prefix) :].decode("utf-8", "replace") for v in env if v.startswith(prefix)), None)
         if state != "Z" and found is not None and (label is None or found == label) and _is_node(cmdline):
             out.append((int(entry.name), found))
     return sorted(out)

@@ -14,13 +14,13 @@ from ppharness.errors import HarnessError
 TRANSPORTS: dict[str, str] = {
     "memory": "transports.memory:MemoryTransport",
     "zmq": "transports.zmq:ZmqTransport",
-    "iroh": "transports.iroh:IrohTransport",
+    "iroh": "transports.iroh.transport:IrohTransport",
 }
 
 PROVIDERS: dict[str, str] = {
     "local": "backends.local:LocalProvider",
-    "docker": "backends.docker:DockerProvider",
-    "vastai": "backends.vastai:VastaiProvider",
+    "docker": "backends.docker.provider:DockerProvider",
+    "vastai": "backends.vastai.provider:VastaiProvider",
 }
 
 

@@ -1,4 +1,4 @@
-"""ppharness.codec: framing (encode/decode) and hidden-state packing, by example and by property."""
+"""ppharness.wire.codec: framing (encode/decode) and hidden-state packing, by example and by property."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ppharness import codec
 from ppharness.errors import CodecError
-from ppharness.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, NextToken, Shutdown, StageActivation
+from ppharness.wire import codec
+from ppharness.wire.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, NextToken, Shutdown, StageActivation
 
 GOOD = NextToken(request_id="req-0001", token_id=12366, position=6, done=False, plan_id="plan-a")
 
@@ -68,27 +68,55 @@ def test_hidden_travels_as_msgpack_bin() -> None:
         ),
         pytest.param(codec.encode(GOOD) + b"\x00\x00", r"2 bytes after the announced", id="trailing-bytes"),
         pytest.param(codec.encode(GOOD)[:-3], r"header announces \d+ body bytes, \d+ arrived", id="truncated-body"),
-        pytest.param(frame_of(b"\xc1"), r"malformed msgpack body: byte 0xc1 at offset 0 does not start a msgpack value",
-                     id="garbage-msgpack"),
-        pytest.param(frame_of(body_of({"type": "Shutdown", "reason": "xyz"})[:-2]),
-                     r"malformed msgpack body: the body ends inside a value", id="cut-inside-a-value"),
-        pytest.param(frame_of(codec.encode(GOOD)[8:] + b"\x00"), r"malformed msgpack body: 1 bytes after the value",
-                     id="two-values"),
-        pytest.param(frame_of(body_of({"type": "Teleport", "to": "mars"})),
-                     r"malformed message: unknown message type 'Teleport': expected one of InferenceRequest, ",
-                     id="bad-tag"),
-        pytest.param(frame_of(body_of({"reason": "no tag"})), r"malformed message: no 'type' field", id="no-tag"),
-        pytest.param(frame_of(body_of([1, 2, 3])), r"malformed message: the body is an array, not a map",
-                     id="not-a-map"),
         pytest.param(
-            frame_of(body_of({"type": "NextToken", "request_id": 7, "token_id": 1, "position": 0, "done": False,
-                              "plan_id": "p"})),
+            frame_of(b"\xc1"),
+            r"malformed msgpack body: byte 0xc1 at offset 0 does not start a msgpack value",
+            id="garbage-msgpack",
+        ),
+        pytest.param(
+            frame_of(body_of({"type": "Shutdown", "reason": "xyz"})[:-2]),
+            r"malformed msgpack body: the body ends inside a value",
+            id="cut-inside-a-value",
+        ),
+        pytest.param(
+            frame_of(codec.encode(GOOD)[8:] + b"\x00"),
+            r"malformed msgpack body: 1 bytes after the value",
+            id="two-values",
+        ),
+        pytest.param(
+            frame_of(body_of({"type": "Teleport", "to": "mars"})),
+            r"malformed message: unknown message type 'Teleport': expected one of InferenceRequest, ",
+            id="bad-tag",
+        ),
+        pytest.param(frame_of(body_of({"reason": "no tag"})), r"malformed message: no 'type' field", id="no-tag"),
+        pytest.param(
+            frame_of(body_of([1, 2, 3])), r"malformed message: the body is an array, not a map", id="not-a-map"
+        ),
+        pytest.param(
+            frame_of(
+                body_of(
+                    {"type": "NextToken", "request_id": 7, "token_id": 1, "position": 0, "done": False, "plan_id": "p"}
+                )
+            ),
             r"malformed message: NextToken.request_id must be str, not an integer",
             id="wrong-field-type",
         ),
         pytest.param(
-            frame_of(body_of({"type": "StageActivation", "request_id": "r", "position": 0, "hidden": b"", "seq_len": 0,
-                              "is_prefill": True, "shape": ["a"], "dtype": "f16", "plan_id": "p"})),
+            frame_of(
+                body_of(
+                    {
+                        "type": "StageActivation",
+                        "request_id": "r",
+                        "position": 0,
+                        "hidden": b"",
+                        "seq_len": 0,
+                        "is_prefill": True,
+                        "shape": ["a"],
+                        "dtype": "f16",
+                        "plan_id": "p",
+                    }
+                )
+            ),
             r"malformed message: StageActivation.shape is not a valid tuple\[int, \.\.\.\]",
             id="wrong-element-type",
         ),
@@ -107,8 +135,11 @@ def test_hidden_travels_as_msgpack_bin() -> None:
             r"malformed msgpack body: nested too deeply",
             id="deep-nesting",
         ),
-        pytest.param(frame_of(body_of({"type": "Shutdown", "reason": "x"})[:-1] + b"\xcd"),
-                     r"malformed msgpack body: the string at offset 22 is not UTF-8", id="not-utf8"),
+        pytest.param(
+            frame_of(body_of({"type": "Shutdown", "reason": "x"})[:-1] + b"\xcd"),
+            r"malformed msgpack body: the string at offset 22 is not UTF-8",
+            id="not-utf8",
+        ),
     ],
 )
 def test_decode_names_the_problem(frame: bytes, problem: str) -> None:

@@ -14,10 +14,10 @@ import pytest
 import zmq
 from zmq_peers import raw_push
 
-from ppharness.messages import ClockProbe, Error, RequestOpen, Shutdown, StageActivation
-from ppharness.oracle import oracle_decode
-from ppharness.orchestrator import Chain
-from ppharness.scenario import scenario_from_args
+from ppharness.model.oracle import oracle_decode
+from ppharness.run.orchestrator import Chain
+from ppharness.scenario.schema import scenario_from_args
+from ppharness.wire.messages import ClockProbe, Error, RequestOpen, Shutdown, StageActivation
 from transports.zmq import ZmqTransport
 
 pytestmark = pytest.mark.local
@@ -30,11 +30,25 @@ def _forgeries(chain: Chain) -> list[tuple[str, str, object]]:
     return [
         ("a ClockProbe from an invalid sender", stage1, ClockProbe(t_seed_ns=1)),
         ("a Shutdown", stage1, Shutdown(reason="forged")),
-        ("a RequestOpen with the run's plan id", stage1,
-         RequestOpen(request_id="hijack", reply_to="tcp://127.0.0.1:1", max_tokens=4, prompt_tokens=2, plan_id=plan)),
-        ("an activation with the run's plan id", stage1,
-         StageActivation(request_id="hijack", position=0, hidden=b"\0" * 256, seq_len=2, is_prefill=True,
-                         shape=(1, 2, 64), dtype="f16", plan_id=plan)),
+        (
+            "a RequestOpen with the run's plan id",
+            stage1,
+            RequestOpen(request_id="hijack", reply_to="tcp://127.0.0.1:1", max_tokens=4, prompt_tokens=2, plan_id=plan),
+        ),
+        (
+            "an activation with the run's plan id",
+            stage1,
+            StageActivation(
+                request_id="hijack",
+                position=0,
+                hidden=b"\0" * 256,
+                seq_len=2,
+                is_prefill=True,
+                shape=(1, 2, 64),
+                dtype="f16",
+                plan_id=plan,
+            ),
+        ),
         ("a ClockProbe to stage 0", stage0, ClockProbe(t_seed_ns=2)),
         ("an Error to the orchestrator", chain.seed, Error(stage=1, reason="forged failure")),
     ]

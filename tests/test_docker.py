@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from ppharness.errors import HarnessError
-from ppharness.orchestrator import Chain, Progress, run_scenario
-from ppharness.scenario import load_scenario, scenario_from_args
+from ppharness.run.orchestrator import Chain, Progress, run_scenario
+from ppharness.scenario.schema import load_scenario, scenario_from_args
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def _label() -> str:
 
 @pytest.fixture(scope="module")
 def docker_client() -> Any:
-    from backends.docker_network import client
+    from backends.docker.network import client
 
     c = client()
     yield c
@@ -43,7 +43,7 @@ def docker_client() -> Any:
 @pytest.fixture(scope="module")
 def node_image(docker_client: Any) -> str:
     """The node image of this working tree (built on first use, found by its content tag afterwards)."""
-    from backends.docker_image import ensure_node_image
+    from backends.docker.image import ensure_node_image
 
     return ensure_node_image(docker_client)
 
@@ -51,12 +51,13 @@ def node_image(docker_client: Any) -> str:
 def _leftovers(client: Any, label: str) -> list[str]:
     """Containers and networks that still carry ``label``."""
     wanted = {"label": f"ppharness.run={label}"}
-    return [f"container {c['Names']}" for c in client.api.containers(all=True, filters=wanted)] + \
-        [f"network {n['Name']}" for n in client.api.networks(filters=wanted)]
+    return [f"container {c['Names']}" for c in client.api.containers(all=True, filters=wanted)] + [
+        f"network {n['Name']}" for n in client.api.networks(filters=wanted)
+    ]
 
 
 def _assert_nothing_left(client: Any, label: str) -> None:
-    from backends.docker import DockerProvider
+    from backends.docker.provider import DockerProvider
 
     assert not _leftovers(client, label), f"left behind by run {label}: {_leftovers(client, label)}"
     assert DockerProvider.reap(label) == [], "reap found something of a finished run"
@@ -70,7 +71,7 @@ def _assert_chain_ok(result: Any, n: int) -> None:
 
 
 def test_chain_matches_oracle(num_stages, node_image, docker_client):
-    from ppharness.oracle import oracle_decode
+    from ppharness.model.oracle import oracle_decode
 
     label = _label()
     scenario = scenario_from_args(num_stages=num_stages, provider="docker", max_tokens=12)
@@ -79,8 +80,9 @@ def test_chain_matches_oracle(num_stages, node_image, docker_client):
         assert len(_leftovers(docker_client, label)) == num_stages + 1  # the containers and the network
         joined = {j.stage: j.address for j in chain.directory.joins.values()}
         response, _ = chain.request(scenario.request.prompt, scenario.request.max_tokens)
-    oracle = oracle_decode(chain.model_path, scenario.request.prompt, scenario.request.max_tokens,
-                           scenario.model.max_context)
+    oracle = oracle_decode(
+        chain.model_path, scenario.request.prompt, scenario.request.max_tokens, scenario.model.max_context
+    )
     assert response.token_ids and response.token_ids == oracle.token_ids
     assert chain.seed.startswith(f"tcp://{provider.gateway}:"), chain.seed
     hosts = [joined[i].rsplit(":", 1)[0].removeprefix("tcp://") for i in range(num_stages)]
@@ -114,7 +116,7 @@ def test_scenario_option(scenario_option, node_image, docker_client):
 
 
 def test_container_exiting_during_startup_fails_the_run_with_its_last_lines(monkeypatch, node_image, docker_client):
-    from backends.docker import DockerProvider
+    from backends.docker.provider import DockerProvider
 
     spec = DockerProvider.spec
 
@@ -124,8 +126,9 @@ def test_container_exiting_during_startup_fails_the_run_with_its_last_lines(monk
     monkeypatch.setattr(DockerProvider, "spec", bad_plan_for_stage_1)
     label = _label()
     with pytest.raises(HarnessError) as info:
-        run_scenario(scenario_from_args(num_stages=3, provider="docker"), progress=Progress(quiet=True),
-                     run_label=label)
+        run_scenario(
+            scenario_from_args(num_stages=3, provider="docker"), progress=Progress(quiet=True), run_label=label
+        )
     message, notes = str(info.value), "\n".join(getattr(info.value, "__notes__", []))
     assert "pp-stage-1" in message and "exited with code 1" in message and "timed out" not in message, message
     assert "last lines of pp-stage-1" in notes and "PLAN is not a valid stage plan" in notes, notes
@@ -134,9 +137,23 @@ def test_container_exiting_during_startup_fails_the_run_with_its_last_lines(monk
 
 def test_sigint_of_smoke_run_removes_every_container_and_the_network(node_image, docker_client):
     label = _label()
-    proc = subprocess.Popen([sys.executable, "-m", "ppharness.cli_smoke", "--num-stages", "2", "--provider", "docker",
-                             "--run-label", label], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ppharness.cli.smoke",
+            "--num-stages",
+            "2",
+            "--provider",
+            "docker",
+            "--run-label",
+            label,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
     lines = []
     try:
         assert proc.stdout is not None
@@ -158,7 +175,7 @@ def test_sigint_of_smoke_run_removes_every_container_and_the_network(node_image,
 
 
 def test_reap_removes_a_crashed_runs_containers_and_network(node_image, docker_client):
-    from backends.docker import DockerProvider
+    from backends.docker.provider import DockerProvider
 
     label = _label()
     provider = DockerProvider(label)

@@ -8,15 +8,16 @@ import sys
 import numpy as np
 import pytest
 
-from ppharness.exactness import check_splits, compare, digest, first_difference
+from ppharness.model.exactness import check_splits, compare, digest, first_difference
 
 RANGES = [(0, 3), (3, 5), (5, 8)]
 
 
 def _digests(steps: int, salt: int = 0) -> dict[int, list[bytes]]:
     """Oracle-style digests: one list per block, one digest per step."""
-    return {b: [digest(np.full((1, 1, 4), b * 100 + s + salt, dtype=np.float16)) for s in range(steps)]
-            for b in range(8)}
+    return {
+        b: [digest(np.full((1, 1, 4), b * 100 + s + salt, dtype=np.float16)) for s in range(steps)] for b in range(8)
+    }
 
 
 def _stage_view(oracle: dict[int, list[bytes]]) -> dict[int, list[bytes]]:
@@ -24,8 +25,10 @@ def _stage_view(oracle: dict[int, list[bytes]]) -> dict[int, list[bytes]]:
     return {i: list(oracle[hi - 1]) for i, (_, hi) in enumerate(RANGES[:-1])} | {len(RANGES) - 1: []}
 
 
-@pytest.mark.parametrize("a, b, expected", [([1, 2, 3], [1, 2, 3], None), ([1, 2, 3], [1, 9, 3], 1),
-                                            ([1, 2], [1, 2, 3], 2), ([], [], None), ([5], [], 0)])
+@pytest.mark.parametrize(
+    "a, b, expected",
+    [([1, 2, 3], [1, 2, 3], None), ([1, 2, 3], [1, 9, 3], 1), ([1, 2], [1, 2, 3], 2), ([], [], None), ([5], [], 0)],
+)
 def test_first_difference(a, b, expected):
     assert first_difference(a, b) == expected
 
@@ -70,17 +73,32 @@ def test_the_check_catches_an_fp32_residual_between_blocks(tiny_model_path, monk
     puts a stage boundary) a split changes the hidden states, and split-check says where."""
     from tinygrad.apps.llm import TransformerBlock
 
-    import ppharness.slicing
+    import ppharness.model.slicing
 
-    monkeypatch.setattr(ppharness.slicing, "_block_class", lambda: TransformerBlock)
+    monkeypatch.setattr(ppharness.model.slicing, "_block_class", lambda: TransformerBlock)
     _, checks = check_splits(tiny_model_path, "The quick brown fox", 8, [[(0, 3), (3, 5), (5, 8)]])
     assert not checks[0].exact
     assert checks[0].verdict.boundary_diff is not None or not checks[0].same_kernels
 
 
 def test_split_check_command(tiny_model_path):
-    proc = subprocess.run([sys.executable, "-m", "ppharness.cli", "split-check", "--model", tiny_model_path,
-                           "--stages", "2,1/6", "--max-tokens", "24"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ppharness.cli",
+            "split-check",
+            "--model",
+            tiny_model_path,
+            "--stages",
+            "2,1/6",
+            "--max-tokens",
+            "24",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
     assert len(lines) == 2 and all(ln.startswith("MATCH") for ln in lines), proc.stdout
@@ -88,7 +106,11 @@ def test_split_check_command(tiny_model_path):
 
 
 def test_split_check_refuses_bad_stages(tiny_model_path):
-    proc = subprocess.run([sys.executable, "-m", "ppharness.cli", "split-check", "--model", tiny_model_path,
-                           "--stages", "two"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ppharness.cli", "split-check", "--model", tiny_model_path, "--stages", "two"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "--stages: 'two' is neither a stage count nor cut points" in proc.stderr + proc.stdout

@@ -14,18 +14,29 @@ import msgspec
 import pytest
 
 from backends.local import labelled_pids
-from ppharness.scenario import FaultSection, LocalSettings, scenario_from_args
-from ppharness.watched import WatchedRun
+from ppharness.scenario.schema import FaultSection, LocalSettings, scenario_from_args
+from ppharness.testing.watched import WatchedRun
 
 pytestmark = pytest.mark.local
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _write(tmp_path: Path, n: int = 3, max_tokens: int = 8, faults=(), budget: dict | None = None,
-           provider_local: LocalSettings | None = None, engine: str = "auto") -> Path:
+def _write(
+    tmp_path: Path,
+    n: int = 3,
+    max_tokens: int = 8,
+    faults=(),
+    budget: dict | None = None,
+    provider_local: LocalSettings | None = None,
+    engine: str = "auto",
+) -> Path:
     sc = scenario_from_args(num_stages=n, max_tokens=max_tokens)
-    sc = msgspec.structs.replace(sc, faults=tuple(faults), budget=msgspec.structs.replace(sc.budget, **(budget or {})),
-                                 cluster=msgspec.structs.replace(sc.cluster, engine=engine))
+    sc = msgspec.structs.replace(
+        sc,
+        faults=tuple(faults),
+        budget=msgspec.structs.replace(sc.budget, **(budget or {})),
+        cluster=msgspec.structs.replace(sc.cluster, engine=engine),
+    )
     if provider_local is not None:
         sc = msgspec.structs.replace(sc, provider=msgspec.structs.replace(sc.provider, local=provider_local))
     path = tmp_path / "scenario.yaml"
@@ -35,8 +46,13 @@ def _write(tmp_path: Path, n: int = 3, max_tokens: int = 8, faults=(), budget: d
 
 def _run(scenario: Path, label: str, timeout: float = 240) -> tuple[int, str, float]:
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "ppharness.cli_smoke", "--scenario", str(scenario), "--run-label", label,
-                        "--no-trace"], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "ppharness.cli.smoke", "--scenario", str(scenario), "--run-label", label, "--no-trace"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     return r.returncode, r.stdout + r.stderr, time.monotonic() - t0
 
 
@@ -46,14 +62,18 @@ def _failed_line(out: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("fault, budget, needle", [
-    (FaultSection(stage=1, mode="never-join"), {"join_s": 8.0}, "never converged: stage(s) [1] did not join"),
-    (FaultSection(stage=2, mode="no-names"), {"resolve_s": 3.0}, "the name 'pp-stage-2' never resolved"),
-    (FaultSection(stage=0, mode="stall-before-ready"), {"ready_s": 25.0}, "stage(s) [0] never reported ready"),
-    (FaultSection(stage=1, mode="bad-model"), {}, "stage 1: loading the model failed"),
-    (FaultSection(stage=2, mode="eos-first"), {}, "stage 2 (last) reported done with no text"),
-    (FaultSection(stage=1, mode="exit-mid-decode"), {}, "pp-stage-1 (local"),
-], ids=lambda v: getattr(v, "mode", None) or "")
+@pytest.mark.parametrize(
+    "fault, budget, needle",
+    [
+        (FaultSection(stage=1, mode="never-join"), {"join_s": 8.0}, "never converged: stage(s) [1] did not join"),
+        (FaultSection(stage=2, mode="no-names"), {"resolve_s": 3.0}, "the name 'pp-stage-2' never resolved"),
+        (FaultSection(stage=0, mode="stall-before-ready"), {"ready_s": 25.0}, "stage(s) [0] never reported ready"),
+        (FaultSection(stage=1, mode="bad-model"), {}, "stage 1: loading the model failed"),
+        (FaultSection(stage=2, mode="eos-first"), {}, "stage 2 (last) reported done with no text"),
+        (FaultSection(stage=1, mode="exit-mid-decode"), {}, "pp-stage-1 (local"),
+    ],
+    ids=lambda v: getattr(v, "mode", None) or "",
+)
 def test_fault_fails_the_run_cleanly(tmp_path, fault, budget, needle):
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
     rc, out, _ = _run(_write(tmp_path, faults=[fault], budget=budget), label)
@@ -82,35 +102,58 @@ def test_reap_command_destroys_a_crashed_runs_leftovers(tmp_path):
 
     node = tmp_path / "pp-node"
     node.write_text("import time\ntime.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, str(node)], env={**os.environ, "PP_RUN_LABEL": label},
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(node)], env={**os.environ, "PP_RUN_LABEL": label}, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 10
         while not labelled_pids(label) and time.monotonic() < deadline:
             time.sleep(0.05)
-        r = subprocess.run([sys.executable, "-m", "ppharness.cli", "reap", "--label", label], capture_output=True,
-                           text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "ppharness.cli", "reap", "--label", label],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0 and f"process {proc.pid}" in r.stdout, r.stdout + r.stderr
         proc.wait(10)
         assert not labelled_pids(label)
-        r = subprocess.run([sys.executable, "-m", "ppharness.cli", "reap", "--label", label], capture_output=True,
-                           text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "ppharness.cli", "reap", "--label", label],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert "nothing to reap" in r.stdout
     finally:
         if proc.poll() is None:
             proc.kill()
 
 
-@pytest.mark.parametrize("phase, sig", [("membership:", signal.SIGINT), ("joined", signal.SIGINT),
-                                        ("ready", signal.SIGINT), ("request:", signal.SIGINT),
-                                        ("ready", signal.SIGTERM), ("request:", signal.SIGHUP)],
-                         ids=["SIGINT-membership", "SIGINT-joined", "SIGINT-ready", "SIGINT-request",
-                              "SIGTERM-ready", "SIGHUP-request"])
+@pytest.mark.parametrize(
+    "phase, sig",
+    [
+        ("membership:", signal.SIGINT),
+        ("joined", signal.SIGINT),
+        ("ready", signal.SIGINT),
+        ("request:", signal.SIGINT),
+        ("ready", signal.SIGTERM),
+        ("request:", signal.SIGHUP),
+    ],
+    ids=["SIGINT-membership", "SIGINT-joined", "SIGINT-ready", "SIGINT-request", "SIGTERM-ready", "SIGHUP-request"],
+)
 def test_an_interrupt_at_any_phase_stops_everything(tmp_path, phase, sig):
     """Ctrl-C, SIGTERM and SIGHUP (a closed terminal) all take the clean way out: every node stopped, exit 1."""
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "ppharness.cli_smoke", "--scenario", str(_write(tmp_path, max_tokens=200)),
-           "--run-label", label]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ppharness.cli.smoke",
+        "--scenario",
+        str(_write(tmp_path, max_tokens=200)),
+        "--run-label",
+        label,
+    ]
     with WatchedRun(cmd, cwd=ROOT) as run:
         run.until(phase)
         run.proc.send_signal(sig)
@@ -126,11 +169,12 @@ def test_membership_engine_declares_a_silent_node_dead(engine):
     """With the provider's own exit check out of the way, the membership engine alone notices a SIGSTOPped node."""
     import os
 
-    from ppharness.orchestrator import Chain, Progress
+    from ppharness.run.orchestrator import Chain, Progress
 
     sc = scenario_from_args(num_stages=2, max_tokens=4)
-    sc = msgspec.structs.replace(sc, cluster=msgspec.structs.replace(sc.cluster, engine=engine, heartbeat_s=0.5,
-                                                                       dead_after_s=3.0))
+    sc = msgspec.structs.replace(
+        sc, cluster=msgspec.structs.replace(sc.cluster, engine=engine, heartbeat_s=0.5, dead_after_s=3.0)
+    )
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
     with pytest.raises(Exception) as info:
         with Chain(sc, Progress(quiet=True), run_label=label) as chain:

@@ -38,15 +38,17 @@ def test_every_requirement_is_pinned_within_its_range() -> None:
     for want in _wanted():
         if want.marker is not None and not want.marker.evaluate():
             continue
-        here = [req for req, _ in pins.get(canonicalize_name(want.name), [])
-                if req.marker is None or req.marker.evaluate()]
+        here = [
+            req for req, _ in pins.get(canonicalize_name(want.name), []) if req.marker is None or req.marker.evaluate()
+        ]
         assert len(here) == 1, f"{want.name}: {len(here)} pins apply here; run `bash setup.sh --lock`"
         (pin,) = here
         (spec,) = pin.specifier
         assert spec.operator == "==", pin
         assert want.specifier.contains(spec.version, prereleases=True), (
             f"requirements.lock pins {pin.name} {spec.version}, outside pyproject.toml's {want}; "
-            "run `bash setup.sh --lock`")
+            "run `bash setup.sh --lock`"
+        )
 
 
 def test_every_pin_carries_hashes() -> None:
@@ -55,7 +57,7 @@ def test_every_pin_carries_hashes() -> None:
 
 
 def test_the_image_installs_the_lock_with_setups_uv() -> None:
-    from backends.docker_image import _image_files
+    from backends.docker.image import _image_files
 
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text(encoding="utf-8")
     setup = (ROOT / "setup.sh").read_text(encoding="utf-8")

@@ -18,11 +18,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ppharness import codec
 from ppharness.errors import CodecError, ConnectFailed, PeerClosed, TransportError, TransportTimeout
-from ppharness.messages import NextToken, Shutdown
-from transports import _iroh_fastcopy, _iroh_sync
-from transports.iroh import IrohTransport, load_iroh, parse_address
+from ppharness.wire import codec
+from ppharness.wire.messages import NextToken, Shutdown
+from transports.iroh import fastcopy as _iroh_fastcopy
+from transports.iroh import sync as _iroh_sync
+from transports.iroh.transport import IrohTransport, load_iroh, parse_address
 
 iroh = load_iroh()
 ffi = iroh.iroh_ffi
@@ -98,7 +99,7 @@ def test_advertise_host_replaces_the_direct_addresses_in_the_ticket() -> None:
 
 
 def test_without_direct_calls_everything_goes_through_the_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    import transports.iroh as iroh_transport
+    import transports.iroh.transport as iroh_transport
 
     monkeypatch.setattr(iroh_transport, "_direct_calls", False)
     with IrohTransport() as a, IrohTransport() as b:
@@ -155,8 +156,13 @@ def test_a_peer_outside_the_allow_list_is_not_dialled(run_endpoints: Callable[..
 def _raw_stream_to(receiver: IrohTransport) -> tuple[Any, Any, str]:
     """A plain iroh endpoint (no ppharness) with a uni stream open to ``receiver``, and its own address."""
     call = _iroh_sync.call
-    endpoint = call(iroh.Endpoint.bind(iroh.EndpointOptions(preset=iroh.preset_minimal(), bind_addr="127.0.0.1:0",
-                                                            relay_mode=iroh.RelayMode.disabled())))
+    endpoint = call(
+        iroh.Endpoint.bind(
+            iroh.EndpointOptions(
+                preset=iroh.preset_minimal(), bind_addr="127.0.0.1:0", relay_mode=iroh.RelayMode.disabled()
+            )
+        )
+    )
     conn = call(endpoint.connect(parse_address(iroh, receiver.address), b"ppharness/1"))
     own = "iroh://" + str(iroh.EndpointTicket.from_addr(endpoint.addr()))
     return endpoint, call(conn.open_uni()), own
@@ -176,8 +182,10 @@ def test_a_stream_breaking_the_protocol_is_dropped_and_logged(case: str, capfd: 
         body = struct.pack(">I", codec.HEADER.size + codec.MAX_FRAME_BYTES + 1) + b"\x80" * 64
         _iroh_sync.call(stream.write_all(_record(hello.encode()) + body + _record(codec.encode(Shutdown("x")))))
         logged: list[str] = []
-        _until(lambda: logged.append(capfd.readouterr().err) or "stopped reading a stream" in "".join(logged),
-               "the receiver to log the bad stream")
+        _until(
+            lambda: logged.append(capfd.readouterr().err) or "stopped reading a stream" in "".join(logged),
+            "the receiver to log the bad stream",
+        )
         expected = "claims the address of endpoint" if case == "spoofed-hello" else "exceeds the"
         assert expected in "".join(logged)
         with pytest.raises(TransportTimeout):
@@ -218,14 +226,21 @@ def test_a_process_that_exits_without_closing_its_transports_exits_cleanly() -> 
     import sys
     from pathlib import Path
 
-    script = ("from transports.iroh import IrohTransport\n"
-              "from ppharness.messages import Shutdown\n"
-              "a, b = IrohTransport(), IrohTransport()\n"
-              "a.start(), b.start()\n"
-              "for _ in range(50): a.send(b.address, Shutdown('x'))\n"
-              "b.recv(10)\n")
-    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parent.parent,
-                          capture_output=True, text=True, timeout=60)
+    script = (
+        "from transports.iroh.transport import IrohTransport\n"
+        "from ppharness.wire.messages import Shutdown\n"
+        "a, b = IrohTransport(), IrohTransport()\n"
+        "a.start(), b.start()\n"
+        "for _ in range(50): a.send(b.address, Shutdown('x'))\n"
+        "b.recv(10)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -235,8 +250,9 @@ def test_send_to_self_arrives(run_endpoints: Callable[..., list[IrohTransport]])
     assert a.recv(timeout=WAIT) == (a.address, Shutdown("me"))
 
 
-def test_a_frame_over_the_limit_is_not_sent(run_endpoints: Callable[..., list[IrohTransport]],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_frame_over_the_limit_is_not_sent(
+    run_endpoints: Callable[..., list[IrohTransport]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     a, b = run_endpoints(2)
     monkeypatch.setattr(codec, "MAX_FRAME_BYTES", 64)
     with pytest.raises(CodecError, match="not sent"):
@@ -262,19 +278,28 @@ def stock_then_patched(lower: Callable[[], bytes]) -> tuple[bytes, bytes]:
 def test_bulk_copy_lowers_the_same_bytes_as_the_binding(payload: bytes, kind: str) -> None:
     value = {"bytes": payload, "bytearray": bytearray(payload), "memoryview": memoryview(payload)}[kind]
     stock, patched = stock_then_patched(lambda: _iroh_fastcopy.lower_bytes(ffi, value))
-    assert patched == stock and stock[4:len(payload) + 4] == payload
+    assert patched == stock and stock[4 : len(payload) + 4] == payload
 
 
-INTS = [("write_i8", -128, 127), ("write_u8", 0, 255), ("write_i16", -(2**15), 2**15 - 1), ("write_u16", 0, 2**16 - 1),
-        ("write_i32", -(2**31), 2**31 - 1), ("write_u32", 0, 2**32 - 1), ("write_i64", -(2**63), 2**63 - 1),
-        ("write_u64", 0, 2**64 - 1)]
+INTS = [
+    ("write_i8", -128, 127),
+    ("write_u8", 0, 255),
+    ("write_i16", -(2**15), 2**15 - 1),
+    ("write_u16", 0, 2**16 - 1),
+    ("write_i32", -(2**31), 2**31 - 1),
+    ("write_u32", 0, 2**32 - 1),
+    ("write_i64", -(2**63), 2**63 - 1),
+    ("write_u64", 0, 2**64 - 1),
+]
 
 
 @given(data=st.data())
 def test_bulk_copy_packs_integers_and_floats_the_same(data: st.DataObject) -> None:
     values = [(name, data.draw(st.integers(lo, hi))) for name, lo, hi in INTS]
-    values += [("write_double", data.draw(st.floats(allow_nan=False))),
-               ("write_float", data.draw(st.floats(width=32, allow_nan=False)))]
+    values += [
+        ("write_double", data.draw(st.floats(allow_nan=False))),
+        ("write_float", data.draw(st.floats(width=32, allow_nan=False))),
+    ]
 
     def lower() -> bytes:
         builder = ffi._UniffiRustBufferBuilder()
@@ -282,7 +307,7 @@ def test_bulk_copy_packs_integers_and_floats_the_same(data: st.DataObject) -> No
             getattr(builder, name)(v)
         rbuf = builder.finalize()
         try:
-            return bytes(rbuf.data[0:rbuf.len])
+            return bytes(rbuf.data[0 : rbuf.len])
         finally:
             rbuf.free()
 
@@ -362,8 +387,11 @@ def test_bench_transport_reports_every_path_with_ratios(tmp_path: Any) -> None:
     paths = ["raw zmq", "raw iroh, bulk copy", "raw iroh, stock binding", "ppharness zmq", "ppharness iroh"]
     assert [(r.size, r.path) for r in rows] == [(size, p) for size in (64, 4096) for p in paths]
     ratios = {r.path: r.baseline for r in rows if r.ratio is not None and r.ratio > 0}
-    assert ratios == {"raw iroh, stock binding": "raw iroh, bulk copy", "ppharness zmq": "raw zmq",
-                      "ppharness iroh": "raw iroh, bulk copy"}
+    assert ratios == {
+        "raw iroh, stock binding": "raw iroh, bulk copy",
+        "ppharness zmq": "raw zmq",
+        "ppharness iroh": "raw iroh, bulk copy",
+    }
     text = out.getvalue()
     assert all(p in text for p in paths) and "target: ppharness iroh 4 KiB p50" in text, text
     assert len(json.loads((tmp_path / "bench.json").read_text())) == len(rows)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from backends.local import labelled_pids
-from ppharness.orchestrator import Progress, run_scenario
-from ppharness.scenario import load_scenario, scenario_from_args
-from ppharness.watched import WatchedRun
+from ppharness.run.orchestrator import Progress, run_scenario
+from ppharness.scenario.schema import load_scenario, scenario_from_args
+from ppharness.testing.watched import WatchedRun
 
 pytestmark = pytest.mark.local
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,8 +61,19 @@ def test_scenario_option(scenario_option):
 @pytest.mark.parametrize("transport", ["zmq", "iroh"])
 def test_sigkill_of_a_stage_fails_the_run_and_leaves_nothing(transport):
     label = _label()
-    cmd = [sys.executable, "-m", "ppharness.cli_smoke", "--num-stages", "3", "--transport", transport,
-           "--max-tokens", "200", "--run-label", label]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ppharness.cli.smoke",
+        "--num-stages",
+        "3",
+        "--transport",
+        transport,
+        "--max-tokens",
+        "200",
+        "--run-label",
+        label,
+    ]
     with WatchedRun(cmd, cwd=ROOT) as run:
         run.until("request:")  # every stage is ready and decoding has begun
         time.sleep(0.3)
@@ -81,8 +92,13 @@ def test_sigkill_of_a_stage_fails_the_run_and_leaves_nothing(transport):
 def test_typo_in_scenario_is_rejected_before_anything_starts(tmp_path):
     bad = tmp_path / "typo.yaml"
     bad.write_text((ROOT / "scenarios" / "smoke-2stage-local.yaml").read_text().replace("max_tokens:", "max_tokns:"))
-    r = subprocess.run([sys.executable, "-m", "ppharness.cli_smoke", "--scenario", str(bad)], capture_output=True,
-                       text=True, timeout=60, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "ppharness.cli.smoke", "--scenario", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 1
     assert str(bad) in out and "max_tokns" in out and "$.request" in out, out
@@ -95,8 +111,9 @@ def test_unreadable_model_fails_the_run_before_any_node_starts(tmp_path):
     scenario = load_scenario(ROOT / "scenarios" / "smoke-2stage-local.yaml")
     import msgspec
 
-    scenario = msgspec.structs.replace(scenario, model=msgspec.structs.replace(scenario.model, synthetic=None,
-                                                                                 gguf=str(broken)))
+    scenario = msgspec.structs.replace(
+        scenario, model=msgspec.structs.replace(scenario.model, synthetic=None, gguf=str(broken))
+    )
     label = _label()
     with pytest.raises(Exception) as info:
         run_scenario(scenario, progress=Progress(quiet=True), run_label=label)

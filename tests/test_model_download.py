@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from ppharness.errors import ModelError
-from ppharness.modelfile import ModelSpec, make_synthetic, resolve_model, sha256_file
-from ppharness.slicing import GGUFFile
+from ppharness.model.files import ModelSpec, make_synthetic, resolve_model, sha256_file
+from ppharness.model.slicing import GGUFFile
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppharness.errors import ModelError
-from ppharness.modelfile import (
+from ppharness.model.files import (
     PRESETS,
     SPECIAL_TOKENS,
     WEIGHT_TYPES,
@@ -19,7 +19,7 @@ from ppharness.modelfile import (
     sha256_file,
     synthetic_source,
 )
-from ppharness.slicing import GGUFFile
+from ppharness.model.slicing import GGUFFile
 
 
 def test_same_spec_same_bytes(tmp_path):
@@ -34,8 +34,16 @@ def test_written_model_reads_back(tmp_path):
     spec = ModelSpec(blocks=3, dim=16, ffn=40, heads=4, kv_heads=2, vocab=320, context=128, tied_embeddings=True)
     f = GGUFFile(make_synthetic(spec, tmp_path / "m.gguf"))
     cfg = f.config
-    assert (cfg.arch, cfg.blocks, cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.vocab, cfg.context) == \
-        ("llama", 3, 16, 40, 4, 2, 320, 128)
+    assert (cfg.arch, cfg.blocks, cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.vocab, cfg.context) == (
+        "llama",
+        3,
+        16,
+        40,
+        4,
+        2,
+        320,
+        128,
+    )
     assert cfg.tied and "output.weight" not in f.names()
     assert f.kv["tokenizer.ggml.tokens"][cfg.bos_id] == "<|begin_of_text|>"
     assert f.kv["tokenizer.ggml.tokens"][cfg.eos_id] == "<|end_of_text|>"
@@ -122,8 +130,9 @@ def test_model_make_type_option(tmp_path):
     from ppharness.cli import main
 
     out = tmp_path / "q.gguf"
-    r = CliRunner().invoke(main, ["model", "make", "--preset", "tiny", "--blocks", "2", "--type", "q8_0",
-                                  "-o", str(out)])
+    r = CliRunner().invoke(
+        main, ["model", "make", "--preset", "tiny", "--blocks", "2", "--type", "q8_0", "-o", str(out)]
+    )
     assert r.exit_code == 0, r.output
     expected = make_synthetic(replace(PRESETS["tiny"], blocks=2, type="q8_0"), tmp_path / "expected.gguf")
     assert sha256_file(out) == sha256_file(expected)
@@ -131,12 +140,15 @@ def test_model_make_type_option(tmp_path):
     assert r.exit_code == 1 and "expected one of f16, q8_0, q4_0" in r.output, r.output
 
 
-@pytest.mark.parametrize("source, needle", [
-    ("synthetic:huge", "unknown model preset"),
-    ("synthetic:tiny,colour=3", "unknown synthetic model field"),
-    ("synthetic:tiny,type=q2_k", "unknown weight type"),
-    ("/nonexistent/model.gguf", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "source, needle",
+    [
+        ("synthetic:huge", "unknown model preset"),
+        ("synthetic:tiny,colour=3", "unknown synthetic model field"),
+        ("synthetic:tiny,type=q2_k", "unknown weight type"),
+        ("/nonexistent/model.gguf", "does not exist"),
+    ],
+)
 def test_bad_sources(source, needle):
     with pytest.raises(ModelError, match=needle):
         resolve_model(source)

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ppharness.errors import ScenarioError
-from ppharness.plan import ENTRY, EXIT, even_splits, make_plan, names_of
+from ppharness.plan.stages import ENTRY, EXIT, even_splits, make_plan, names_of
 
 
 def test_even_split_gives_the_last_stage_the_remainder():
@@ -20,14 +20,17 @@ def test_explicit_splits():
     assert make_plan(8, 3, splits=[1, 6]).num_stages == 3
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"num_stages": 9}, "9 stages but the model has 8 blocks"),
-    ({"num_stages": 0}, "at least 1"),
-    ({"splits": [3, 3]}, "strictly increasing"),
-    ({"splits": [0, 4]}, "strictly increasing"),
-    ({"splits": [4, 8]}, "strictly increasing"),
-    ({"num_stages": 2, "splits": [2, 4]}, "disagrees"),
-])
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"num_stages": 9}, "9 stages but the model has 8 blocks"),
+        ({"num_stages": 0}, "at least 1"),
+        ({"splits": [3, 3]}, "strictly increasing"),
+        ({"splits": [0, 4]}, "strictly increasing"),
+        ({"splits": [4, 8]}, "strictly increasing"),
+        ({"num_stages": 2, "splits": [2, 4]}, "disagrees"),
+    ],
+)
 def test_impossible_plans_are_rejected(kwargs, needle):
     with pytest.raises(ScenarioError, match=needle):
         make_plan(8, **kwargs)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ppharness.modelfile import PRESETS, ModelSpec, make_synthetic, synthetic_path
+from ppharness.model.files import PRESETS, ModelSpec, make_synthetic, synthetic_path
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ModelSpec(blocks=2, dim=64, ffn=96, heads=4, kv_heads=2, vocab=300, seed=3)
@@ -84,7 +84,7 @@ def test_dequantised_weights_are_close_to_the_f16_model(small_files, wtype):
 
 @pytest.mark.parametrize("wtype", QUANTISED)
 def test_slicing_reads_quantised_weights_as_the_f16_models_within_bounds(small_files, wtype):
-    from ppharness.slicing import GGUFFile
+    from ppharness.model.slicing import GGUFFile
 
     q, f = GGUFFile(small_files[wtype]), GGUFFile(small_files["f16"])
     assert q.config == f.config
@@ -151,8 +151,8 @@ _loaded: dict = {}
 
 def _tiny(wtype: str):
     """(path, GGUFFile, slice cache, the whole model with boundary taps) of the quantised tiny model, loaded once."""
-    from ppharness.inprocess import load_slices
-    from ppharness.slicing import GGUFFile
+    from ppharness.model.slicing import GGUFFile
+    from ppharness.testing.inprocess import load_slices
 
     if wtype not in _loaded:
         path = synthetic_path(replace(PRESETS["tiny"], type=wtype))
@@ -164,10 +164,10 @@ def _tiny(wtype: str):
 @pytest.mark.parametrize("wtype", QUANTISED)
 @pytest.mark.parametrize("ranges", [[(0, 4), (4, 8)], [(0, 3), (3, 5), (5, 8)]], ids=["N2", "N3"])
 def test_quantised_chain_equals_its_unsplit_model(wtype, ranges):
-    """Tokens, and every hidden state a stage sends, byte for byte (ppharness.exactness), over 32 tokens."""
-    from ppharness.exactness import compare
-    from ppharness.inprocess import load_slices, run_inprocess
-    from ppharness.oracle import oracle_decode
+    """Tokens, and every hidden state a stage sends, byte for byte (ppharness.model.exactness), over 32 tokens."""
+    from ppharness.model.exactness import compare
+    from ppharness.model.oracle import oracle_decode
+    from ppharness.testing.inprocess import load_slices, run_inprocess
 
     path, f, cache, whole = _tiny(wtype)
     slices = load_slices(f, ranges, cache=cache)
@@ -175,8 +175,7 @@ def test_quantised_chain_equals_its_unsplit_model(wtype, ranges):
     chain = run_inprocess(f, slices, PROMPT, 32, digests=digests)
     oracle = oracle_decode(path, PROMPT, 32, model=whole, boundaries=True)
     assert len(oracle.token_ids) == 32 or oracle.finish_reason == "eos"
-    verdict = compare(chain.token_ids, oracle.token_ids, ranges, digests, oracle.boundary_digests,
-                      oracle.prompt_tokens)
+    verdict = compare(chain.token_ids, oracle.token_ids, ranges, digests, oracle.boundary_digests, oracle.prompt_tokens)
     assert verdict.exact, f"split {ranges} of the {wtype} model: {verdict.describe(chain.token_ids, oracle.token_ids)}"
     assert verdict.boundaries_compared == (len(ranges) - 1) * len(oracle.token_ids)
     assert chain.text == oracle.text
@@ -185,7 +184,7 @@ def test_quantised_chain_equals_its_unsplit_model(wtype, ranges):
 def test_quantised_model_is_not_the_f16_model():
     """Quantisation changes the numbers: the Q4_0 tiny model's answer differs from the f16 one's somewhere in 32
     tokens (so the chain tests above exercise the quantised weights, not a copy of the f16 ones)."""
-    from ppharness.oracle import oracle_decode
+    from ppharness.model.oracle import oracle_decode
 
     path_f16 = synthetic_path(PRESETS["tiny"])
     path, _, _, whole = _tiny("q4_0")
@@ -197,7 +196,7 @@ def test_q8_0_chain_on_pp_node_processes_over_zmq(tmp_path):
     import msgspec
 
     from backends.local import labelled_pids
-    from ppharness.scenario import load_scenario, scenario_from_args
+    from ppharness.scenario.schema import load_scenario, scenario_from_args
 
     path = synthetic_path(replace(PRESETS["tiny"], type="q8_0"))
     sc = scenario_from_args(num_stages=3, max_tokens=32, transport="zmq", prompt=PROMPT)
@@ -206,8 +205,13 @@ def test_q8_0_chain_on_pp_node_processes_over_zmq(tmp_path):
     file.write_bytes(msgspec.yaml.encode(sc))
     assert load_scenario(file).model.gguf == str(path)
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
-    r = subprocess.run([sys.executable, "-m", "ppharness.cli_smoke", "--scenario", str(file), "--run-label", label,
-                        "--no-trace"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "ppharness.cli.smoke", "--scenario", str(file), "--run-label", label, "--no-trace"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "MATCH: the 3-stage chain's 32 tokens equal the unsplit model's, token for token" in out, out

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from backends.local import labelled_pids
-from ppharness.runs import RunLabelInUse, RunLock, known_runs, run_state
+from ppharness.run.locks import RunLabelInUse, RunLock, known_runs, run_state
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,8 +32,9 @@ def _fake_node(tmp_path: Path, label: str) -> subprocess.Popen:
     """A stand-in pp-node process carrying ``label`` (sleeps until killed)."""
     script = tmp_path / "pp-node"
     script.write_text("import time\ntime.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PP_RUN_LABEL": label},
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], env={**os.environ, "PP_RUN_LABEL": label}, start_new_session=True
+    )
     deadline = time.monotonic() + 10
     while not labelled_pids(label) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -42,13 +43,18 @@ def _fake_node(tmp_path: Path, label: str) -> subprocess.Popen:
 
 def _dead_run(label: str) -> None:
     """A run whose orchestrator is gone: it took the lock, then died without letting go of it properly."""
-    code = f"import os; from ppharness.runs import RunLock; RunLock({label!r}).acquire(); os._exit(9)"
+    code = f"import os; from ppharness.run.locks import RunLock; RunLock({label!r}).acquire(); os._exit(9)"
     subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, timeout=60)
 
 
 def _reap(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ppharness.cli", "reap", "--provider", "local", *args],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "ppharness.cli", "reap", "--provider", "local", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
 
 
 def test_a_label_is_held_by_one_live_run(state):
@@ -101,8 +107,9 @@ def test_reap_takes_dead_runs_and_keeps_live_and_unknown_ones(state, tmp_path):
 
 def test_a_shell_with_the_label_in_its_environment_is_not_killed(state):
     label = _label("shell")
-    shell = subprocess.Popen(["sh", "-c", "sleep 60"], env={**os.environ, "PP_RUN_LABEL": label},
-                             start_new_session=True)
+    shell = subprocess.Popen(
+        ["sh", "-c", "sleep 60"], env={**os.environ, "PP_RUN_LABEL": label}, start_new_session=True
+    )
     try:
         r = _reap("--label", label)
         assert r.returncode == 0 and "nothing to reap" in r.stdout, r.stdout
@@ -117,8 +124,24 @@ def test_a_second_run_with_a_live_runs_label_is_refused_and_touches_nothing(stat
     with RunLock(label):
         node = _fake_node(tmp_path, label)
         try:
-            r = subprocess.run([sys.executable, "-m", "ppharness.cli_smoke", "-n", "2", "--max-tokens", "4", "-q",
-                                "--run-label", label], capture_output=True, text=True, timeout=300, cwd=ROOT)
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "ppharness.cli.smoke",
+                    "-n",
+                    "2",
+                    "--max-tokens",
+                    "4",
+                    "-q",
+                    "--run-label",
+                    label,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                cwd=ROOT,
+            )
             assert r.returncode == 1
             assert f"run label '{label}' is in use by a live run (pid {os.getpid()}" in r.stdout + r.stderr
             assert node.poll() is None and labelled_pids(label), "the refused run destroyed the live run's node"

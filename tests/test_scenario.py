@@ -13,7 +13,7 @@ import pytest
 
 from ppharness import registry
 from ppharness.errors import ScenarioError
-from ppharness.scenario import (
+from ppharness.scenario.schema import (
     Scenario,
     Stages,
     check_against_model,
@@ -201,8 +201,11 @@ def test_scenario_from_args_and_with_stages() -> None:
     assert four.stages == Stages(count=4) and four.stages.splits is None and four.name == s.name
     with pytest.raises(ScenarioError, match=r"\$\.transport\.kind"):
         scenario_from_args(transport="nope")
-    with pytest.raises(ScenarioError, match=r"^<arguments>: \$\.transport\.kind: the memory transport works within "
-                                            r"one process only, and provider 'docker'.* use kind: zmq"):
+    with pytest.raises(
+        ScenarioError,
+        match=r"^<arguments>: \$\.transport\.kind: the memory transport works within "
+        r"one process only, and provider 'docker'.* use kind: zmq",
+    ):
         scenario_from_args(transport="memory", provider="docker")
     with pytest.raises(ScenarioError, match=r"\$\.stages\.count"):
         scenario_from_args(num_stages=0)
@@ -243,10 +246,11 @@ def test_transport_override_keeps_relay_for_iroh_and_drops_it_otherwise() -> Non
 
 
 def test_relay_reaches_every_planned_endpoint() -> None:
-    from ppharness.orchestrator import transport_settings
+    from ppharness.run.orchestrator import transport_settings
 
-    section = msgspec.structs.replace(load_scenario(SCENARIOS / "smoke-5stage-local-iroh.yaml").transport,
-                                      relay="default")
+    section = msgspec.structs.replace(
+        load_scenario(SCENARIOS / "smoke-5stage-local-iroh.yaml").transport, relay="default"
+    )
     opts = registry.transport_class("iroh").plan_endpoints(3, transport_settings(section))
     assert [o["relay"] for o in opts] == ["default"] * 3
 
@@ -279,8 +283,11 @@ def test_provider_settings_of_another_kind_are_rejected(tmp_path, kind):
     other = "local" if kind == "docker" else "docker"
     path = tmp_path / "s.yaml"
     path.write_text(f"version: 1\nprovider:\n  kind: {other}\n  {kind}: {{}}\n")
-    with pytest.raises(ScenarioError, match=rf"\$\.provider\.{kind}: {kind} settings apply only to kind {kind}, "
-                                            rf"not '{other}'"):
+    with pytest.raises(
+        ScenarioError,
+        match=rf"\$\.provider\.{kind}: {kind} settings apply only to kind {kind}, "
+        rf"not '{other}'",
+    ):
         load_scenario(path)
 
 
@@ -298,14 +305,15 @@ def test_synthetic_weight_type(tmp_path: Path) -> None:
     message = _error(_write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, type: q5_k}}\n", "bad.yaml"))
     assert "$.model.synthetic.type" in message and "unknown weight type 'q5_k'" in message
     assert "f16, q8_0, q4_0" in message
-    message = _error(_write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, dim: 48, type: q4_0}}\n",
-                            "dim.yaml"))
+    message = _error(
+        _write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, dim: 48, type: q4_0}}\n", "dim.yaml")
+    )
     assert "$.model.synthetic" in message and "blocks of 32" in message
 
 
 def test_scenario_weight_type_reaches_the_model(tmp_path: Path) -> None:
-    from ppharness.modelfile import parse_synthetic
-    from ppharness.orchestrator import model_source
+    from ppharness.model.files import parse_synthetic
+    from ppharness.run.orchestrator import model_source
 
     s = load_scenario(_write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, type: q8_0}}\n"))
     source, sha = model_source(s)
@@ -338,7 +346,8 @@ def test_vastai_ci_variant_differs_from_the_spec_template_only_in_model_and_requ
 
 MINIMAL = "version: 1\n"
 LAUGHS = "version: 1\nname: lol\nlol0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
-    f"lol{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 10))  # 10**10 values expanded
+    f"lol{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 10)
+)  # 10**10 values expanded
 
 
 def _docker(subnet: str) -> str:
@@ -346,83 +355,178 @@ def _docker(subnet: str) -> str:
 
 
 HOSTILE = [
-    pytest.param(LAUGHS, "$.lol3[7]: the document grows past 10,000 values at line 6 (aliases expanded)",
-                 id="alias-bomb"),
-    pytest.param(MINIMAL + "name: " + "[" * 100 + "]" * 100 + "\n", "$.name" + "[0]" * 31 + ": nested more than "
-                 "32 levels deep at line 2", id="deep-flow-nesting"),
+    pytest.param(
+        LAUGHS, "$.lol3[7]: the document grows past 10,000 values at line 6 (aliases expanded)", id="alias-bomb"
+    ),
+    pytest.param(
+        MINIMAL + "name: " + "[" * 100 + "]" * 100 + "\n",
+        "$.name" + "[0]" * 31 + ": nested more than 32 levels deep at line 2",
+        id="deep-flow-nesting",
+    ),
     pytest.param(MINIMAL + "name: " + "[" * 300_000 + "\n", "$.name[0]: not valid YAML at line 2", id="deeper-flow"),
-    pytest.param(MINIMAL + "".join(f"{'  ' * i}k{i}:\n" for i in range(40)), ": nested more than 32 levels deep at "
-                 "line 34", id="deep-block-nesting"),
-    pytest.param(MINIMAL + "s0: &s0 [x]\n" + "".join(f"s{i}: &s{i} [*s{i - 1}]\n" for i in range(1, 40)),
-                 "$.s31[0]: alias *s30 at line 33 nests the document more than 32 levels deep",
-                 id="deep-through-aliases"),
-    pytest.param(MINIMAL + "request: {prompt: '" + "a" * (1 << 20) + "'}\n", "$: the file is over the limit of "
-                 "1,048,576 bytes (1 MiB)", id="file-over-1MiB"),
-    pytest.param(MINIMAL + "request: {prompt: '" + "é" * 200_000 + "'}\n", "$.request.prompt: a value of 400,000 "
-                 "bytes at line 2 is over the limit of 262,144 bytes (256 KiB) per value", id="huge-scalar"),
-    pytest.param(MINIMAL + "request:\n  prompt: '" + "x" * 1_000_000 + "'\n", "$.request.prompt: a value of "
-                 "1,000,000 bytes", id="1MB-prompt"),
-    pytest.param(MINIMAL + "request:\n  prompt: '" + "The quick brown fox. " * 4000 + "'\n  max_tokens: 16\n",
-                 "$.request.prompt: the prompt is 84,000 bytes, so at least 4,423 tokens of synthetic preset 'tiny', "
-                 "counting the BOS token (its longest token is 19 bytes); with max_tokens 16 that is more than "
-                 "max_context 256", id="84KB-prompt"),
+    pytest.param(
+        MINIMAL + "".join(f"{'  ' * i}k{i}:\n" for i in range(40)),
+        ": nested more than 32 levels deep at line 34",
+        id="deep-block-nesting",
+    ),
+    pytest.param(
+        MINIMAL + "s0: &s0 [x]\n" + "".join(f"s{i}: &s{i} [*s{i - 1}]\n" for i in range(1, 40)),
+        "$.s31[0]: alias *s30 at line 33 nests the document more than 32 levels deep",
+        id="deep-through-aliases",
+    ),
+    pytest.param(
+        MINIMAL + "request: {prompt: '" + "a" * (1 << 20) + "'}\n",
+        "$: the file is over the limit of 1,048,576 bytes (1 MiB)",
+        id="file-over-1MiB",
+    ),
+    pytest.param(
+        MINIMAL + "request: {prompt: '" + "é" * 200_000 + "'}\n",
+        "$.request.prompt: a value of 400,000 bytes at line 2 is over the limit of 262,144 bytes (256 KiB) per value",
+        id="huge-scalar",
+    ),
+    pytest.param(
+        MINIMAL + "request:\n  prompt: '" + "x" * 1_000_000 + "'\n",
+        "$.request.prompt: a value of 1,000,000 bytes",
+        id="1MB-prompt",
+    ),
+    pytest.param(
+        MINIMAL + "request:\n  prompt: '" + "The quick brown fox. " * 4000 + "'\n  max_tokens: 16\n",
+        "$.request.prompt: the prompt is 84,000 bytes, so at least 4,423 tokens of synthetic preset 'tiny', "
+        "counting the BOS token (its longest token is 19 bytes); with max_tokens 16 that is more than "
+        "max_context 256",
+        id="84KB-prompt",
+    ),
     pytest.param(MINIMAL + "name: '" + "9" * 300_000 + "'\n", "$.name: a value of 300,000 bytes", id="huge-name"),
-    pytest.param(MINIMAL + "stages: {count: " + "9" * 5000 + "}\n", "$.stages.count: a number of 5,000 characters",
-                 id="huge-number"),
-    pytest.param("version: 1\nrequest:\n  max_tokens: 8\n  prompt: hi\n  max_tokens: 200\n",
-                 "$.request: key 'max_tokens' appears twice, at lines 3 and 5 — keep one", id="duplicate-keys"),
-    pytest.param("version: 1\nstages: {count: 2}\nstages: {count: 3}\n", "$: key 'stages' appears twice, at lines 2 "
-                 "and 3", id="duplicate-sections"),
-    pytest.param(MINIMAL + "budget: {total_s: .inf}\n", "$.budget.total_s: expected float <= 86400.0, got inf — "
-                 "seconds, more than 0 and at most 86400 (a day)", id="budget-inf"),
-    pytest.param(MINIMAL + "budget: {join_s: .nan}\n", "$.budget.join_s: expected float > 0.0, got nan",
-                 id="budget-nan"),
-    pytest.param(MINIMAL + "budget: {ready_s: -5}\n", "$.budget.ready_s: expected float > 0.0, got -5",
-                 id="budget-negative"),
-    pytest.param(MINIMAL + "cluster: {heartbeat_s: 1.0e+308}\n", "$.cluster.heartbeat_s: expected float <= 86400.0",
-                 id="heartbeat-huge"),
-    pytest.param(_docker("999.999.999.999/99"), "$.provider.docker.subnet: '999.999.999.999/99' is not an IP "
-                 "network — write an IPv4 network as address/prefix, e.g. 10.213.5.0/24", id="subnet-999"),
-    pytest.param(_docker("10.213.5.0/30"), "$.provider.docker.subnet: '10.213.5.0/30' is a /30, too small for a run "
-                 "— use /28 or larger", id="subnet-too-small"),
-    pytest.param(_docker("10.213.5.7/24"), "$.provider.docker.subnet: '10.213.5.7/24' has host bits set — use the "
-                 "network's address: 10.213.5.0/24", id="subnet-host-bits"),
-    pytest.param(_docker("fd00::/64"), "$.provider.docker.subnet: 'fd00::/64' is an IPv6 network — the run network "
-                 "is IPv4", id="subnet-ipv6"),
-    pytest.param(MINIMAL + "provider:\n  kind: vastai\n  vastai: {ports: ['7000', '99999/udp']}\n",
-                 "$.provider.vastai.ports[1]: port 99999 is outside 1..65535", id="port-99999"),
-    pytest.param(MINIMAL + "provider:\n  kind: vastai\n  vastai: {ports: ['0']}\n",
-                 "$.provider.vastai.ports[0]: port 0 is outside 1..65535", id="port-0"),
-    pytest.param(MINIMAL + "model: {synthetic: {preset: tiny}, max_context: 8192}\nrequest: {max_tokens: 4096}\n",
-                 "$.model.max_context: 8192 is above the 2048-token context of synthetic preset 'tiny' — set "
-                 "max_context to at most 2048", id="max_context-above-model"),
-    pytest.param(MINIMAL + "transport: {kind: memory}\nprovider: {kind: local}\n", "$.transport.kind: the memory "
-                 "transport works within one process only, and provider 'local' runs every stage in a process of its "
-                 "own — use kind: zmq (or iroh)", id="memory-transport-local"),
-    pytest.param(MINIMAL + "transport: {kind: memory}\nprovider: {kind: docker}\n", "$.transport.kind: the memory "
-                 "transport works within one process only, and provider 'docker'", id="memory-transport-docker"),
-    pytest.param(MINIMAL + "request: {max_tokens: 256}\n", "$.request.max_tokens: 256 tokens do not fit max_context "
-                 "256", id="max_tokens-over-context"),
-    pytest.param(MINIMAL + "model: {synthetic: {preset: tiny}, max_context: 2048}\nrequest: {prompt: '"
-                 + "<|start_header_id|>" * 100 + "', max_tokens: 1948}\n", "$.request.prompt: the prompt is 1,900 "
-                 "bytes, so at least 101 tokens", id="special-tokens-prompt"),
-    pytest.param("version: 1\nname: &n [*n]\n", "$.name[0]: alias *n at line 2 refers to a node that contains it",
-                 id="recursive-alias"),
-    pytest.param("version: 1\nname: *nowhere\n", "$.name: alias *nowhere at line 2 names no anchor defined before "
-                 "it", id="undefined-alias"),
+    pytest.param(
+        MINIMAL + "stages: {count: " + "9" * 5000 + "}\n",
+        "$.stages.count: a number of 5,000 characters",
+        id="huge-number",
+    ),
+    pytest.param(
+        "version: 1\nrequest:\n  max_tokens: 8\n  prompt: hi\n  max_tokens: 200\n",
+        "$.request: key 'max_tokens' appears twice, at lines 3 and 5 — keep one",
+        id="duplicate-keys",
+    ),
+    pytest.param(
+        "version: 1\nstages: {count: 2}\nstages: {count: 3}\n",
+        "$: key 'stages' appears twice, at lines 2 and 3",
+        id="duplicate-sections",
+    ),
+    pytest.param(
+        MINIMAL + "budget: {total_s: .inf}\n",
+        "$.budget.total_s: expected float <= 86400.0, got inf — seconds, more than 0 and at most 86400 (a day)",
+        id="budget-inf",
+    ),
+    pytest.param(
+        MINIMAL + "budget: {join_s: .nan}\n", "$.budget.join_s: expected float > 0.0, got nan", id="budget-nan"
+    ),
+    pytest.param(
+        MINIMAL + "budget: {ready_s: -5}\n", "$.budget.ready_s: expected float > 0.0, got -5", id="budget-negative"
+    ),
+    pytest.param(
+        MINIMAL + "cluster: {heartbeat_s: 1.0e+308}\n",
+        "$.cluster.heartbeat_s: expected float <= 86400.0",
+        id="heartbeat-huge",
+    ),
+    pytest.param(
+        _docker("999.999.999.999/99"),
+        "$.provider.docker.subnet: '999.999.999.999/99' is not an IP "
+        "network — write an IPv4 network as address/prefix, e.g. 10.213.5.0/24",
+        id="subnet-999",
+    ),
+    pytest.param(
+        _docker("10.213.5.0/30"),
+        "$.provider.docker.subnet: '10.213.5.0/30' is a /30, too small for a run — use /28 or larger",
+        id="subnet-too-small",
+    ),
+    pytest.param(
+        _docker("10.213.5.7/24"),
+        "$.provider.docker.subnet: '10.213.5.7/24' has host bits set — use the network's address: 10.213.5.0/24",
+        id="subnet-host-bits",
+    ),
+    pytest.param(
+        _docker("fd00::/64"),
+        "$.provider.docker.subnet: 'fd00::/64' is an IPv6 network — the run network is IPv4",
+        id="subnet-ipv6",
+    ),
+    pytest.param(
+        MINIMAL + "provider:\n  kind: vastai\n  vastai: {ports: ['7000', '99999/udp']}\n",
+        "$.provider.vastai.ports[1]: port 99999 is outside 1..65535",
+        id="port-99999",
+    ),
+    pytest.param(
+        MINIMAL + "provider:\n  kind: vastai\n  vastai: {ports: ['0']}\n",
+        "$.provider.vastai.ports[0]: port 0 is outside 1..65535",
+        id="port-0",
+    ),
+    pytest.param(
+        MINIMAL + "model: {synthetic: {preset: tiny}, max_context: 8192}\nrequest: {max_tokens: 4096}\n",
+        "$.model.max_context: 8192 is above the 2048-token context of synthetic preset 'tiny' — set "
+        "max_context to at most 2048",
+        id="max_context-above-model",
+    ),
+    pytest.param(
+        MINIMAL + "transport: {kind: memory}\nprovider: {kind: local}\n",
+        "$.transport.kind: the memory "
+        "transport works within one process only, and provider 'local' runs every stage in a process of its "
+        "own — use kind: zmq (or iroh)",
+        id="memory-transport-local",
+    ),
+    pytest.param(
+        MINIMAL + "transport: {kind: memory}\nprovider: {kind: docker}\n",
+        "$.transport.kind: the memory transport works within one process only, and provider 'docker'",
+        id="memory-transport-docker",
+    ),
+    pytest.param(
+        MINIMAL + "request: {max_tokens: 256}\n",
+        "$.request.max_tokens: 256 tokens do not fit max_context 256",
+        id="max_tokens-over-context",
+    ),
+    pytest.param(
+        MINIMAL
+        + "model: {synthetic: {preset: tiny}, max_context: 2048}\nrequest: {prompt: '"
+        + "<|start_header_id|>" * 100
+        + "', max_tokens: 1948}\n",
+        "$.request.prompt: the prompt is 1,900 bytes, so at least 101 tokens",
+        id="special-tokens-prompt",
+    ),
+    pytest.param(
+        "version: 1\nname: &n [*n]\n",
+        "$.name[0]: alias *n at line 2 refers to a node that contains it",
+        id="recursive-alias",
+    ),
+    pytest.param(
+        "version: 1\nname: *nowhere\n",
+        "$.name: alias *nowhere at line 2 names no anchor defined before it",
+        id="undefined-alias",
+    ),
     pytest.param("version: 1\n---\nversion: 1\n", "$: a second YAML document starts at line 2", id="two-documents"),
-    pytest.param("version: 1\nname: !!python/object:os.system x\n", "$.name: tag '!!python/object:os.system' at line 2 "
-                 "is not one the safe loader reads — remove it", id="python-tag"),
-    pytest.param("version: 1\nname: \"\\q\"\n", "$.name: not valid YAML at line 2, column 8", id="bad-escape"),
-    pytest.param("version: 1\nname: !!binary " + "QUFB" * 100 + "\n", "$.name: expected str, got binary data "
-                 "(!!binary)", id="binary-name"),
-    pytest.param(MINIMAL + "model: {synthetic: {preset: '" + "p" * 100_000 + "'}}\n", "$.model.synthetic.preset: "
-                 f"unknown preset {'p' * 60!r}… (100,000 characters)",
-                 id="long-unknown-preset"),
-    pytest.param(MINIMAL + "transport: {wire_dtype: '" + "f" * 100_000 + "'}\n", "$.transport.wire_dtype: 'ffff",
-                 id="long-enum-value"),
-    pytest.param(MINIMAL + "stages: {splits: [" + ", ".join(str(i) for i in range(1, 20_000)) + "]}\n",
-                 "$.stages.splits[9993]: the document grows past 10,000 values", id="long-list"),
+    pytest.param(
+        "version: 1\nname: !!python/object:os.system x\n",
+        "$.name: tag '!!python/object:os.system' at line 2 is not one the safe loader reads — remove it",
+        id="python-tag",
+    ),
+    pytest.param('version: 1\nname: "\\q"\n', "$.name: not valid YAML at line 2, column 8", id="bad-escape"),
+    pytest.param(
+        "version: 1\nname: !!binary " + "QUFB" * 100 + "\n",
+        "$.name: expected str, got binary data (!!binary)",
+        id="binary-name",
+    ),
+    pytest.param(
+        MINIMAL + "model: {synthetic: {preset: '" + "p" * 100_000 + "'}}\n",
+        f"$.model.synthetic.preset: unknown preset {'p' * 60!r}… (100,000 characters)",
+        id="long-unknown-preset",
+    ),
+    pytest.param(
+        MINIMAL + "transport: {wire_dtype: '" + "f" * 100_000 + "'}\n",
+        "$.transport.wire_dtype: 'ffff",
+        id="long-enum-value",
+    ),
+    pytest.param(
+        MINIMAL + "stages: {splits: [" + ", ".join(str(i) for i in range(1, 20_000)) + "]}\n",
+        "$.stages.splits[9993]: the document grows past 10,000 values",
+        id="long-list",
+    ),
 ]
 
 
@@ -458,7 +562,7 @@ def _nullable(path: str) -> bool:
     """Whether the scenario field at ``path`` accepts null (its type is optional)."""
     from msgspec import inspect as mi
 
-    from ppharness.scenario_errors import _type_at
+    from ppharness.scenario.explain import _type_at
 
     *parent, last = path.rsplit(".", 1)
     if "[" in last:
@@ -530,11 +634,18 @@ def test_limits_leave_ordinary_use_alone(tmp_path: Path) -> None:
     s = load_scenario(_write(tmp_path, text))
     assert s.name == s.request.prompt == "aliased"
     long_prompt = "y" * (256 << 10)  # exactly the limit: read; the model (a URL) is not known, so nothing more is said
-    s = load_scenario(_write(tmp_path, f"version: 1\nmodel: {{gguf: 'https://example.org/m.gguf'}}\n"
-                                       f"request: {{prompt: '{long_prompt}'}}\n", "long.yaml"))
+    s = load_scenario(
+        _write(
+            tmp_path,
+            f"version: 1\nmodel: {{gguf: 'https://example.org/m.gguf'}}\nrequest: {{prompt: '{long_prompt}'}}\n",
+            "long.yaml",
+        )
+    )
     assert len(s.request.prompt) == 256 << 10
-    nested = ("version: 1\nfaults: [{stage: 0, mode: eos-first}]\n"
-              "provider: {kind: vastai, vastai: {ports: ['65535/udp', '1']}}\n")
+    nested = (
+        "version: 1\nfaults: [{stage: 0, mode: eos-first}]\n"
+        "provider: {kind: vastai, vastai: {ports: ['65535/udp', '1']}}\n"
+    )
     assert load_scenario(_write(tmp_path, nested, "n.yaml")).provider.vastai.ports == ("65535/udp", "1")
     s = load_scenario(_write(tmp_path, _docker("10.213.5.0/28"), "d.yaml"))
     assert s.provider.docker.subnet == "10.213.5.0/28"
@@ -543,33 +654,40 @@ def test_limits_leave_ordinary_use_alone(tmp_path: Path) -> None:
 def test_prompt_bound_refuses_only_what_cannot_fit() -> None:
     """A prompt of b bytes is at least ceil(b / longest token) tokens; it is refused only when even that many leave no
     room for max_tokens."""
-    from ppharness.scenario import ModelFacts
+    from ppharness.scenario.schema import ModelFacts
 
     facts = ModelFacts(blocks=8, context=2048, bos=True, longest_token=4, name="m")
     s = scenario_from_args(max_tokens=16)  # max_context 256: the prompt may be 256 - 16 - 1 = 239 tokens at the fewest
     fits = scenario_from_args(base=s, prompt="z" * (239 * 4))
     check_against_model(fits, facts)
-    with pytest.raises(ScenarioError, match=r"^<file>: \$\.request\.prompt: the prompt is 957 bytes, so at least 241 "
-                                            r"tokens of m, counting the BOS token \(its longest token is 4 bytes\)"):
+    with pytest.raises(
+        ScenarioError,
+        match=r"^<file>: \$\.request\.prompt: the prompt is 957 bytes, so at least 241 "
+        r"tokens of m, counting the BOS token \(its longest token is 4 bytes\)",
+    ):
         check_against_model(scenario_from_args(base=s, prompt="z" * (239 * 4 + 1)), facts)
     long = msgspec.structs.replace(s, request=msgspec.structs.replace(s.request, prompt="z" * 10_000))
     check_against_model(long, ModelFacts(blocks=8))  # nothing known of the vocabulary: nothing said
 
 
-def _fake_gguf(path: Path, *, context: int = 1024, blocks: int = 4, tokens: tuple[str, ...] = ("a", "bcd"),
-               truncate: int = 0) -> Path:
+def _fake_gguf(
+    path: Path, *, context: int = 1024, blocks: int = 4, tokens: tuple[str, ...] = ("a", "bcd"), truncate: int = 0
+) -> Path:
     """A GGUF v3 header with no tensors: the architecture, block count, context length and a token list."""
+
     def string(s: str) -> bytes:
         b = s.encode()
         return struct.pack("<Q", len(b)) + b
 
-    kvs = [string("general.architecture") + struct.pack("<I", 8) + string("llama"),
-           string("llama.block_count") + struct.pack("<I", 4) + struct.pack("<I", blocks),
-           string("llama.context_length") + struct.pack("<I", 4) + struct.pack("<I", context),
-           string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, len(tokens)) + b"".join(map(string, tokens)),
-           string("tokenizer.ggml.bos_token_id") + struct.pack("<I", 4) + struct.pack("<I", 0)]
+    kvs = [
+        string("general.architecture") + struct.pack("<I", 8) + string("llama"),
+        string("llama.block_count") + struct.pack("<I", 4) + struct.pack("<I", blocks),
+        string("llama.context_length") + struct.pack("<I", 4) + struct.pack("<I", context),
+        string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, len(tokens)) + b"".join(map(string, tokens)),
+        string("tokenizer.ggml.bos_token_id") + struct.pack("<I", 4) + struct.pack("<I", 0),
+    ]
     data = b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs)
-    path.write_bytes(data[:len(data) - truncate])
+    path.write_bytes(data[: len(data) - truncate])
     return path
 
 
@@ -580,8 +698,10 @@ def test_local_gguf_header_bounds_the_scenario(tmp_path: Path) -> None:
         return _write(tmp_path, f"version: 1\nmodel:\n  gguf: {model}\n{body}", name)
 
     assert load_scenario(scenario("  max_context: 1024\nstages: {count: 4}\n", "ok.yaml")).stages.count == 4
-    assert "$.model.max_context: 2048 is above the 1024-token context of model file m.gguf — set max_context to at " \
-           "most 1024" in _error(scenario("  max_context: 2048\n", "ctx.yaml"))
+    assert (
+        "$.model.max_context: 2048 is above the 1024-token context of model file m.gguf — set max_context to at "
+        "most 1024" in _error(scenario("  max_context: 2048\n", "ctx.yaml"))
+    )
     assert "$.stages.count: 5 stages but the model has 4 blocks" in _error(scenario("stages: {count: 5}\n", "n.yaml"))
     message = _error(scenario(f"request: {{prompt: '{'q' * 3000}', max_tokens: 16}}\n", "p.yaml"))
     assert "$.request.prompt: the prompt is 3,000 bytes, so at least 1,001 tokens of model file m.gguf" in message

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from ppharness.errors import ModelError
-from ppharness.inprocess import load_slices, run_inprocess
-from ppharness.modelfile import ModelSpec, make_synthetic
-from ppharness.oracle import oracle_decode
-from ppharness.slicing import GGUFFile, ModelSlice, _local_name, owned_tensors, tokenizer_from
+from ppharness.model.files import ModelSpec, make_synthetic
+from ppharness.model.oracle import oracle_decode
+from ppharness.model.slicing import GGUFFile, ModelSlice, _local_name, owned_tensors, tokenizer_from
+from ppharness.testing.inprocess import load_slices, run_inprocess
 
 SMALL = ModelSpec(blocks=4, dim=8, ffn=16, heads=2, kv_heads=1, vocab=300, context=64)
 
@@ -92,7 +92,7 @@ def test_oracle_equals_tinygrads_own_generate(tiny_model_path):
     from tinygrad import Tensor
     from tinygrad.apps.llm import Transformer
 
-    from ppharness.slicing import _block_class
+    from ppharness.model.slicing import _block_class
 
     model, kv = Transformer.from_gguf(Tensor(Path(tiny_model_path)), 256)
     for block in model.blk:
@@ -107,8 +107,11 @@ def test_oracle_equals_tinygrads_own_generate(tiny_model_path):
     assert ours.token_ids == (reference[: reference.index(eos)] if eos in reference else reference)
 
 
-@pytest.mark.parametrize("ranges", [[(0, 4), (4, 8)], [(0, 3), (3, 5), (5, 8)], [(i, i + 1) for i in range(8)]],
-                         ids=["2-stage", "3-stage", "8-stage"])
+@pytest.mark.parametrize(
+    "ranges",
+    [[(0, 4), (4, 8)], [(0, 3), (3, 5), (5, 8)], [(i, i + 1) for i in range(8)]],
+    ids=["2-stage", "3-stage", "8-stage"],
+)
 def test_a_split_compiles_the_same_kernels_as_the_whole_model(tiny_gguf, ranges):
     """Bit-exactness by construction: the stages' compiled decode steps, one after another, run exactly the kernels of
     the unsplit model's step, so no split can compute a boundary differently."""

@@ -1,8 +1,8 @@
 """Property: for any N, any split points and any prompt, the chain equals the unsplit model bit for bit.
 
-Runs the real Stage objects and wire format in one process over the memory transport (ppharness.inprocess), so many
-splits fit in CI. Outputs are long as well as short (up to the whole context), because a split that rounds a hidden
-state differently shows only after tens of tokens, when a near-tie in the logits turns a last-bit difference into
+Runs the real Stage objects and wire format in one process over the memory transport (ppharness.testing.inprocess), so
+many splits fit in CI. Outputs are long as well as short (up to the whole context), because a split that rounds a
+hidden state differently shows only after tens of tokens, when a near-tie in the logits turns a last-bit difference into
 another token. Tokens are compared, and so is every hidden state a stage sends: byte for byte against the unsplit
 model's output of the same block at the same step, taken from the wire as the next stage received it.
 
@@ -17,11 +17,11 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from ppharness import codec
-from ppharness.exactness import compare, digest
-from ppharness.inprocess import load_slices, run_inprocess
-from ppharness.messages import StageActivation
-from ppharness.oracle import oracle_decode
+from ppharness.model.exactness import compare, digest
+from ppharness.model.oracle import oracle_decode
+from ppharness.testing.inprocess import load_slices, run_inprocess
+from ppharness.wire import codec
+from ppharness.wire.messages import StageActivation
 
 BLOCKS = 8  # the tiny preset
 MAX_CONTEXT = 256
@@ -39,10 +39,12 @@ def _report_what_the_property_saw(request):
         with capture.global_and_fixture_disabled():
             stages = [n for n, _, _ in _seen]
             tokens = [t for _, t, _ in _seen]
-            print(f"\nsplit property: {len(_seen)} examples, N = {min(stages)}..{max(stages)}, longest output "
-                  f"{max(tokens)} tokens, {sum(t >= 200 for t in tokens)} "
-                  f"examples of 200+ tokens, {sum(b for _, _, b in _seen)} stage-boundary hidden states compared "
-                  "byte for byte")
+            print(
+                f"\nsplit property: {len(_seen)} examples, N = {min(stages)}..{max(stages)}, longest output "
+                f"{max(tokens)} tokens, {sum(t >= 200 for t in tokens)} "
+                f"examples of 200+ tokens, {sum(b for _, _, b in _seen)} stage-boundary hidden states compared "
+                "byte for byte"
+            )
 
 
 def _oracle(path: str, gguf, prompt: str, max_tokens: int):
@@ -85,11 +87,19 @@ def test_any_split_equals_unsplit_model(tiny_model_path, tiny_gguf, cuts, prompt
             received.append((stage, msg))
 
     digests: dict[int, list[bytes]] = {}
-    chain = run_inprocess(tiny_gguf, load_slices(tiny_gguf, ranges, MAX_CONTEXT, cache=_slices), prompt, max_tokens,
-                          wire, digests=digests, on_message=on_message)
+    chain = run_inprocess(
+        tiny_gguf,
+        load_slices(tiny_gguf, ranges, MAX_CONTEXT, cache=_slices),
+        prompt,
+        max_tokens,
+        wire,
+        digests=digests,
+        on_message=on_message,
+    )
     expected = _oracle(tiny_model_path, tiny_gguf, prompt, max_tokens)
-    verdict = compare(chain.token_ids, expected.token_ids, ranges, digests, expected.boundary_digests,
-                      expected.prompt_tokens)
+    verdict = compare(
+        chain.token_ids, expected.token_ids, ranges, digests, expected.boundary_digests, expected.prompt_tokens
+    )
     assert verdict.exact, f"split {ranges} changed the answer: {verdict.describe(chain.token_ids, expected.token_ids)}"
     assert chain.text == expected.text
     assert chain.finish_reason == expected.finish_reason
@@ -102,7 +112,8 @@ def test_any_split_equals_unsplit_model(tiny_model_path, tiny_gguf, cuts, prompt
         block = ranges[stage][0] - 1
         assert digest(hidden) == expected.boundary_digests[block][step], (
             f"the hidden state entering stage {stage} (after block {block}) at step {step} differs from the unsplit "
-            f"model's")
+            f"model's"
+        )
     assert verdict.boundaries_compared == len(received)
     _seen.append((len(ranges), len(chain.token_ids), len(received)))
 
@@ -111,12 +122,14 @@ def test_the_boundary_check_finds_a_changed_hidden_state(tiny_model_path, tiny_g
     """A boundary digest that differs is reported with its stage, block and step, even when the tokens agree."""
     ranges = [(0, 3), (3, 8)]
     digests: dict[int, list[bytes]] = {}
-    chain = run_inprocess(tiny_gguf, load_slices(tiny_gguf, ranges, MAX_CONTEXT, cache=_slices), "fox", 5,
-                          digests=digests)
+    chain = run_inprocess(
+        tiny_gguf, load_slices(tiny_gguf, ranges, MAX_CONTEXT, cache=_slices), "fox", 5, digests=digests
+    )
     expected = _oracle(tiny_model_path, tiny_gguf, "fox", 5)
     digests[0][2] = digest(np.ones((1, 1, tiny_gguf.config.dim), dtype=np.float16))
-    verdict = compare(chain.token_ids, expected.token_ids, ranges, digests, expected.boundary_digests,
-                      expected.prompt_tokens)
+    verdict = compare(
+        chain.token_ids, expected.token_ids, ranges, digests, expected.boundary_digests, expected.prompt_tokens
+    )
     assert verdict.tokens_equal and not verdict.exact
     assert (verdict.boundary_diff.stage, verdict.boundary_diff.block, verdict.boundary_diff.step) == (0, 2, 2)
     assert "after block 2" in verdict.describe(chain.token_ids, expected.token_ids)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from ppharness import codec
 from ppharness.errors import TransportTimeout
-from ppharness.inprocess import load_slices
-from ppharness.messages import Error, InferenceRequest, NextToken, RequestOpen, StageActivation
-from ppharness.plan import names_of
+from ppharness.plan.stages import names_of
 from ppharness.registry import transport_class
-from ppharness.stage import Stage
+from ppharness.run.stage import Stage
+from ppharness.testing.inprocess import load_slices
+from ppharness.wire import codec
+from ppharness.wire.messages import Error, InferenceRequest, NextToken, RequestOpen, StageActivation
 
 
 @pytest.fixture
@@ -23,8 +23,9 @@ def two_stage(tiny_gguf):
     names = {name: addrs[i] for i in range(2) for name in names_of(i, 2)}
     logs: list[str] = []
     slices = load_slices(tiny_gguf, [(0, 4), (4, 8)], cache=_cache)
-    stage = Stage(1, 2, slices[1], t1, names, "plan-a", tokenizer=tiny_gguf.tokenizer, log=logs.append,
-                  seed=client.address)
+    stage = Stage(
+        1, 2, slices[1], t1, names, "plan-a", tokenizer=tiny_gguf.tokenizer, log=logs.append, seed=client.address
+    )
     yield stage, t0, client, logs, slices
     for t in (t0, t1, client):
         t.close()
@@ -36,15 +37,24 @@ _cache: dict = {}
 def _activation(slices, request_id="r1", position=0, plan_id="plan-a", ids=(1, 2, 3), **override):
     hidden = slices[0].prefill(list(ids))
     data, shape = codec.pack_hidden(hidden, "f16")
-    fields = dict(request_id=request_id, position=position, hidden=data, seq_len=shape[1], is_prefill=position == 0,
-                  shape=shape, dtype="f16", plan_id=plan_id)
+    fields = dict(
+        request_id=request_id,
+        position=position,
+        hidden=data,
+        seq_len=shape[1],
+        is_prefill=position == 0,
+        shape=shape,
+        dtype="f16",
+        plan_id=plan_id,
+    )
     fields.update(override)
     return StageActivation(**fields)
 
 
 def _open(client, request_id="r1", plan_id="plan-a", max_tokens=3):
-    return RequestOpen(request_id=request_id, reply_to=client.address, max_tokens=max_tokens, prompt_tokens=3,
-                       plan_id=plan_id)
+    return RequestOpen(
+        request_id=request_id, reply_to=client.address, max_tokens=max_tokens, prompt_tokens=3, plan_id=plan_id
+    )
 
 
 def test_activation_for_unknown_request_is_dropped(two_stage):
@@ -65,11 +75,21 @@ def test_tensor_of_wrong_size_is_dropped_then_the_request_goes_on(two_stage):
     stage, t0, client, logs, slices = two_stage
     stage.handle(t0.address, _open(client))
     good = _activation(slices)
-    stage.handle(t0.address, StageActivation(**{**{f: getattr(good, f) for f in good.__struct_fields__},
-                                         "hidden": good.hidden[:-2]}))
+    stage.handle(
+        t0.address,
+        StageActivation(**{**{f: getattr(good, f) for f in good.__struct_fields__}, "hidden": good.hidden[:-2]}),
+    )
     assert "needs" in logs[-1]
-    stage.handle(t0.address, StageActivation(**{**{f: getattr(good, f) for f in good.__struct_fields__},
-                                         "shape": (1, 3, 7), "hidden": good.hidden[: 3 * 7 * 2]}))
+    stage.handle(
+        t0.address,
+        StageActivation(
+            **{
+                **{f: getattr(good, f) for f in good.__struct_fields__},
+                "shape": (1, 3, 7),
+                "hidden": good.hidden[: 3 * 7 * 2],
+            }
+        ),
+    )
     assert "shape" in logs[-1]
     stage.handle(t0.address, good)  # the real prefill still works
     _, msg = t0.recv(0)
@@ -116,13 +136,17 @@ def test_an_activation_from_another_member_is_dropped_before_compute(two_stage):
 
 def test_answers_go_only_to_the_orchestrator(two_stage):
     stage, t0, client, logs, slices = two_stage
-    stage.handle(t0.address, RequestOpen(request_id="r1", reply_to=t0.address, max_tokens=3, prompt_tokens=3,
-                                         plan_id="plan-a"))
+    stage.handle(
+        t0.address, RequestOpen(request_id="r1", reply_to=t0.address, max_tokens=3, prompt_tokens=3, plan_id="plan-a")
+    )
     assert stage.req is None and "is not the orchestrator" in logs[-1]
 
 
-@pytest.mark.parametrize("seq_len, shape", [(2, (1, 2, 64)), (3, (1, 3, 32)), (3, (2, 3, 64)), (1, (1, 1, 64))],
-                         ids=["short", "narrow", "batch", "decode-sized-prefill"])
+@pytest.mark.parametrize(
+    "seq_len, shape",
+    [(2, (1, 2, 64)), (3, (1, 3, 32)), (3, (2, 3, 64)), (1, (1, 1, 64))],
+    ids=["short", "narrow", "batch", "decode-sized-prefill"],
+)
 def test_an_activation_of_the_wrong_shape_for_the_plan_is_refused_before_compute(two_stage, seq_len, shape):
     stage, t0, client, logs, slices = two_stage
     stage.handle(t0.address, _open(client))
@@ -141,8 +165,17 @@ def test_a_next_token_from_another_stage_is_dropped(tiny_gguf):
     addrs = [t.start() for t in ts]
     names = {name: addrs[i] for i in range(3) for name in names_of(i, 3)}
     logs: list[str] = []
-    stage = Stage(0, 3, load_slices(tiny_gguf, [(0, 3), (3, 5), (5, 8)], cache=_cache)[0], ts[0], names, "p",
-                  tokenizer=tiny_gguf.tokenizer, log=logs.append, seed=addrs[3])
+    stage = Stage(
+        0,
+        3,
+        load_slices(tiny_gguf, [(0, 3), (3, 5), (5, 8)], cache=_cache)[0],
+        ts[0],
+        names,
+        "p",
+        tokenizer=tiny_gguf.tokenizer,
+        log=logs.append,
+        seed=addrs[3],
+    )
     stage.handle(addrs[1], NextToken(request_id="r", token_id=1, position=5, done=True, plan_id="p"))
     assert "only stage 2 sends it" in logs[-1]
     stage.handle(addrs[1], InferenceRequest(reply_to=addrs[1], prompt="hi", max_tokens=2))
@@ -156,8 +189,17 @@ def test_first_stage_rejects_impossible_max_tokens(tiny_gguf):
     t0, client = memory(), memory()
     t0.start(), client.start()
     names = {n: t0.address for n in names_of(0, 1)}
-    stage = Stage(0, 1, load_slices(tiny_gguf, [(0, 8)], cache=_cache)[0], t0, names, "p",
-                  tokenizer=tiny_gguf.tokenizer, log=lambda _: None, seed=client.address)
+    stage = Stage(
+        0,
+        1,
+        load_slices(tiny_gguf, [(0, 8)], cache=_cache)[0],
+        t0,
+        names,
+        "p",
+        tokenizer=tiny_gguf.tokenizer,
+        log=lambda _: None,
+        seed=client.address,
+    )
     stage.handle(client.address, InferenceRequest(reply_to=client.address, prompt="hi", max_tokens=10_000))
     _, msg = client.recv(0)
     assert isinstance(msg, Error) and "max_tokens 10000" in msg.reason

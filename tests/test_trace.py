@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ppharness.messages import InferenceResponse, Span, TraceReport
-from ppharness.orchestrator import Progress, run_scenario
-from ppharness.scenario import scenario_from_args
-from ppharness.trace import build_trace
+from ppharness.run.orchestrator import Progress, run_scenario
+from ppharness.scenario.schema import scenario_from_args
+from ppharness.trace.report import build_trace
+from ppharness.wire.messages import InferenceResponse, Span, TraceReport
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,19 +35,32 @@ def _check_trace_event_format(doc: dict) -> None:
 def test_synthetic_spans_make_exact_records():
     """Two stages, hand-made spans: the hop and loop arithmetic is what the module docstring says."""
     ms = 1_000_000
-    stage0 = [Span(0, "recv", 0, 0, 50), Span(0, "tokenize", 0, 1 * ms), Span(0, "compute", 1 * ms, 5 * ms),
-              Span(0, "serialize", 5 * ms, 6 * ms), Span(0, "send", 6 * ms, 6 * ms, 100),
-              Span(1, "recv", 20 * ms, 20 * ms, 30), Span(1, "deserialize", 20 * ms, 21 * ms),
-              Span(1, "compute", 21 * ms, 23 * ms), Span(1, "serialize", 23 * ms, 24 * ms),
-              Span(1, "send", 24 * ms, 24 * ms, 100), Span(2, "recv", 40 * ms, 40 * ms, 30)]
+    stage0 = [
+        Span(0, "recv", 0, 0, 50),
+        Span(0, "tokenize", 0, 1 * ms),
+        Span(0, "compute", 1 * ms, 5 * ms),
+        Span(0, "serialize", 5 * ms, 6 * ms),
+        Span(0, "send", 6 * ms, 6 * ms, 100),
+        Span(1, "recv", 20 * ms, 20 * ms, 30),
+        Span(1, "deserialize", 20 * ms, 21 * ms),
+        Span(1, "compute", 21 * ms, 23 * ms),
+        Span(1, "serialize", 23 * ms, 24 * ms),
+        Span(1, "send", 24 * ms, 24 * ms, 100),
+        Span(2, "recv", 40 * ms, 40 * ms, 30),
+    ]
     # stage 1 runs on a clock 1000 s ahead; its offset says so
     off = 1000 * 10**9
-    stage1 = [Span(0, "recv", 8 * ms + off, 8 * ms + off, 100), Span(0, "compute", 8 * ms + off, 17 * ms + off),
-              Span(0, "send", 17 * ms + off, 17 * ms + off, 30),
-              Span(1, "recv", 27 * ms + off, 27 * ms + off, 100), Span(1, "compute", 27 * ms + off, 37 * ms + off),
-              Span(1, "send", 37 * ms + off, 37 * ms + off, 30)]
-    response = InferenceResponse(request_id="r", text="ab", token_ids=[5, 6], prompt_tokens=3, token_times=[0, 1],
-                                 finish_reason="length")
+    stage1 = [
+        Span(0, "recv", 8 * ms + off, 8 * ms + off, 100),
+        Span(0, "compute", 8 * ms + off, 17 * ms + off),
+        Span(0, "send", 17 * ms + off, 17 * ms + off, 30),
+        Span(1, "recv", 27 * ms + off, 27 * ms + off, 100),
+        Span(1, "compute", 27 * ms + off, 37 * ms + off),
+        Span(1, "send", 37 * ms + off, 37 * ms + off, 30),
+    ]
+    response = InferenceResponse(
+        request_id="r", text="ab", token_ids=[5, 6], prompt_tokens=3, token_times=[0, 1], finish_reason="length"
+    )
     trace = build_trace([TraceReport(0, "r", stage0), TraceReport(1, "r", stage1)], {1: off}, response, 2)
     first, second = trace.records
     assert first.total_ms == pytest.approx(20) and second.total_ms == pytest.approx(20)
@@ -88,8 +101,13 @@ def test_traced_chain_adds_up_and_writes_perfetto_json(tmp_path):
 @pytest.mark.local
 def test_smoke_run_trace_flag_writes_both_files(tmp_path):
     out = tmp_path / "run.json"
-    r = subprocess.run([sys.executable, "-m", "ppharness.cli_smoke", "-n", "2", "--max-tokens", "6", "-q",
-                        "--trace", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "ppharness.cli.smoke", "-n", "2", "--max-tokens", "6", "-q", "--trace", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "MATCH" in r.stdout and "component" in r.stdout and "hop 0->1" in r.stdout
     _check_trace_event_format(json.loads(out.read_text()))
@@ -99,9 +117,29 @@ def test_smoke_run_trace_flag_writes_both_files(tmp_path):
 @pytest.mark.local
 @pytest.mark.slow
 def test_bench_runs_and_its_numbers_are_consistent(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "ppharness.cli", "bench", "-n", "2", "--preset", "tiny", "--tokens", "8",
-                        "--repeats", "2", "--no-sweep", "--out", str(tmp_path)], capture_output=True, text=True,
-                       timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ppharness.cli",
+            "bench",
+            "-n",
+            "2",
+            "--preset",
+            "tiny",
+            "--tokens",
+            "8",
+            "--repeats",
+            "2",
+            "--no-sweep",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.png").stat().st_size > 10_000

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from zmq_peers import raw_push
 
-from ppharness import codec
 from ppharness.errors import CodecError, ConnectFailed, TransportClosed, TransportError, TransportTimeout
-from ppharness.messages import (
+from ppharness.registry import transport_class
+from ppharness.seams.transport import Transport
+from ppharness.wire import codec
+from ppharness.wire.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     ClockProbe,
@@ -39,8 +41,6 @@ from ppharness.messages import (
     TraceReport,
     TraceRequest,
 )
-from ppharness.registry import transport_class
-from transports.base import Transport
 
 KINDS = [
     pytest.param("memory", id="memory"),
@@ -134,8 +134,11 @@ def realistic_messages() -> list[Message]:
         Shutdown(reason="run finished"),
         Stopped(stage=1, served=3, peak_rss_bytes=812_646_400),
         TraceRequest(request_id="req-0001"),
-        TraceReport(stage=1, request_id="req-0001", spans=[Span(0, "compute", 10_000, 35_000, 0),
-                                                           Span(0, "send", 35_500, 36_000, 4_104)]),
+        TraceReport(
+            stage=1,
+            request_id="req-0001",
+            spans=[Span(0, "compute", 10_000, 35_000, 0), Span(0, "send", 35_500, 36_000, 4_104)],
+        ),
         DigestRequest(request_id="req-0001"),
         DigestReport(stage=1, request_id="req-0001", digests=[bytes(range(8)), b"\xff" * 8]),
         ClockProbe(t_seed_ns=123_456_789),
@@ -391,8 +394,10 @@ def test_zmq_raw_multipart_of_wrong_shape_is_rejected(
         ctx.term()
 
 
-@pytest.mark.parametrize("address", ["memory://stage-1", "tcp://no-port", "not an address", "tcp://127.0.0.1:5555",
-                                     "tcp://127.0.0.1:5555?curve=abc"])
+@pytest.mark.parametrize(
+    "address",
+    ["memory://stage-1", "tcp://no-port", "not an address", "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5555?curve=abc"],
+)
 def test_zmq_send_to_an_address_without_a_key_raises_connect_failed(
     zmq_pair: tuple[Transport, Transport], address: str
 ) -> None:
@@ -424,8 +429,9 @@ def test_zmq_wildcard_bind_needs_an_advertised_host() -> None:
         assert receiver.recv(timeout=WAIT)[1] == Shutdown("via wildcard bind")
 
 
-def test_zmq_transports_in_one_process_are_independent(zmq_pair: tuple[Transport, Transport],
-                                                       zmq_run: list[dict]) -> None:
+def test_zmq_transports_in_one_process_are_independent(
+    zmq_pair: tuple[Transport, Transport], zmq_run: list[dict]
+) -> None:
     receiver, sender = zmq_pair
     cls = transport_class("zmq")
     with cls(**zmq_run[2]) as other:

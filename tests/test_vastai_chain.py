@@ -21,9 +21,9 @@ import pytest
 
 from backends.local import labelled_pids
 from ppharness.errors import HarnessError, NotReady, ProvisionFailed
-from ppharness.orchestrator import Progress, run_scenario
-from ppharness.scenario import load_scenario, scenario_from_args
-from ppharness.watched import WatchedRun
+from ppharness.run.orchestrator import Progress, run_scenario
+from ppharness.scenario.schema import load_scenario, scenario_from_args
+from ppharness.testing.watched import WatchedRun
 
 pytestmark = pytest.mark.vastai
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,8 +35,9 @@ def _label() -> str:
     return f"pp-vt-{uuid.uuid4().hex[:8]}"
 
 
-def vastai_scenario(target, num_stages: int | None = None, transport: str | None = "zmq", relay: str | None = None,
-                    **vastai: object):
+def vastai_scenario(
+    target, num_stages: int | None = None, transport: str | None = "zmq", relay: str | None = None, **vastai: object
+):
     """The acceptance scenario; against the emulator over ``transport`` (no relay is reachable from CI) with a quick
     poll. Against vast.ai itself it is used as shipped (iroh through the relays)."""
     sc = load_scenario(ACCEPTANCE)
@@ -56,14 +57,15 @@ def write_scenario(sc, path: Path) -> str:
 
 def needs_emulator(target) -> None:
     if target.emulator is None:
-        pytest.skip("vastai: this failure mode is injected through the emulator's fault switches (not with "
-                    "--vastai-real)")
+        pytest.skip(
+            "vastai: this failure mode is injected through the emulator's fault switches (not with --vastai-real)"
+        )
 
 
 def live_instances(target, label: str) -> list[dict]:
     if target.emulator is not None:
         return target.emulator.live_instances()
-    from backends.vastai import client_from_env, is_gone
+    from backends.vastai.provider import client_from_env, is_gone
 
     with client_from_env() as client:
         return [r for r in client.list_instances({"label": {"eq": label}}) if not is_gone(r)]
@@ -80,9 +82,15 @@ def assert_nothing_left(target, label: str) -> None:
 
 def smoke(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """pp-smoke-run --vastai ... in a subprocess; stdout and stderr together."""
-    return subprocess.run([sys.executable, "-m", "ppharness.cli_smoke", "--vastai", *args], cwd=ROOT, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
-                          env=env if env is not None else dict(os.environ))
+    return subprocess.run(
+        [sys.executable, "-m", "ppharness.cli.smoke", "--vastai", *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=timeout,
+        env=env if env is not None else dict(os.environ),
+    )
 
 
 def _run_fails(sc, label: str, error: type[BaseException] = HarnessError) -> str:
@@ -134,8 +142,8 @@ def test_chain_in_node_image_containers(vastai_api, monkeypatch, tmp_path):
     arguments and environment exactly, as vast.ai starts them."""
     needs_emulator(vastai_api)
     import docker
-    from backends.docker_image import ensure_node_image
-    from backends.vastai_emulator import ApiTarget, Emulator
+    from backends.docker.image import ensure_node_image
+    from backends.vastai.emulator.server import ApiTarget, Emulator
 
     daemon = docker.from_env()
     try:
@@ -144,8 +152,7 @@ def test_chain_in_node_image_containers(vastai_api, monkeypatch, tmp_path):
             for name, value in ApiTarget.of(emu).env().items():
                 monkeypatch.setenv(name, value)
             label = _label()
-            result = run_scenario(vastai_scenario(ApiTarget.of(emu), 2), progress=Progress(quiet=True),
-                                  run_label=label)
+            result = run_scenario(vastai_scenario(ApiTarget.of(emu), 2), progress=Progress(quiet=True), run_label=label)
             assert result.matches_oracle, f"chain {result.response.token_ids} != oracle {result.oracle.token_ids}"
             assert emu.live_instances() == []
             assert "exec pp-node" in json.dumps([i.body for i in emu.history.values()])
@@ -162,9 +169,27 @@ def test_api_key_never_reaches_output_arguments_or_nodes(vastai_api, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "VAST_API_KEY"}
     path = write_scenario(vastai_scenario(vastai_api, 2), tmp_path / "leak.yaml")
     seen, lines = 0, []
-    with subprocess.Popen([sys.executable, "-m", "ppharness.cli_smoke", "--vastai", "--api-key", vastai_api.key,
-                           "--vastai-url", vastai_api.url, "--scenario", path, "--run-label", label], cwd=ROOT,
-                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) as proc:
+    with subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ppharness.cli.smoke",
+            "--vastai",
+            "--api-key",
+            vastai_api.key,
+            "--vastai-url",
+            vastai_api.url,
+            "--scenario",
+            path,
+            "--run-label",
+            label,
+        ],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    ) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
@@ -195,8 +220,12 @@ def test_too_few_offers_exits_1_before_renting(vastai_api, tmp_path):
         sc = vastai_scenario(vastai_api, 3)
     else:
         sc = vastai_scenario(vastai_api, 3)
-        sc = msgspec.structs.replace(sc, provider=msgspec.structs.replace(
-            sc.provider, vastai=msgspec.structs.replace(sc.provider.vastai, gpu_name="NO SUCH GPU")))
+        sc = msgspec.structs.replace(
+            sc,
+            provider=msgspec.structs.replace(
+                sc.provider, vastai=msgspec.structs.replace(sc.provider.vastai, gpu_name="NO SUCH GPU")
+            ),
+        )
     r = smoke("--scenario", write_scenario(sc, tmp_path / "few.yaml"), "--run-label", label)
     assert r.returncode == 1, r.stdout
     assert "offer(s) match" in r.stdout and "nothing was rented" in r.stdout, r.stdout
@@ -293,8 +322,13 @@ def test_destroy_failure_exits_1_and_reap_removes_the_leftover(vastai_api, tmp_p
     assert "ppharness reap --provider vastai --label" in r.stdout, r.stdout
     assert len(emu.live_instances()) == 1, "the instance whose destroy failed should still be there"
     emu.faults.destroy_fail = 0
-    reap = subprocess.run([sys.executable, "-m", "ppharness.cli", "reap", "--provider", "vastai", "--label", label],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    reap = subprocess.run(
+        [sys.executable, "-m", "ppharness.cli", "reap", "--provider", "vastai", "--label", label],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert reap.returncode == 0, reap.stdout + reap.stderr
     assert "vastai: instance" in reap.stdout, reap.stdout
     assert_nothing_left(vastai_api, label)
@@ -305,13 +339,19 @@ def test_leftovers_of_a_killed_run_are_reaped_by_label(vastai_api, tmp_path):
     needs_emulator(vastai_api)
     emu, label = vastai_api.emulator, _label()
     path = write_scenario(vastai_scenario(vastai_api, 2), tmp_path / "crash.yaml")
-    with WatchedRun([sys.executable, "-m", "ppharness.cli_smoke", "--vastai", "--scenario", path, "--run-label",
-                     label], cwd=ROOT) as run:
+    with WatchedRun(
+        [sys.executable, "-m", "ppharness.cli.smoke", "--vastai", "--scenario", path, "--run-label", label], cwd=ROOT
+    ) as run:
         run.until("joined")
         run.proc.kill()  # SIGKILL: no clean-up runs in pp-smoke-run
         run.proc.wait(30)
     assert len([i for i in emu.live_instances() if i["label"] == label]) == 2, "".join(run.lines)
-    reap = subprocess.run([sys.executable, "-m", "ppharness.cli", "reap", "--provider", "vastai", "--label", label],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    reap = subprocess.run(
+        [sys.executable, "-m", "ppharness.cli", "reap", "--provider", "vastai", "--label", label],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert reap.returncode == 0 and reap.stdout.count("vastai: instance") == 2, reap.stdout + reap.stderr
     assert_nothing_left(vastai_api, label)

@@ -16,15 +16,15 @@ import httpx
 import msgspec
 import pytest
 
-from backends import vastai_offers
-from backends.base import NodeSpec
-from backends.vastai import VastaiProvider, client_from_env, failure_of
-from backends.vastai_client import ApiKey, VastApiError, VastClient
-from backends.vastai_emulator import parse_faults
-from backends.vastai_emulator_state import make_catalog, priced
-from backends.vastai_offers import choose_offers, encode_env, offer_query
+from backends.vastai import offers as vastai_offers
+from backends.vastai.client import ApiKey, VastApiError, VastClient
+from backends.vastai.emulator.server import parse_faults
+from backends.vastai.emulator.state import make_catalog, priced
+from backends.vastai.offers import choose_offers, encode_env, offer_query
+from backends.vastai.provider import VastaiProvider, client_from_env, failure_of
 from ppharness.errors import ProviderError, ProvisionFailed
-from ppharness.scenario import VastaiSettings
+from ppharness.scenario.schema import VastaiSettings
+from ppharness.seams.provider import NodeSpec
 
 pytestmark = pytest.mark.vastai
 
@@ -125,8 +125,12 @@ def test_search_quota_is_not_retried_and_says_when_it_resets(client, emu):
 
 @pytest.mark.parametrize(("after", "waits"), [("2", [2.0]), ("120", [])])
 def test_retry_after_is_waited_out_up_to_a_minute(after, waits):
-    replies = iter([httpx.Response(429, text="slow down", headers={"Retry-After": after}),
-                    httpx.Response(200, json={"instances": [], "next_token": None})])
+    replies = iter(
+        [
+            httpx.Response(429, text="slow down", headers={"Retry-After": after}),
+            httpx.Response(200, json={"instances": [], "next_token": None}),
+        ]
+    )
     slept: list[float] = []
     transport = httpx.MockTransport(lambda request: next(replies))
     with VastClient(ApiKey("k-0123"), "http://api.test", pace=0, sleep=slept.append, transport=transport) as c:
@@ -187,8 +191,9 @@ def test_failure_of_reads_every_terminal_signal():
     assert failure_of(None)
     assert failure_of({"actual_status": "exited"}) and failure_of({"actual_status": "offline"})
     assert failure_of({"actual_status": "created", "status_msg": "OCI runtime create failed: x"})
-    assert failure_of({"actual_status": "loading", "cur_state": "stopped", "intended_status": "stopped",
-                       "next_state": "stopped"})
+    assert failure_of(
+        {"actual_status": "loading", "cur_state": "stopped", "intended_status": "stopped", "next_state": "stopped"}
+    )
     assert failure_of({"actual_status": "loading", "status_msg": "Pulling image x"}) is None
     assert failure_of({"actual_status": "running", "intended_status": "running", "cur_state": "running"}) is None
 
@@ -197,8 +202,16 @@ def test_failure_of_reads_every_terminal_signal():
 
 
 def test_query_carries_every_constraint_in_the_api_units():
-    s = VastaiSettings(gpu_name=("RTX 3090", "RTX 4090"), num_gpus=2, min_gpu_ram_gb=24, max_dph=0.7,
-                       min_reliability=0.98, min_cuda=12.4, direct_ports=2, disk_gb=20)
+    s = VastaiSettings(
+        gpu_name=("RTX 3090", "RTX 4090"),
+        num_gpus=2,
+        min_gpu_ram_gb=24,
+        max_dph=0.7,
+        min_reliability=0.98,
+        min_cuda=12.4,
+        direct_ports=2,
+        disk_gb=20,
+    )
     q = offer_query(s, 5)
     assert q["gpu_name"] == {"in": ["RTX 3090", "RTX 4090"]} and q["num_gpus"] == {"eq": 2}
     assert q["gpu_ram"] == {"gte": 24000} and q["dph_total"] == {"lte": 0.7}
@@ -227,8 +240,13 @@ def test_long_env_values_are_split_and_the_script_joins_them_exactly():
     assert all(len(k) + len(v) <= 256 for k, v in env_obj.items())
     assert env_obj["-p 7000:7000/udp"] == "1" and env_obj["-p 8080:8080"] == "1"
     assert "PLAN" not in env_obj and script.endswith("exec pp-node")
-    shown = subprocess.run(["/bin/sh", "-c", script.replace("exec pp-node", 'printf %s "$PLAN"')], env=env_obj,
-                           capture_output=True, text=True, check=True).stdout
+    shown = subprocess.run(
+        ["/bin/sh", "-c", script.replace("exec pp-node", 'printf %s "$PLAN"')],
+        env=env_obj,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert shown == plan
 
 
@@ -260,10 +278,26 @@ def test_reap_destroys_only_ppharness_instances(client, emu, monkeypatch):
 
 
 def test_every_fault_switch_parses():
-    f = parse_faults(["offers-cap=2", "reject-create=2", "vanish-offer=1", "stuck-loading=3", "fail-as=4:offline",
-                      "oci-error=5", "outbid=6", "null-ssh-port=7", "leave-stopped=3", "exit-after=8:1.5",
-                      "storm-429=9", "resets=2", "server-errors=502,503", "search-quota", "destroy-fail=-1",
-                      "gone-404"])
+    f = parse_faults(
+        [
+            "offers-cap=2",
+            "reject-create=2",
+            "vanish-offer=1",
+            "stuck-loading=3",
+            "fail-as=4:offline",
+            "oci-error=5",
+            "outbid=6",
+            "null-ssh-port=7",
+            "leave-stopped=3",
+            "exit-after=8:1.5",
+            "storm-429=9",
+            "resets=2",
+            "server-errors=502,503",
+            "search-quota",
+            "destroy-fail=-1",
+            "gone-404",
+        ]
+    )
     assert (f.offers_cap, f.fail_as, f.exit_after_s, f.storm_429, f.resets) == (2, {4: "offline"}, {8: 1.5}, 9, 2)
     assert 2 in f.reject_create and f.vanish_offers == {1} and f.stuck_loading == {3} and f.oci_error == {5}
     assert f.outbid == {6} and f.null_ssh_port == {7} and f.leave_stopped == {3} and f.server_errors == [502, 503]
@@ -274,9 +308,14 @@ def test_every_fault_switch_parses():
 
 def test_emulator_command_serves_until_terminated(tmp_path):
     env = {**os.environ, "VAST_API_KEY": "by-hand-key-0123"}
-    with subprocess.Popen([sys.executable, "-m", "ppharness.cli", "vastai-emulator", "--port", "0",
-                           "--fault", "offers-cap=1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env, cwd=tmp_path) as proc:
+    with subprocess.Popen(
+        [sys.executable, "-m", "ppharness.cli", "vastai-emulator", "--port", "0", "--fault", "offers-cap=1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    ) as proc:
         assert proc.stdout is not None
         first = proc.stdout.readline()
         url = first.split(" at ")[1].split()[0]

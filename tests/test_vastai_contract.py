@@ -14,21 +14,76 @@ from typing import Any
 import httpx
 import pytest
 
-from backends.vastai import failure_of, is_running
-from backends.vastai_client import ApiKey, VastApiError, VastClient
+from backends.vastai.client import ApiKey, VastApiError, VastClient
+from backends.vastai.provider import failure_of, is_running
 
 pytestmark = pytest.mark.vastai
 CONTRACT = Path(__file__).resolve().parent.parent.parent / "shared" / "vastai-api.md"
-OFFER_FIELDS = ("id", "ask_contract_id", "machine_id", "host_id", "num_gpus", "gpu_name", "gpu_ram", "cpu_cores",
-                "cpu_cores_effective", "cpu_ram", "disk_space", "cuda_max_good", "compute_cap", "dph_base", "dph_total",
-                "min_bid", "storage_cost", "inet_up_cost", "inet_down_cost", "geolocation", "public_ipaddr",
-                "direct_port_count", "reliability", "verification", "rentable", "rented", "score", "start_date",
-                "end_date")
-INSTANCE_FIELDS = ("id", "label", "actual_status", "intended_status", "cur_state", "next_state", "status_msg",
-                   "image_uuid", "image_runtype", "image_args", "onstart", "extra_env", "public_ipaddr",
-                   "local_ipaddrs", "ssh_host", "ssh_port", "direct_port_start", "direct_port_end", "ports",
-                   "dph_total", "dph_base", "is_bid", "min_bid", "start_date", "end_date", "machine_id", "host_id",
-                   "num_gpus", "gpu_name", "geolocation", "disk_space", "template_hash_id")
+OFFER_FIELDS = (
+    "id",
+    "ask_contract_id",
+    "machine_id",
+    "host_id",
+    "num_gpus",
+    "gpu_name",
+    "gpu_ram",
+    "cpu_cores",
+    "cpu_cores_effective",
+    "cpu_ram",
+    "disk_space",
+    "cuda_max_good",
+    "compute_cap",
+    "dph_base",
+    "dph_total",
+    "min_bid",
+    "storage_cost",
+    "inet_up_cost",
+    "inet_down_cost",
+    "geolocation",
+    "public_ipaddr",
+    "direct_port_count",
+    "reliability",
+    "verification",
+    "rentable",
+    "rented",
+    "score",
+    "start_date",
+    "end_date",
+)
+INSTANCE_FIELDS = (
+    "id",
+    "label",
+    "actual_status",
+    "intended_status",
+    "cur_state",
+    "next_state",
+    "status_msg",
+    "image_uuid",
+    "image_runtype",
+    "image_args",
+    "onstart",
+    "extra_env",
+    "public_ipaddr",
+    "local_ipaddrs",
+    "ssh_host",
+    "ssh_port",
+    "direct_port_start",
+    "direct_port_end",
+    "ports",
+    "dph_total",
+    "dph_base",
+    "is_bid",
+    "min_bid",
+    "start_date",
+    "end_date",
+    "machine_id",
+    "host_id",
+    "num_gpus",
+    "gpu_name",
+    "geolocation",
+    "disk_space",
+    "template_hash_id",
+)
 
 
 class Api:
@@ -40,8 +95,11 @@ class Api:
         self.raw = httpx.Client(base_url=emu.url, headers={"Authorization": f"Bearer {emu.key}"})
 
     def offer(self, **want: Any) -> int:
-        return next(o["id"] for o in sorted(self.emu.catalog.values(), key=lambda o: o["id"])
-                    if not o["rented"] and o["id"] not in self.emu.consumed and all(o[k] == v for k, v in want.items()))
+        return next(
+            o["id"]
+            for o in sorted(self.emu.catalog.values(), key=lambda o: o["id"])
+            if not o["rented"] and o["id"] not in self.emu.consumed and all(o[k] == v for k, v in want.items())
+        )
 
     def create(self, **body: Any) -> int:
         return self.client.create_instance(self.offer(), {"image": "img", "disk": 10, **body})
@@ -106,13 +164,28 @@ def ex_anonymous_search(api: Api) -> None:
 
 
 def ex_dstack_filters(api: Api) -> None:
-    q = {"direct_port_count": {"gte": 1}, "inet_down": {"gt": 128}, "cuda_max_good": {"gte": 12.8},
-         "compute_cap": {"gte": 600}, "verified": {"eq": True}, "gpu_ram": {"gte": 20000, "lte": 90000},
-         "gpu_name": {"notin": ["RTX 4070"]}, "num_gpus": {"in": [1, 2]}, "reliability": {"neq": 0, "lt": 1},
-         "unknown_field": {"eq": 1}, "chunked": True}
+    q = {
+        "direct_port_count": {"gte": 1},
+        "inet_down": {"gt": 128},
+        "cuda_max_good": {"gte": 12.8},
+        "compute_cap": {"gte": 600},
+        "verified": {"eq": True},
+        "gpu_ram": {"gte": 20000, "lte": 90000},
+        "gpu_name": {"notin": ["RTX 4070"]},
+        "num_gpus": {"in": [1, 2]},
+        "reliability": {"neq": 0, "lt": 1},
+        "unknown_field": {"eq": 1},
+        "chunked": True,
+    }
     offers = api.client.search_offers(q)
-    assert offers and all(o["direct_port_count"] >= 1 and o["cuda_max_good"] >= 12.8 and o["verified"]
-                          and 20000 <= o["gpu_ram"] <= 90000 and o["num_gpus"] in (1, 2) for o in offers)
+    assert offers and all(
+        o["direct_port_count"] >= 1
+        and o["cuda_max_good"] >= 12.8
+        and o["verified"]
+        and 20000 <= o["gpu_ram"] <= 90000
+        and o["num_gpus"] in (1, 2)
+        for o in offers
+    )
 
 
 def ex_order_and_storage(api: Api) -> None:
@@ -138,8 +211,14 @@ def ex_create(api: Api) -> None:
 
 
 def ex_create_env_and_runtype(api: Api) -> None:
-    iid = api.create(env={"-p 8000:8000": "1", "-h": "name", "HF_TOKEN": "x"}, runtype="ssh_direc ssh_proxy",
-                     onstart="sleep 30", label=None, price=None, args=None)
+    iid = api.create(
+        env={"-p 8000:8000": "1", "-h": "name", "HF_TOKEN": "x"},
+        runtype="ssh_direc ssh_proxy",
+        onstart="sleep 30",
+        label=None,
+        price=None,
+        args=None,
+    )
     inst = api.running(iid)
     assert inst["ports"]["22/tcp"][0]["HostPort"] != "22" and isinstance(inst["ports"]["8000/tcp"][0]["HostPort"], str)
     assert inst["public_ipaddr"] != inst["public_ipaddr"].strip() and inst["ssh_port"]
@@ -157,9 +236,14 @@ def ex_create_args_runtype(api: Api) -> None:
 
 
 def ex_create_invalid(api: Api) -> None:
-    for body in ({"image": "img", "disk": 4}, {"image": "img", "price": 500}, {"disk": 10},
-                 {"image": "img", "env": {"A": "x" * 300}}, {"image": "img", "runtype": "telnet"},
-                 {"image": "img", "onstart": "x" * 5000}):
+    for body in (
+        {"image": "img", "disk": 4},
+        {"image": "img", "price": 500},
+        {"disk": 10},
+        {"image": "img", "env": {"A": "x" * 300}},
+        {"image": "img", "runtype": "telnet"},
+        {"image": "img", "onstart": "x" * 5000},
+    ):
         api.pause()
         r = api.raw.put(f"/api/v0/asks/{api.offer()}/", json=body)
         assert r.status_code == 400 and r.json()["error"] in ("invalid_args", "invalid_price"), body
@@ -227,15 +311,19 @@ def ex_timeline(api: Api) -> None:
 
 def ex_list(api: Api) -> None:
     ids = [api.create(label="x") for _ in range(2)] + [api.create()]
-    r = api.raw.get("/api/v1/instances/", params={"select_filters": '{"label":{"in":["x"]}}',
-                                                  "order_by": '[{"col":"id","dir":"asc"}]', "limit": "1"})
+    r = api.raw.get(
+        "/api/v1/instances/",
+        params={"select_filters": '{"label":{"in":["x"]}}', "order_by": '[{"col":"id","dir":"asc"}]', "limit": "1"},
+    )
     body = r.json()
     assert set(body) >= {"success", "instances_found", "total_instances", "label_counts", "next_token", "instances"}
     assert body["instances_found"] == 1 and body["total_instances"] == 2 and body["label_counts"] == {"x": 2, "": 1}
     assert body["next_token"] and body["instances"][0]["id"] == ids[0]
     api.pause()
-    last = api.raw.get("/api/v1/instances/", params={"select_filters": '{"label":{"in":["x"]}}', "limit": "1",
-                                                     "after_token": body["next_token"]}).json()
+    last = api.raw.get(
+        "/api/v1/instances/",
+        params={"select_filters": '{"label":{"in":["x"]}}', "limit": "1", "after_token": body["next_token"]},
+    ).json()
     assert last["instances"][0]["id"] == ids[1] and last["next_token"] is None
 
 
@@ -301,7 +389,7 @@ EXAMPLES: list[tuple[str, Callable[[Api], None]]] = [
     ("Also accepted: `?api_key=<key>`", ex_query_key),
     ('answers 410 "Use /api/v1/instances/ instead"', ex_legacy_list),
     ("Every path ends in `/`.", ex_trailing_slash),
-    ('`POST /api/v0/bundles/`; the body is the query object', ex_search),
+    ("`POST /api/v0/bundles/`; the body is the query object", ex_search),
     ("`GET /api/v0/bundles/?q=<url-encoded JSON>`", ex_search_get),
     ("gpuhunt searches offers with no key at all", ex_anonymous_search),
     ("Example (dstack): `direct_port_count gte 1`, `inet_down gt 128`, `cuda_max_good gte 12.8`", ex_dstack_filters),

@@ -8,9 +8,9 @@ import pytest
 import zmq
 from zmq_peers import raw_push
 
-from ppharness import codec
 from ppharness.errors import TransportError, TransportTimeout
-from ppharness.messages import Shutdown
+from ppharness.wire import codec
+from ppharness.wire.messages import Shutdown
 from transports.zmq import ZmqTransport, split_address
 
 WAIT = 10.0

@@ -1,7 +1,7 @@
 """In-process transport: endpoints are inboxes (``queue.Queue``) in a hub, addressed ``memory://<name>``.
 
-Frames still go through ``ppharness.codec`` (the base class encodes and decodes), so tests on this transport exercise
-the real wire format without sockets. Guarantees:
+Frames still go through ``ppharness.wire.codec`` (the base class encodes and decodes), so tests on this transport
+exercise the real wire format without sockets. Guarantees:
 
 - delivery is reliable and in order per sender -> receiver pair; every method is thread-safe;
 - sending to an address that no started, open endpoint holds raises ``ConnectFailed`` naming the address;
@@ -18,7 +18,7 @@ import queue
 import threading
 
 from ppharness.errors import ConnectFailed, TransportClosed, TransportError, TransportTimeout
-from transports.base import Transport
+from ppharness.seams.transport import Transport
 
 SCHEME = "memory://"
 

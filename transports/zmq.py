@@ -44,9 +44,9 @@ try:
 except ImportError as exc:  # pragma: no cover - pyzmq is a declared dependency
     raise ImportError("the zmq transport needs pyzmq: pip install pyzmq") from exc
 
-from ppharness import codec
 from ppharness.errors import CodecError, ConnectFailed, TransportClosed, TransportError, TransportTimeout
-from transports.base import Transport
+from ppharness.seams.transport import Transport
+from ppharness.wire import codec
 
 SNDHWM = 1000
 LINGER_MS = 2000
@@ -131,8 +131,9 @@ class ZmqTransport(Transport):
                 secret = secret_key.encode("ascii")
                 public = zmq.curve_public(secret)
         except (ValueError, UnicodeError, zmq.ZMQError) as exc:
-            raise TransportError(f"zmq transport: secret_key is not a z85 CURVE secret key ({type(exc).__name__})") \
-                from None
+            raise TransportError(
+                f"zmq transport: secret_key is not a z85 CURVE secret key ({type(exc).__name__})"
+            ) from None
         self._public, self._secret = public, secret
         self.public_key = _z85_to_hex(public)
         self._allowed = None if allowed is None else frozenset(k.lower() for k in allowed)
@@ -188,8 +189,9 @@ class ZmqTransport(Transport):
                     self._stop_zap(ctx)
                 raise
             self._ctx, self._pull = ctx, pull
-            self._address = (f"tcp://{_host_part(self._advertise_host)}:{bound.rsplit(':', 1)[1]}"
-                             f"{KEY_PARAM}{self.public_key}")
+            self._address = (
+                f"tcp://{_host_part(self._advertise_host)}:{bound.rsplit(':', 1)[1]}{KEY_PARAM}{self.public_key}"
+            )
             self._address_bytes = self._address.encode()
             return self._address
 
@@ -263,8 +265,10 @@ class ZmqTransport(Transport):
         if claimed.lower() == authenticated:
             return True
         self.forged += 1
-        _log(f"{self._address}: dropped a message from key {authenticated[:16]}... naming another sender "
-             f"({frames[0].bytes[:120]!r})")
+        _log(
+            f"{self._address}: dropped a message from key {authenticated[:16]}... naming another sender "
+            f"({frames[0].bytes[:120]!r})"
+        )
         return False
 
     def _start_zap(self, ctx: zmq.Context) -> None:
@@ -277,8 +281,9 @@ class ZmqTransport(Transport):
     def _watch_handshakes(self, pull: zmq.Socket) -> None:
         """Start the ZAP thread, also watching ``pull`` for handshakes that fail before ZAP is asked (a peer without
         CURVE, or one that dialled with another server key)."""
-        self._monitor = pull.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                                                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self._monitor = pull.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
         assert self._zap_thread is not None
         self._zap_thread.start()
 
@@ -299,8 +304,12 @@ class ZmqTransport(Transport):
                     sock.send_multipart(self._zap_reply(sock.recv_multipart()))
                 if monitor in ready:
                     event = zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart())
-                    self._refuse("", "", f"the security handshake failed ({zmq.Event(event['event']).name}: no "
-                                 "CURVE, or another server key)")
+                    self._refuse(
+                        "",
+                        "",
+                        f"the security handshake failed ({zmq.Event(event['event']).name}: no "
+                        "CURVE, or another server key)",
+                    )
         except zmq.ZMQError:
             pass  # the context was terminated: the transport is closing
         finally:
@@ -327,8 +336,10 @@ class ZmqTransport(Transport):
             return
         if len(self._refusals_logged) < MAX_REFUSAL_LOGS:
             self._refusals_logged.add(key)
-            _log(f"{self._address or self._host}: refused a connection from {peer or 'an unknown address'} "
-                 f"(key {key or '-'}): {why}")
+            _log(
+                f"{self._address or self._host}: refused a connection from {peer or 'an unknown address'} "
+                f"(key {key or '-'}): {why}"
+            )
         elif len(self._refusals_logged) == MAX_REFUSAL_LOGS:
             self._refusals_logged.add("")
             _log(f"{self._address or self._host}: refusing more strangers; no longer logging each one")
@@ -343,8 +354,10 @@ class ZmqTransport(Transport):
         except ValueError:
             server_key = None
         if server_key is None:
-            raise ConnectFailed(f"cannot connect to {address}: not a ppharness zmq address (it carries no CURVE key: "
-                                f"expected tcp://host:port{KEY_PARAM}<64 hex digits>)")
+            raise ConnectFailed(
+                f"cannot connect to {address}: not a ppharness zmq address (it carries no CURVE key: "
+                f"expected tcp://host:port{KEY_PARAM}<64 hex digits>)"
+            )
         with self._map_errors("connect to", address):
             push = self._ctx.socket(zmq.PUSH)
             try:

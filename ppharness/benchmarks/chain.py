@@ -49,11 +49,12 @@ class BenchResult:
 def _scenario(preset: str, n: int, kind: str, tokens: int, max_context: int) -> Any:
     import msgspec
 
-    from ppharness.scenario import scenario_from_args
+    from ppharness.scenario.schema import scenario_from_args
 
     base = scenario_from_args(num_stages=n, transport=kind, prompt=PROMPT, max_tokens=tokens)
-    model = msgspec.structs.replace(base.model, synthetic=msgspec.structs.replace(base.model.synthetic, preset=preset),
-                                    max_context=max_context)
+    model = msgspec.structs.replace(
+        base.model, synthetic=msgspec.structs.replace(base.model.synthetic, preset=preset), max_context=max_context
+    )
     budget = msgspec.structs.replace(base.budget, total_s=3600.0, ready_s=900.0)
     return msgspec.structs.replace(base, model=model, budget=budget)
 
@@ -69,23 +70,36 @@ def _raw_rtt_ms(kinds: list[str], nbytes: int, count: int) -> dict[str, float]:
     return {k: next(r.p50_ms for r in rows if r.path == raw[k]) for k in kinds if k in raw}
 
 
-def run_chain_bench(preset: str, num_stages: int, transports: list[str], tokens: int, repeats: int,
-                    out_dir: str, sweep: bool, progress: Callable[[str], None]) -> BenchResult:
+def run_chain_bench(
+    preset: str,
+    num_stages: int,
+    transports: list[str],
+    tokens: int,
+    repeats: int,
+    out_dir: str,
+    sweep: bool,
+    progress: Callable[[str], None],
+) -> BenchResult:
     """Measure; write ``bench.json`` and ``bench.png`` into ``out_dir``; return the result."""
-    from ppharness.modelfile import PRESETS, resolve_model
-    from ppharness.oracle import oracle_decode
-    from ppharness.orchestrator import Chain, decode_tok_s
-    from ppharness.slicing import GGUFFile, ModelSlice
+    from ppharness.model.files import PRESETS, resolve_model
+    from ppharness.model.oracle import oracle_decode
+    from ppharness.model.slicing import GGUFFile, ModelSlice
+    from ppharness.run.orchestrator import Chain, decode_tok_s
 
     if preset not in PRESETS:
         raise HarnessError(f"unknown preset {preset!r}: expected one of {', '.join(PRESETS)}")
     path = str(resolve_model(f"synthetic:{preset}"))
     cfg = GGUFFile(path).config
     max_context = min(cfg.context, 64 + tokens + 16)
-    res = BenchResult(model=f"{preset} ({cfg.blocks} blocks, dim {cfg.dim})", num_stages=num_stages, tokens=tokens,
-                      repeats=repeats, activation_bytes=2 * cfg.dim)
+    res = BenchResult(
+        model=f"{preset} ({cfg.blocks} blocks, dim {cfg.dim})",
+        num_stages=num_stages,
+        tokens=tokens,
+        repeats=repeats,
+        activation_bytes=2 * cfg.dim,
+    )
     progress(f"single process: loading {res.model}")
-    from ppharness.node import warm_up
+    from ppharness.model.decoding import warm_up
 
     single = ModelSlice(GGUFFile(path), 0, cfg.blocks, True, True, max_context, taps=True)
     warm_up(single)
@@ -97,8 +111,11 @@ def run_chain_bench(preset: str, num_stages: int, transports: list[str], tokens:
         for kind in [*transports, "zmq+trace"]:
             transport = kind.removesuffix("+trace")
             progress(f"starting the {num_stages}-stage chain over {kind}")
-            chain = Chain(_scenario(preset, num_stages, transport, tokens, max_context), progress=lambda _: None,
-                          trace=kind.endswith("+trace"))
+            chain = Chain(
+                _scenario(preset, num_stages, transport, tokens, max_context),
+                progress=lambda _: None,
+                trace=kind.endswith("+trace"),
+            )
             chains[kind] = stack.enter_context(chain)
             first, _ = chains[kind].request(PROMPT, tokens)  # warm: compiles the prefill for this prompt length
             verdict = chains[kind].verdict(first, oracle)
@@ -121,8 +138,9 @@ def run_chain_bench(preset: str, num_stages: int, transports: list[str], tokens:
             progress(f"tokens/s vs N: {n} stage(s) over zmq")
             with Chain(_scenario(preset, n, "zmq", tokens, max_context), progress=lambda _: None) as chain:
                 chain.request(PROMPT, tokens)
-                res.sweep_tok_s[n] = statistics.median(decode_tok_s(chain.request(PROMPT, tokens)[0])
-                                                       for _ in range(max(1, repeats // 2)))
+                res.sweep_tok_s[n] = statistics.median(
+                    decode_tok_s(chain.request(PROMPT, tokens)[0]) for _ in range(max(1, repeats // 2))
+                )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(asdict(res) | {"medians_tok_s": res.medians()}, indent=2))
@@ -143,9 +161,11 @@ def report(res: BenchResult) -> str:
     """The table printed at the end of ``ppharness bench``."""
     med = res.medians()
     single = med["single"]
-    lines = [f"model {res.model}; {res.num_stages} stages; {res.tokens} tokens; {res.repeats} repeats (medians)",
-             f"{'contender':<22} {'tok/s':>9} {'ratio to single':>16}",
-             f"{'single process':<22} {single:>9.1f} {1.0:>16.2f}"]
+    lines = [
+        f"model {res.model}; {res.num_stages} stages; {res.tokens} tokens; {res.repeats} repeats (medians)",
+        f"{'contender':<22} {'tok/s':>9} {'ratio to single':>16}",
+        f"{'single process':<22} {single:>9.1f} {1.0:>16.2f}",
+    ]
     for kind, v in med.items():
         if kind != "single":
             lines.append(f"{res.num_stages}-stage chain {kind:<8} {v:>9.1f} {v / single:>16.2f}")
@@ -158,17 +178,27 @@ def report(res: BenchResult) -> str:
     raw_zmq = statistics.median(res.raw_rtt_ms["zmq"]) / 2 if "zmq" in res.raw_rtt_ms else float("nan")
     for hop, ms in res.hop_p50_ms.items():
         lines.append(f"  zmq hop {hop:<5} p50 {ms:.3f} ms = {ms / raw_zmq:.2f} x raw zmq one-way")
-    lines.append(f"\nper-token p50 {res.per_token_ms:.3f} ms (traced zmq chain); the components below cover "
-                 f"{100 * res.components_share:.1f}% of it (median over tokens); p50 ms each:")
+    lines.append(
+        f"\nper-token p50 {res.per_token_ms:.3f} ms (traced zmq chain); the components below cover "
+        f"{100 * res.components_share:.1f}% of it (median over tokens); p50 ms each:"
+    )
     for name, ms in res.components_ms.items():
         lines.append(f"  {name:<22} {ms:>8.3f}")
-    lines.append("peak RSS per stage (MiB): " + "; ".join(
-        f"{k}: {', '.join(f'{x:.0f}' for x in v)}" for k, v in res.peak_rss_mib.items()))
+    lines.append(
+        "peak RSS per stage (MiB): "
+        + "; ".join(f"{k}: {', '.join(f'{x:.0f}' for x in v)}" for k, v in res.peak_rss_mib.items())
+    )
     if res.sweep_tok_s:
         lines.append("tokens/s vs N (zmq): " + ", ".join(f"N={n}: {v:.1f}" for n, v in res.sweep_tok_s.items()))
     for kind, why in res.mismatch.items():
-        lines.append(f"{kind} chain: " + (f"MISMATCH: {why}" if why else f"MATCH: {res.tokens} tokens and every "
-                                           "stage-boundary hidden state equal the unsplit model's"))
+        lines.append(
+            f"{kind} chain: "
+            + (
+                f"MISMATCH: {why}"
+                if why
+                else f"MATCH: {res.tokens} tokens and every stage-boundary hidden state equal the unsplit model's"
+            )
+        )
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ppharness.errors import HarnessError
-from ppharness.watched import WatchedRun
+from ppharness.testing.watched import WatchedRun
 
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 
@@ -42,7 +42,7 @@ def _scenario_file(num_stages: int, engine: str) -> str:
 
     import msgspec
 
-    from ppharness.scenario import scenario_from_args
+    from ppharness.scenario.schema import scenario_from_args
 
     sc = scenario_from_args(num_stages=num_stages, max_tokens=200)
     sc = msgspec.structs.replace(sc, cluster=msgspec.structs.replace(sc.cluster, engine=engine))
@@ -56,7 +56,7 @@ def run_once(num_stages: int, victim: int, sig: str, engine: str, timeout: float
     """One pp-smoke-run, one signalled stage; the time from the signal to pp-smoke-run's exit."""
     label = f"pp-failover-{uuid.uuid4().hex[:8]}"
     scenario = _scenario_file(num_stages, engine)
-    cmd = [sys.executable, "-m", "ppharness.cli_smoke", "--scenario", scenario, "--no-trace", "--run-label", label]
+    cmd = [sys.executable, "-m", "ppharness.cli.smoke", "--scenario", scenario, "--no-trace", "--run-label", label]
     try:
         with WatchedRun(cmd) as run:
             run.until("request:")
@@ -87,14 +87,17 @@ def _stage_of(pid: int) -> int | None:
     return None
 
 
-def run_failover_bench(num_stages: int, runs: int, sig: str, engine: str,
-                       progress: Callable[[str], None]) -> list[FailoverRun]:
+def run_failover_bench(
+    num_stages: int, runs: int, sig: str, engine: str, progress: Callable[[str], None]
+) -> list[FailoverRun]:
     victim = num_stages // 2
     results = []
     for i in range(runs):
         r = run_once(num_stages, victim, sig, engine)
-        progress(f"run {i + 1}/{runs}: SIG{sig} of stage {victim} -> exit {r.exit_code} after {r.seconds:.2f} s; "
-                 f"{r.leftovers} leftover(s); {r.reason}")
+        progress(
+            f"run {i + 1}/{runs}: SIG{sig} of stage {victim} -> exit {r.exit_code} after {r.seconds:.2f} s; "
+            f"{r.leftovers} leftover(s); {r.reason}"
+        )
         results.append(r)
     return results
 
@@ -102,6 +105,8 @@ def run_failover_bench(num_stages: int, runs: int, sig: str, engine: str,
 def report(results: list[FailoverRun], num_stages: int, sig: str, engine: str) -> str:
     secs = [r.seconds for r in results]
     ok = all(r.exit_code == 1 and r.leftovers == 0 for r in results)
-    return (f"{num_stages} stages, SIG{sig} of a middle stage mid-decode, membership {engine}: time to exit 1 "
-            f"median {statistics.median(secs):.2f} s (min {min(secs):.2f}, max {max(secs):.2f}, {len(secs)} runs); "
-            f"{'every run exited 1 and left nothing' if ok else 'SOME RUNS DID NOT EXIT 1 CLEANLY'}")
+    return (
+        f"{num_stages} stages, SIG{sig} of a middle stage mid-decode, membership {engine}: time to exit 1 "
+        f"median {statistics.median(secs):.2f} s (min {min(secs):.2f}, max {max(secs):.2f}, {len(secs)} runs); "
+        f"{'every run exited 1 and left nothing' if ok else 'SOME RUNS DID NOT EXIT 1 CLEANLY'}"
+    )

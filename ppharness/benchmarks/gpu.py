@@ -50,8 +50,10 @@ class GpuBench:
 
 def prompt_of(tokenizer: Any, bos: int | None, n: int) -> str:
     """A prompt that tokenizes to exactly ``n`` tokens with the BOS (words of a fixed text, trimmed)."""
-    words = ("the pipeline stage sends its hidden state to the next stage over the wide area network and waits "
-             "for the token to come back ").split()
+    words = (
+        "the pipeline stage sends its hidden state to the next stage over the wide area network and waits "
+        "for the token to come back "
+    ).split()
     text, i = "", 0
     target = n - (1 if bos is not None else 0)
     while len(tokenizer.encode(text)) < target:
@@ -64,15 +66,25 @@ def prompt_of(tokenizer: Any, bos: int | None, n: int) -> str:
     return out
 
 
-def run_gpu_bench(device: str, preset: str, stage_counts: list[int], transports: list[str], tokens: int,
-                  prompt_tokens: int, repeats: int, out_dir: str, hf: bool,
-                  progress: Callable[[str], None]) -> GpuBench:
+def run_gpu_bench(
+    device: str,
+    preset: str,
+    stage_counts: list[int],
+    transports: list[str],
+    tokens: int,
+    prompt_tokens: int,
+    repeats: int,
+    out_dir: str,
+    hf: bool,
+    progress: Callable[[str], None],
+) -> GpuBench:
     os.environ["DEV"] = device.upper()  # this process and every stage process it starts
-    from ppharness.modelfile import resolve_model
-    from ppharness.node import device_bytes, warm_up
-    from ppharness.oracle import oracle_decode
-    from ppharness.orchestrator import Chain, decode_span, decode_tok_s
-    from ppharness.slicing import GGUFFile, ModelSlice
+    from ppharness.model.decoding import warm_up
+    from ppharness.model.files import resolve_model
+    from ppharness.model.oracle import oracle_decode
+    from ppharness.model.slicing import GGUFFile, ModelSlice
+    from ppharness.run.node import device_bytes
+    from ppharness.run.orchestrator import Chain, decode_span, decode_tok_s
 
     progress(f"model: synthetic {preset} (built once into the cache)")
     path = str(resolve_model(f"synthetic:{preset}"))
@@ -80,8 +92,13 @@ def run_gpu_bench(device: str, preset: str, stage_counts: list[int], transports:
     cfg = f.config
     max_context = prompt_tokens + tokens + 16
     prompt = prompt_of(f.tokenizer, cfg.bos_id, prompt_tokens)
-    res = GpuBench(device=device, model=f"{preset}: {cfg.blocks} blocks, dim {cfg.dim}, FFN {cfg.ffn}, "
-                   f"{cfg.heads}/{cfg.kv_heads} heads, vocab {cfg.vocab}", prompt_tokens=prompt_tokens, tokens=tokens)
+    res = GpuBench(
+        device=device,
+        model=f"{preset}: {cfg.blocks} blocks, dim {cfg.dim}, FFN {cfg.ffn}, "
+        f"{cfg.heads}/{cfg.kv_heads} heads, vocab {cfg.vocab}",
+        prompt_tokens=prompt_tokens,
+        tokens=tokens,
+    )
 
     progress("single process: loading and compiling")
     single = ModelSlice(f, 0, cfg.blocks, True, True, max_context, taps=True)  # taps: the same kernels
@@ -131,8 +148,9 @@ def run_gpu_bench(device: str, preset: str, stage_counts: list[int], transports:
     return res
 
 
-def hf_reference(cfg: Any, prompt_tokens: int, tokens: int, repeats: int, progress: Callable[[str], None],
-                 notes: list[str]) -> list[Contender]:
+def hf_reference(
+    cfg: Any, prompt_tokens: int, tokens: int, repeats: int, progress: Callable[[str], None], notes: list[str]
+) -> list[Contender]:
     """HF transformers greedy decode of a random LlamaForCausalLM with the same dimensions, bf16, on the GPU."""
     try:
         import torch
@@ -140,10 +158,18 @@ def hf_reference(cfg: Any, prompt_tokens: int, tokens: int, repeats: int, progre
     except ImportError as exc:
         notes.append(f"HF transformers reference skipped: {exc}")
         return []
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.dim, intermediate_size=cfg.ffn,
-                         num_hidden_layers=cfg.blocks, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                         max_position_embeddings=prompt_tokens + tokens + 16, rope_theta=cfg.rope_theta,
-                         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tied)
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.blocks,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=prompt_tokens + tokens + 16,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tied,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialise on the GPU: random init of 1 B parameters on the host takes minutes
         model = LlamaForCausalLM(hf_cfg).to(dtype=torch.bfloat16).eval()
@@ -178,21 +204,27 @@ def hf_reference(cfg: Any, prompt_tokens: int, tokens: int, repeats: int, progre
 
 def report(res: GpuBench) -> str:
     base = res.contenders[0].median_tok_s() if res.contenders else 0.0
-    lines = [f"device {res.device}; model {res.model}; {res.tokens} tokens after a {res.prompt_tokens}-token prompt "
-             "(medians)",
-             f"{'contender':<44} {'tok/s':>8} {'x 1-proc':>9} {'TTFT cold':>10} {'TTFT warm':>10} {'= oracle':>9} "
-             f"{'device MiB per stage'}"]
+    lines = [
+        f"device {res.device}; model {res.model}; {res.tokens} tokens after a {res.prompt_tokens}-token prompt "
+        "(medians)",
+        f"{'contender':<44} {'tok/s':>8} {'x 1-proc':>9} {'TTFT cold':>10} {'TTFT warm':>10} {'= oracle':>9} "
+        f"{'device MiB per stage'}",
+    ]
     for c in res.contenders:
         warm = statistics.median(c.ttft_warm_s) if c.ttft_warm_s else float("nan")
         match = "" if c.tokens_match_oracle is None else ("yes" if c.tokens_match_oracle else "NO")
-        lines.append(f"{c.name:<44} {c.median_tok_s():>8.1f} {c.median_tok_s() / base if base else 0:>9.2f} "
-                     f"{c.ttft_cold_s:>9.2f}s {warm * 1000:>8.0f}ms {match:>9} "
-                     f"{', '.join(f'{m:.0f}' for m in c.device_mib)}")
+        lines.append(
+            f"{c.name:<44} {c.median_tok_s():>8.1f} {c.median_tok_s() / base if base else 0:>9.2f} "
+            f"{c.ttft_cold_s:>9.2f}s {warm * 1000:>8.0f}ms {match:>9} "
+            f"{', '.join(f'{m:.0f}' for m in c.device_mib)}"
+        )
     for c in res.contenders:
         if c.breakdown_ms:
             parts = sorted(((k, v) for k, v in c.breakdown_ms.items() if k != "per token"), key=lambda kv: -kv[1])
-            lines.append(f"\n{c.name}: per token p50 {c.breakdown_ms['per token']:.2f} ms; largest parts: " +
-                         ", ".join(f"{k} {v:.2f}" for k, v in parts[:8]))
+            lines.append(
+                f"\n{c.name}: per token p50 {c.breakdown_ms['per token']:.2f} ms; largest parts: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in parts[:8])
+            )
     for c in res.contenders:
         if c.mismatch:
             lines.append(f"\n{c.name}: MISMATCH: {c.mismatch}")

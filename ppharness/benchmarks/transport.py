@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ppharness.errors import HarnessError
-from ppharness.messages import StageActivation
 from ppharness.registry import transport_class
-from ppharness.trace import percentile
+from ppharness.trace.report import percentile
+from ppharness.wire.messages import StageActivation
 
 BATCH = 10
 WARMUP = 5
@@ -64,8 +64,9 @@ def _human(size: int) -> str:
 
 
 def _iroh_endpoint_options(iroh: Any) -> Any:
-    return iroh.EndpointOptions(preset=iroh.preset_minimal(), bind_addr="127.0.0.1:0", alpns=[ALPN],
-                                relay_mode=iroh.RelayMode.disabled())
+    return iroh.EndpointOptions(
+        preset=iroh.preset_minimal(), bind_addr="127.0.0.1:0", alpns=[ALPN], relay_mode=iroh.RelayMode.disabled()
+    )
 
 
 def _serve(kind: str, opts: dict[str, Any]) -> None:
@@ -108,8 +109,13 @@ async def _serve_raw_iroh() -> None:
 class _Child:
     def __init__(self, kind: str, opts: dict[str, Any] | None = None) -> None:
         env = {**os.environ, "PP_BENCH_OPTS": json.dumps(opts or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "ppharness.benchmarks.transport", "--serve", kind],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ppharness.benchmarks.transport", "--serve", kind],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         assert self.proc.stdout is not None
         self.address = self.proc.stdout.readline().strip()
         if not self.address:
@@ -195,8 +201,16 @@ def _ppharness(child: _Child, kind: str, opts: dict[str, Any]) -> tuple[Timer, C
     transport.start()
 
     def rounds(payload: bytes, count: int) -> list[float]:
-        msg = StageActivation(request_id="bench", position=0, hidden=payload, seq_len=1, is_prefill=False,
-                              shape=(1, 1, len(payload) // 2), dtype="f16", plan_id="bench")
+        msg = StageActivation(
+            request_id="bench",
+            position=0,
+            hidden=payload,
+            seq_len=1,
+            is_prefill=False,
+            shape=(1, 1, len(payload) // 2),
+            dtype="f16",
+            plan_id="bench",
+        )
         out = []
         for _ in range(count):
             t0 = time.perf_counter()
@@ -211,16 +225,19 @@ def _ppharness(child: _Child, kind: str, opts: dict[str, Any]) -> tuple[Timer, C
 # --- the run --------------------------------------------------------------------------------------------------------
 
 
-def run_transport_bench(sizes: list[int], repeats: int, kinds: list[str], json_out: str | None = None,
-                        out: Any = None) -> list[Row]:
+def run_transport_bench(
+    sizes: list[int], repeats: int, kinds: list[str], json_out: str | None = None, out: Any = None
+) -> list[Row]:
     """Measure every path for every size (interleaved), print the table, optionally write JSON; return the rows."""
     out = out or sys.stdout
     if repeats < 1 or not sizes or min(sizes) < 2:
         raise HarnessError("bench transport: need repeats >= 1 and payload sizes of at least 2 bytes")
     kinds = [k.strip() for k in kinds if k.strip()]
     if "memory" in kinds:
-        raise HarnessError("bench transport: the memory transport works within one process only; every echo peer "
-                           "here is a process of its own (measure zmq, iroh, ...)")
+        raise HarnessError(
+            "bench transport: the memory transport works within one process only; every echo peer "
+            "here is a process of its own (measure zmq, iroh, ...)"
+        )
     paths: list[tuple[str, str | None, int, Any]] = []
     children: list[_Child] = []
     closers: list[Callable[[], None]] = []
@@ -229,16 +246,25 @@ def run_transport_bench(sizes: list[int], repeats: int, kinds: list[str], json_o
         if iroh_wanted:
             transport_class("iroh").bulk_copy(True)
         specs: list[tuple[str, str | None, str, dict[str, Any] | None, Callable[..., Any]]] = [
-            ("raw zmq", None, "raw-zmq", None, _raw_zmq)]
+            ("raw zmq", None, "raw-zmq", None, _raw_zmq)
+        ]
         if iroh_wanted:
-            specs += [("raw iroh, bulk copy", None, "raw-iroh-bulk", None, lambda c: _raw_iroh(c, True)),
-                      ("raw iroh, stock binding", "raw iroh, bulk copy", "raw-iroh-stock", None,
-                       lambda c: _raw_iroh(c, False))]
+            specs += [
+                ("raw iroh, bulk copy", None, "raw-iroh-bulk", None, lambda c: _raw_iroh(c, True)),
+                (
+                    "raw iroh, stock binding",
+                    "raw iroh, bulk copy",
+                    "raw-iroh-stock",
+                    None,
+                    lambda c: _raw_iroh(c, False),
+                ),
+            ]
         for kind in kinds:
             base = {"zmq": "raw zmq", "iroh": "raw iroh, bulk copy"}.get(kind)
             ends = transport_class(kind).plan_endpoints(2, {})
-            specs.append((f"ppharness {kind}", base, kind, ends[1],
-                          lambda c, kind=kind, mine=ends[0]: _ppharness(c, kind, mine)))
+            specs.append(
+                (f"ppharness {kind}", base, kind, ends[1], lambda c, kind=kind, mine=ends[0]: _ppharness(c, kind, mine))
+            )
         for name, base, serve_kind, child_opts, make in specs:
             child = _Child(serve_kind, child_opts)
             children.append(child)
@@ -270,8 +296,10 @@ def _measure(size: int, paths: list[tuple[str, str | None, int, Any]]) -> list[R
             break
         for name, count, timer in todo:
             samples[name] += timer(payload, min(BATCH, count - len(samples[name])))
-    rows = [Row(size, name, _pct(samples[name], 0.5), _pct(samples[name], 0.99), len(samples[name]), base)
-            for name, base, _, _ in paths]
+    rows = [
+        Row(size, name, _pct(samples[name], 0.5), _pct(samples[name], 0.99), len(samples[name]), base)
+        for name, base, _, _ in paths
+    ]
     p50 = {r.path: r.p50_ms for r in rows}
     for r in rows:
         if r.baseline is not None:
@@ -281,22 +309,31 @@ def _measure(size: int, paths: list[tuple[str, str | None, int, Any]]) -> list[R
 
 def _print(rows: list[Row], repeats: int, out: Any) -> None:
     w = max(len(r.path) for r in rows)
-    print(f"round trip on loopback (send, echo, receive), ms; {repeats} per cell unless n differs; interleaved, "
-          f"batches of {BATCH}", file=out)
+    print(
+        f"round trip on loopback (send, echo, receive), ms; {repeats} per cell unless n differs; interleaved, "
+        f"batches of {BATCH}",
+        file=out,
+    )
     print(f"{'size':>8}  {'path':<{w}}  {'p50':>8}  {'p99':>8}  {'n':>4}  vs raw (p50)", file=out)
     for r in rows:
         vs = f"{r.ratio:.2f} x {r.baseline}" if r.ratio is not None else ""
-        print(f"{_human(r.size):>8}  {r.path:<{w}}  {r.p50_ms:8.3f}  {r.p99_ms:8.3f}  {r.n:>4}  {vs}".rstrip(),
-              file=out)
+        print(
+            f"{_human(r.size):>8}  {r.path:<{w}}  {r.p50_ms:8.3f}  {r.p99_ms:8.3f}  {r.n:>4}  {vs}".rstrip(), file=out
+        )
     if any(r.path.startswith("raw iroh") for r in rows):
-        print("raw iroh: the binding's asyncio API, as documented; ppharness iroh: direct calls from its own threads",
-              file=out)
+        print(
+            "raw iroh: the binding's asyncio API, as documented; ppharness iroh: direct calls from its own threads",
+            file=out,
+        )
     target = [r for r in rows if r.path == "ppharness iroh" and r.size == TARGET_SIZE]
     if target:
         t = target[0]
         met = t.ratio is not None and t.ratio <= TARGET_RATIO and t.p50_ms <= TARGET_MS
-        print(f"target: ppharness iroh {_human(TARGET_SIZE)} p50 <= {TARGET_RATIO} x raw iroh (bulk copy) and "
-              f"<= {TARGET_MS:g} ms: {'MET' if met else 'MISSED'} ({t.ratio:.2f} x, {t.p50_ms:.3f} ms)", file=out)
+        print(
+            f"target: ppharness iroh {_human(TARGET_SIZE)} p50 <= {TARGET_RATIO} x raw iroh (bulk copy) and "
+            f"<= {TARGET_MS:g} ms: {'MET' if met else 'MISSED'} ({t.ratio:.2f} x, {t.p50_ms:.3f} ms)",
+            file=out,
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Local Docker: the provider, the node image it builds, and the run's bridge network."""

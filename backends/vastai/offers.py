@@ -1,0 +1,188 @@
+"""What to rent and how to ask for it: the offer query, the choice of offers, the printed plan and the create body.
+
+Pure functions of the scenario's ``provider.vastai`` settings (read by attribute; see
+``ppharness.scenario.schema.VastaiSettings``), so they are tested without any server.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ppharness.errors import ProvisionFailed
+
+ENV_ENTRY_MAX = 256  # characters per env entry, name and value together (shared/vastai-api.md §3)
+ENV_TOTAL_MAX = 32768
+ARGS_TOTAL_MAX = 4096
+CHUNK = 200
+LABEL_MAX = 60  # dstack's bound; the API allows 256
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_PORT = re.compile(r"^(\d{1,5})(/(tcp|udp))?$")
+NODE_COMMAND = "pp-node"
+
+
+def offer_query(s: Any, count: int) -> dict[str, Any]:
+    """The search body: the scenario's constraints, vastai's default filters, cheapest first, on-demand prices for
+    ``s.disk_gb`` of storage. RAM is in MB on the wire (GB x 1000, as the vastai CLI sends it)."""
+    q: dict[str, Any] = {
+        "verified": {"eq": True},
+        "external": {"eq": False},
+        "rentable": {"eq": True},
+        "rented": {"eq": False},
+        "num_gpus": {"eq": s.num_gpus},
+        "dph_total": {"lte": s.max_dph},
+        "reliability": {"gte": s.min_reliability},
+        "order": [["dph_total", "asc"]],
+        "type": "on-demand",
+        "limit": max(64, 4 * count),
+        "allocated_storage": float(s.disk_gb),
+    }
+    if s.gpu_name:
+        q["gpu_name"] = {"eq": s.gpu_name} if isinstance(s.gpu_name, str) else {"in": list(s.gpu_name)}
+    if s.min_gpu_ram_gb:
+        q["gpu_ram"] = {"gte": s.min_gpu_ram_gb * 1000}
+    if s.min_cuda is not None:
+        q["cuda_max_good"] = {"gte": s.min_cuda}
+    if s.direct_ports:
+        q["direct_port_count"] = {"gte": s.direct_ports}
+    return q
+
+
+def offer_matches(offer: dict[str, Any], s: Any) -> bool:
+    """The constraints checked again on our side: the catalog is cached and a server may ignore a filter."""
+    names = (s.gpu_name,) if isinstance(s.gpu_name, str) else tuple(s.gpu_name or ())
+    try:
+        return (
+            not offer.get("rented")
+            and offer.get("rentable", True) is not False
+            and int(offer["num_gpus"]) == s.num_gpus
+            and float(offer["dph_total"]) <= s.max_dph
+            and float(offer.get("reliability") or 0) >= s.min_reliability
+            and (not names or offer.get("gpu_name") in names)
+            and float(offer.get("gpu_ram") or 0) >= s.min_gpu_ram_gb * 1000
+            and (s.min_cuda is None or float(offer.get("cuda_max_good") or 0) >= s.min_cuda)
+            and int(offer.get("direct_port_count") or 0) >= s.direct_ports
+        )
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def describe_constraints(s: Any) -> str:
+    parts = [
+        f"{s.num_gpus}x {s.gpu_name if isinstance(s.gpu_name, str) else ' or '.join(s.gpu_name or ['any GPU'])}",
+        f"<= ${s.max_dph:.3f}/hr",
+        f"reliability >= {s.min_reliability}",
+    ]
+    if s.min_gpu_ram_gb:
+        parts.append(f">= {s.min_gpu_ram_gb:g} GB GPU RAM")
+    if s.min_cuda is not None:
+        parts.append(f"CUDA >= {s.min_cuda:g}")
+    if s.direct_ports:
+        parts.append(f">= {s.direct_ports} direct ports")
+    return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class RentalPlan:
+    """The offers to rent (one per stage, cheapest first) and the spares to fall back on when one vanishes."""
+
+    chosen: list[dict[str, Any]]
+    spares: list[dict[str, Any]]
+
+    @property
+    def total_dph(self) -> float:
+        return sum(float(o["dph_total"]) for o in self.chosen)
+
+
+def choose_offers(offers: list[dict[str, Any]], s: Any, count: int) -> RentalPlan:
+    """The ``count`` cheapest matching offers; ProvisionFailed when fewer match or they exceed ``max_total_dph``."""
+    usable = sorted(
+        (o for o in offers if offer_matches(o, s)),
+        key=lambda o: (float(o["dph_total"]), -float(o.get("reliability") or 0), int(o["id"])),
+    )
+    if len(usable) < count:
+        raise ProvisionFailed(
+            f"only {len(usable)} vast.ai offer(s) match {describe_constraints(s)}, but the run "
+            f"needs {count} (one per stage); nothing was rented — relax provider.vastai or use "
+            "fewer stages"
+        )
+    plan = RentalPlan(usable[:count], usable[count:])
+    if plan.total_dph > s.max_total_dph:
+        raise ProvisionFailed(
+            f"the {count} cheapest matching offers cost ${plan.total_dph:.3f}/hr together, over "
+            f"provider.vastai.max_total_dph ${s.max_total_dph:.3f}/hr; nothing was rented"
+        )
+    return plan
+
+
+def plan_lines(plan: RentalPlan, names: list[str], s: Any, run_label: str) -> list[str]:
+    """The plan as printed before anything is rented."""
+    lines = [
+        f"vast.ai plan for run {run_label}: {len(plan.chosen)} instance(s) of {s.image}, cheapest matching offers first"
+    ]
+    for name, o in zip(names, plan.chosen):
+        lines.append(
+            f"  {name:<11} offer {o['id']:<9} {o.get('num_gpus')}x {o.get('gpu_name')} "
+            f"{float(o.get('gpu_ram') or 0) / 1000:.0f} GB  ${float(o['dph_total']):.3f}/hr  "
+            f"reliability {float(o.get('reliability') or 0):.3f}  {o.get('geolocation') or '?'}"
+        )
+    hours = s.estimate_minutes / 60
+    lines.append(
+        f"  total ${plan.total_dph:.3f}/hr (cap ${s.max_total_dph:.3f}/hr); estimated "
+        f"${plan.total_dph * hours:.2f} for {s.estimate_minutes:g} min (boot plus the run's budget); "
+        "storage is billed from creation, GPU time from 'running'"
+    )
+    return lines
+
+
+def encode_env(env: dict[str, str], ports: tuple[str, ...] = ()) -> tuple[dict[str, str], str]:
+    """The create body's ``env`` object and the shell script the instance runs.
+
+    A value too long for one env entry is split into ``NAME__0``, ``NAME__1``, ... and the script joins the parts
+    back into ``NAME`` before it ``exec``s ``pp-node``, so the node sees exactly ``env``. Ports become the API's
+    ``"-p P:P[/udp]": "1"`` entries.
+    """
+    out: dict[str, str] = {}
+    joins = []
+    for name, value in env.items():
+        if not _NAME.match(name):
+            raise ProvisionFailed(f"environment variable name {name!r} cannot be passed to a vast.ai instance")
+        if len(name) + len(value) <= ENV_ENTRY_MAX:
+            out[name] = value
+            continue
+        parts = [value[i : i + CHUNK] for i in range(0, len(value), CHUNK)]
+        out.update({f"{name}__{j}": part for j, part in enumerate(parts)})
+        joins.append(f'export {name}="' + "".join(f"${{{name}__{j}}}" for j in range(len(parts))) + '"')
+    for port in ports:
+        m = _PORT.match(port)
+        if not m:
+            raise ProvisionFailed(f"provider.vastai.ports: {port!r} is not PORT or PORT/udp")
+        out[f"-p {m[1]}:{m[1]}" + ("/udp" if m[3] == "udp" else "")] = "1"
+    total = sum(len(k) + len(v) for k, v in out.items())
+    if total > ENV_TOTAL_MAX:
+        raise ProvisionFailed(f"the node environment is {total} characters, over vast.ai's {ENV_TOTAL_MAX}")
+    script = "; ".join([*joins, f"exec {NODE_COMMAND}"])
+    return out, script
+
+
+def create_body(s: Any, image: str, label: str, env: dict[str, str]) -> dict[str, Any]:
+    """``PUT /api/v0/asks/{id}/``'s body: the image's ENTRYPOINT replaced by ``/bin/sh`` (runtype ``args``, where
+    ``onstart`` is the entrypoint) running the script that starts ``pp-node``, so the instance exits when the node
+    does and its ``actual_status`` shows it."""
+    if len(label) > LABEL_MAX:
+        raise ProvisionFailed(f"run label {label!r} is longer than {LABEL_MAX} characters")
+    env_obj, script = encode_env(env, tuple(s.ports))
+    args = ["-c", script]
+    if sum(map(len, args)) + len("/bin/sh") > ARGS_TOTAL_MAX:
+        raise ProvisionFailed(f"the start command is over vast.ai's {ARGS_TOTAL_MAX} characters")
+    return {
+        "client_id": "me",
+        "image": image,
+        "disk": s.disk_gb,
+        "label": label,
+        "env": env_obj,
+        "runtype": "args",
+        "onstart": "/bin/sh",
+        "args": args,
+    }

@@ -1,0 +1,5 @@
+"""``python -m ppharness.cli``: the ``ppharness`` command."""
+
+from ppharness.cli import main
+
+main()

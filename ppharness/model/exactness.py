@@ -1,0 +1,150 @@
+"""Is a chain's answer the unsplit model's, bit for bit? Tokens, and the hidden state at every stage boundary.
+
+Each stage but the last keeps an 8-byte digest of every hidden state it sends (fp16 bytes, step order: step 0 is the
+prefill, step k the k-th decode step); the oracle, run with boundary taps, digests the output of every block the same
+way. A stage that ends at block ``hi`` sends what the unsplit model has after block ``hi - 1``, so the two lists can be
+compared boundary by boundary and step by step. A mismatch names the first token that differs and the first
+(step, boundary) whose hidden state differs, which is where a split started to change the numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def digest(hidden: np.ndarray) -> bytes:
+    """The digest of a hidden state as the chain defines it: its fp16 bytes (an f32 wire widens them exactly)."""
+    return hashlib.blake2b(np.ascontiguousarray(hidden, dtype=np.float16), digest_size=8).digest()  # no copy
+
+
+@dataclass(frozen=True)
+class BoundaryDiff:
+    """The first hidden state that differs: after stage ``stage`` (block ``block``) at decode ``step``."""
+
+    stage: int
+    block: int
+    step: int
+    position: int
+
+    def __str__(self) -> str:
+        what = "the prefill" if self.step == 0 else f"decode step {self.step} (position {self.position})"
+        return (
+            f"the hidden state stage {self.stage} sent to stage {self.stage + 1} (after block {self.block}) "
+            f"differs from the unsplit model's at {what}"
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What comparing a chain with the oracle found."""
+
+    tokens_equal: bool
+    first_token_diff: int | None  # index into the generated tokens; None when they are equal
+    boundaries_compared: int  # hidden states compared byte for byte (stage boundaries x steps)
+    boundary_diff: BoundaryDiff | None = None
+    missing: list[int] = field(default_factory=list)  # stages that reported no digests for this request
+
+    @property
+    def exact(self) -> bool:
+        return self.tokens_equal and self.boundary_diff is None and not self.missing
+
+    def describe(self, chain: list[int], oracle: list[int]) -> str:
+        """One line for a mismatch: the first differing token and the first differing boundary."""
+        parts = []
+        if not self.tokens_equal:
+            k = self.first_token_diff
+            assert k is not None
+            got = chain[k] if k < len(chain) else "nothing (the chain stopped)"
+            want = oracle[k] if k < len(oracle) else "nothing (the oracle stopped)"
+            parts.append(f"token {k} differs: the chain gave {got}, the unsplit model {want}")
+        if self.boundary_diff is not None:
+            parts.append(str(self.boundary_diff))
+        elif self.missing:
+            parts.append(f"stage(s) {self.missing} sent no hidden-state digests, so no boundary could be checked")
+        else:
+            parts.append(f"all {self.boundaries_compared} stage-boundary hidden states are equal")
+        return "; ".join(parts)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (a shorter list differs where it ends); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(
+    chain_tokens: list[int],
+    oracle_tokens: list[int],
+    ranges: Sequence[tuple[int, int]],
+    stage_digests: dict[int, list[bytes]],
+    oracle_digests: dict[int, list[bytes]],
+    prompt_tokens: int,
+) -> Verdict:
+    """Compare a chain (its tokens and ``stage_digests[stage]``) with the oracle (tokens and ``oracle_digests[block]``,
+    from ``oracle_decode(..., boundaries=True)``). ``ranges`` are the stages' block ranges."""
+    k = first_difference(chain_tokens, oracle_tokens)
+    missing = [i for i in range(len(ranges) - 1) if not stage_digests.get(i)]
+    compared = 0
+    first: BoundaryDiff | None = None
+    steps = max((len(d) for d in stage_digests.values()), default=0)
+    for step in range(steps):
+        for i, (_, hi) in enumerate(ranges[:-1]):
+            ours, theirs = stage_digests.get(i, []), oracle_digests.get(hi - 1, [])
+            if step >= len(ours):
+                continue
+            if step >= len(theirs) or ours[step] != theirs[step]:
+                first = first or BoundaryDiff(i, hi - 1, step, prompt_tokens + step - 1 if step else 0)
+            else:
+                compared += 1
+        if first is not None:
+            break
+    return Verdict(
+        tokens_equal=k is None, first_token_diff=k, boundaries_compared=compared, boundary_diff=first, missing=missing
+    )
+
+
+@dataclass(frozen=True)
+class SplitCheck:
+    """One split checked in process against the unsplit model."""
+
+    ranges: list[tuple[int, int]]
+    verdict: Verdict
+    token_ids: list[int]
+    same_kernels: bool  # the stages' compiled decode steps run exactly the whole model's kernels
+
+    @property
+    def exact(self) -> bool:
+        return self.verdict.exact and self.same_kernels
+
+
+def check_splits(
+    model_path: str, prompt: str, max_tokens: int, splits: list[list[tuple[int, int]]], max_context: int = 256
+) -> tuple[object, list[SplitCheck]]:
+    """Run the unsplit model (tapped) once and every split in one process over the memory transport, on whatever
+    device tinygrad uses (``DEV``); compare tokens, every stage-boundary hidden state and the compiled kernels."""
+    from ppharness.model.oracle import oracle_decode
+    from ppharness.model.slicing import GGUFFile
+    from ppharness.testing.inprocess import load_slices, run_inprocess
+
+    gguf = GGUFFile(model_path)
+    whole = load_slices(gguf, [(0, gguf.config.blocks)], max_context, taps=True)[0]
+    oracle = oracle_decode(model_path, prompt, max_tokens, max_context, model=whole, boundaries=True)
+    kernels = whole.decode_kernels()
+    out = []
+    for ranges in splits:
+        slices = load_slices(gguf, ranges, max_context)
+        digests: dict[int, list[bytes]] = {}
+        chain = run_inprocess(gguf, slices, prompt, max_tokens, digests=digests)
+        verdict = compare(
+            chain.token_ids, oracle.token_ids, ranges, digests, oracle.boundary_digests, oracle.prompt_tokens
+        )
+        same = [k for s in slices for k in s.decode_kernels()] == kernels
+        out.append(SplitCheck(ranges, verdict, chain.token_ids, same))
+        del slices
+    return oracle, out

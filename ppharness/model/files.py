@@ -1,0 +1,393 @@
+"""Models without a hub: a deterministic synthetic GGUF writer, and fetching real GGUF files.
+
+``make_synthetic(spec, path)`` writes a llama-architecture GGUF that tinygrad 0.12 reads like any llama file: random
+fp16 weights from a seeded generator and a byte-level BPE vocabulary (256 byte tokens, merges learned from a built-in
+corpus and then extended by seeded concatenations, then llama-3 special tokens). The same spec gives the same bytes.
+``spec.type`` picks how the 2-D weight matrices are stored: ``f16`` (default), or quantised by the ``gguf`` package's
+own quantisers to ``q8_0`` (the format ``ollama pull llama3.2:1b`` serves) or ``q4_0``; the quantised model is the f16
+model of the same seed, quantised. 1-D weights (the norms) stay F32, as llama.cpp keeps them.
+
+``resolve_model(source)`` turns a scenario's model (synthetic spec, local path or URL) into a local GGUF path, building
+or downloading it once into the cache directory.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from ppharness.errors import ModelError
+
+# GPT-2 byte <-> unicode mapping, as tinygrad's SimpleTokenizer reads it: printable bytes map to themselves, the rest to
+# code points from 256 upwards.
+_BS = [*range(33, 127), *range(161, 173), *range(174, 256)]
+BYTE_TO_CHAR = {b: chr(b) for b in _BS} | {b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _BS)}
+
+SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+_CORPUS = """\
+Pipeline parallel inference splits a model's transformer blocks into contiguous ranges, one range per stage.
+The first stage tokenizes the prompt and embeds it; the last stage applies the final norm, the output head and
+argmax, and sends the token back to the first stage for the next step. Each stage keeps the key and value cache
+of its own layers. The quick brown fox jumps over the lazy dog. A stage that dies mid-run must never leave a
+process, a container or a rented machine behind. Large mixture of experts models run on consumer graphics cards
+over the wide area network, where every hop costs milliseconds and every byte counts. Héllo wörld, naïve café,
+señor, Grüße aus Köln; 1234567890. The test harness runs the same scenario on local processes, in containers and
+on rented machines, and checks that a split never changes the answer: token for token equal to the unsplit model.
+"""
+
+
+# weight type -> (the GGML type of every 2-D weight, the file's general.file_type)
+WEIGHT_TYPES: dict[str, tuple[str, str]] = {
+    "f16": ("F16", "MOSTLY_F16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+}
+QUANT_BLOCK = 32  # elements per Q8_0 / Q4_0 block, along a row
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A synthetic llama model: dimensions, vocabulary size, the seed of its weights and how they are stored."""
+
+    blocks: int = 8
+    dim: int = 64
+    ffn: int = 192
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 512
+    context: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tied_embeddings: bool = False
+    seed: int = 0
+    type: str = "f16"
+
+    def __post_init__(self) -> None:
+        wtype = str(self.type).lower()
+        if wtype not in WEIGHT_TYPES:
+            raise ModelError(f"unknown weight type {self.type!r}: expected one of {', '.join(WEIGHT_TYPES)}")
+        object.__setattr__(self, "type", wtype)
+        if wtype != "f16" and (self.dim % QUANT_BLOCK or self.ffn % QUANT_BLOCK):
+            raise ModelError(
+                f"{wtype} stores rows in blocks of {QUANT_BLOCK}: dim {self.dim} and ffn {self.ffn} must "
+                f"be multiples of {QUANT_BLOCK}"
+            )
+        n_special = len(SPECIAL_TOKENS)
+        if self.vocab < 256 + n_special:
+            raise ModelError(
+                f"vocab {self.vocab} is too small: a byte-level BPE vocabulary needs at least {256 + n_special}"
+            )
+        if self.dim % self.heads or self.heads % self.kv_heads:
+            raise ModelError(
+                f"dim {self.dim}, heads {self.heads}, kv_heads {self.kv_heads}: dim must divide by heads "
+                "and heads by kv_heads"
+            )
+        if (self.dim // self.heads) % 2:
+            raise ModelError(f"head dim {self.dim // self.heads} must be even for rotary embeddings")
+        if self.blocks < 1:
+            raise ModelError(f"blocks {self.blocks} must be at least 1")
+
+    @property
+    def n_params(self) -> int:
+        hd = self.dim // self.heads
+        per_block = 2 * self.dim + self.dim * hd * (self.heads * 2 + self.kv_heads * 2) + 3 * self.dim * self.ffn
+        head = 0 if self.tied_embeddings else self.vocab * self.dim
+        return self.vocab * self.dim + self.blocks * per_block + self.dim + head
+
+    def slug(self) -> str:
+        """The cache file's name: dimensions, seed, weight type (when not f16) and a digest of every field."""
+        fields = asdict(self)
+        if self.type == "f16":  # f16 files keep the names they had before weight types existed
+            del fields["type"]
+        digest = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:12]
+        wtype = "" if self.type == "f16" else f"-{self.type}"
+        return f"synthetic-{self.blocks}x{self.dim}-v{self.vocab}-s{self.seed}{wtype}-{digest}"
+
+
+PRESETS: dict[str, ModelSpec] = {
+    # CI: fast to compile and run on two CPU cores, still 8 blocks so any N up to 8 is possible.
+    "tiny": ModelSpec(),
+    # A little more work per token, for CPU benchmarks.
+    "small": ModelSpec(blocks=12, dim=256, ffn=768, heads=8, kv_heads=4, vocab=2048),
+    # llama-3.2-1B dimensions, for GPU work (about 1.24 B parameters, 2.5 GB in fp16).
+    "llama-3.2-1b": ModelSpec(
+        blocks=16,
+        dim=2048,
+        ffn=8192,
+        heads=32,
+        kv_heads=8,
+        vocab=128256,
+        context=8192,
+        rope_theta=500000.0,
+        tied_embeddings=True,
+    ),
+}
+
+
+def preset_spec(preset: str, **overrides: object) -> ModelSpec:
+    """A preset's spec with the non-None overrides applied."""
+    try:
+        spec = PRESETS[preset]
+    except KeyError:
+        raise ModelError(f"unknown model preset {preset!r}: expected one of {', '.join(PRESETS)}") from None
+    return replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def preset_blocks(preset: str, blocks_override: int | None = None) -> int:
+    return blocks_override if blocks_override is not None else preset_spec(preset).blocks
+
+
+# --- vocabulary -----------------------------------------------------------------------------------------------------
+
+
+def _encode_bytes(b: bytes) -> str:
+    return "".join(BYTE_TO_CHAR[x] for x in b)
+
+
+def build_vocab(n_merges: int, seed: int) -> tuple[list[str], list[str]]:
+    """(tokens, merges): 256 byte tokens then ``n_merges`` merged tokens, in rank order.
+
+    Merges are learned by BPE from the built-in corpus first (so real text compresses); when the corpus has no pair
+    left to merge, further merges concatenate two existing tokens chosen by a seeded generator.
+    """
+    tokens = [BYTE_TO_CHAR[b] for b in range(256)]
+    merges: list[str] = []
+    known = set(tokens)
+    words = collections.Counter(re.findall(r" ?[^\s]+|\s+", _CORPUS))
+    seqs = {w: [_encode_bytes(bytes([c])) for c in w.encode()] for w in words}
+    while len(merges) < n_merges:
+        pairs: collections.Counter[tuple[str, str]] = collections.Counter()
+        for w, n in words.items():
+            s = seqs[w]
+            for a, b in zip(s, s[1:]):
+                pairs[(a, b)] += n
+        if not pairs:
+            break
+        (a, b), _ = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+        merged = a + b
+        merges.append(f"{a} {b}")
+        if merged not in known:
+            tokens.append(merged)
+            known.add(merged)
+        for w in words:
+            s, out, i = seqs[w], [], 0
+            while i < len(s):
+                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(s[i])
+                    i += 1
+            seqs[w] = out
+    rng = np.random.default_rng(seed + 0x5EED)
+    while len(tokens) < 256 + n_merges:
+        a, b = tokens[rng.integers(len(tokens))], tokens[rng.integers(len(tokens))]
+        if a + b in known or len(a + b) > 16:
+            continue
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+        known.add(a + b)
+    return tokens, merges
+
+
+# --- writer ---------------------------------------------------------------------------------------------------------
+
+
+def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
+    """Write ``spec`` as a GGUF file at ``path`` (atomically) and return the path. Deterministic in ``spec``.
+
+    Every 2-D weight (embedding, attention and FFN matrices, the untied head) is stored in ``spec.type``, quantised
+    with ``gguf.quants.quantize`` for q8_0 and q4_0, as llama.cpp's converter writes ``--outtype q8_0``; the 1-D norm
+    weights are F32. (llama.cpp's ``llama-quantize`` to Q4_0 would also store the output head as Q6_K, which the
+    ``gguf`` package cannot quantise; here the head is Q4_0 like every other matrix.)
+    """
+    import gguf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n_special = len(SPECIAL_TOKENS)
+    tokens, merges = build_vocab(spec.vocab - 256 - n_special, spec.seed)
+    tokens = tokens + list(SPECIAL_TOKENS)
+    token_types = [1] * (len(tokens) - n_special) + [3] * n_special
+    bos, eos = tokens.index("<|begin_of_text|>"), tokens.index("<|end_of_text|>")
+
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")  # processes building the same model do not collide
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(spec.slug())
+    w.add_context_length(spec.context)
+    w.add_embedding_length(spec.dim)
+    w.add_block_count(spec.blocks)
+    w.add_feed_forward_length(spec.ffn)
+    w.add_head_count(spec.heads)
+    w.add_head_count_kv(spec.kv_heads)
+    w.add_layer_norm_rms_eps(spec.norm_eps)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_rope_dimension_count(spec.dim // spec.heads)
+    w.add_vocab_size(spec.vocab)
+    ggml_type, file_type = WEIGHT_TYPES[spec.type]
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    w.add_file_type(gguf.LlamaFileType[file_type])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("llama-bpe")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(True)
+
+    rng = np.random.default_rng(spec.seed)
+    hd = spec.dim // spec.heads
+
+    def rand(*shape: int, std: float) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float16)
+
+    def norm_weight() -> np.ndarray:
+        return (1.0 + rng.standard_normal(spec.dim, dtype=np.float32) * 0.1).astype(np.float32)
+
+    def matrix(name: str, arr: np.ndarray) -> None:
+        if qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, arr)
+        else:  # (rows, bytes) of blocks; the writer records the element shape
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+
+    # Shapes are tinygrad's (out, in); GGUF stores dimensions reversed and tinygrad reverses them back.
+    matrix("token_embd.weight", rand(spec.vocab, spec.dim, std=1.0))
+    lin = 1.0 / np.sqrt(spec.dim)
+    for i in range(spec.blocks):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", norm_weight())
+        matrix(f"blk.{i}.attn_q.weight", rand(spec.heads * hd, spec.dim, std=lin))
+        matrix(f"blk.{i}.attn_k.weight", rand(spec.kv_heads * hd, spec.dim, std=lin))
+        matrix(f"blk.{i}.attn_v.weight", rand(spec.kv_heads * hd, spec.dim, std=lin))
+        matrix(f"blk.{i}.attn_output.weight", rand(spec.dim, spec.heads * hd, std=lin))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", norm_weight())
+        matrix(f"blk.{i}.ffn_gate.weight", rand(spec.ffn, spec.dim, std=lin))
+        matrix(f"blk.{i}.ffn_up.weight", rand(spec.ffn, spec.dim, std=lin))
+        matrix(f"blk.{i}.ffn_down.weight", rand(spec.dim, spec.ffn, std=1.0 / np.sqrt(spec.ffn)))
+    w.add_tensor("output_norm.weight", norm_weight())
+    if not spec.tied_embeddings:
+        matrix("output.weight", rand(spec.vocab, spec.dim, std=lin))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    os.replace(tmp, path)
+    return path
+
+
+# --- resolving a scenario's model to a local file ------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Where built and downloaded models live: $PPHARNESS_CACHE, else ~/.cache/ppharness."""
+    return Path(os.environ.get("PPHARNESS_CACHE") or Path.home() / ".cache" / "ppharness")
+
+
+def synthetic_path(spec: ModelSpec) -> Path:
+    """The cached GGUF for ``spec``, built on first use."""
+    path = cache_dir() / "models" / f"{spec.slug()}.gguf"
+    if not path.exists():
+        make_synthetic(spec, path)
+    return path
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_BLOB_DIGEST = re.compile(r"/blobs/sha256:([0-9a-fA-F]{64})$")
+
+
+def download(url: str, sha256: str | None = None, progress: bool = True) -> Path:
+    """Download ``url`` once into the cache (resumable by re-running), check its sha256, return the path.
+
+    A registry blob URL (``.../blobs/sha256:<digest>``, e.g. ollama's) names its own sha256, which is checked when
+    ``sha256`` is not given. A download that nothing pins prints its sha256 (on stderr) so that it can be pinned.
+    """
+    import httpx
+    from tqdm import tqdm
+
+    if sha256 is None and (m := _BLOB_DIGEST.search(url.split("?", 1)[0])):
+        sha256 = m.group(1)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", url.rsplit("/", 1)[-1]) or "model.gguf"
+    path = cache_dir() / "downloads" / f"{hashlib.sha256(url.encode()).hexdigest()[:12]}-{name}"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.part")  # nodes sharing a cache download side by side
+        try:
+            with httpx.stream("GET", url, follow_redirects=True, timeout=httpx.Timeout(30.0, read=300.0)) as r:
+                r.raise_for_status()
+                total = int(r.headers.get("content-length", 0)) or None
+                with (
+                    open(tmp, "wb") as f,
+                    tqdm(total=total, unit="B", unit_scale=True, desc=name, disable=not progress) as bar,
+                ):
+                    for chunk in r.iter_bytes(1 << 20):
+                        f.write(chunk)
+                        bar.update(len(chunk))
+        except httpx.HTTPError as exc:
+            tmp.unlink(missing_ok=True)
+            raise ModelError(f"downloading {url} failed: {exc}") from exc
+        os.replace(tmp, path)
+        if not sha256:
+            print(
+                f"downloaded {url} to {path}: {path.stat().st_size:,} bytes, sha256 {sha256_file(path)} "
+                "(pin it with the scenario's model.sha256)",
+                file=sys.stderr,
+                flush=True,
+            )
+    if sha256:
+        actual = sha256_file(path)
+        if actual != sha256.lower():
+            path.unlink()
+            raise ModelError(f"{url}: sha256 {actual} does not match the expected {sha256}; the download was removed")
+    return path
+
+
+def resolve_model(source: str, sha256: str | None = None) -> Path:
+    """A model source -> a local GGUF path.
+
+    ``source`` is ``synthetic:<preset>[,key=value...]`` (e.g. ``synthetic:tiny,blocks=4,seed=3``), a local path, or an
+    http(s) URL (downloaded once with a progress bar, checked against ``sha256`` when given).
+    """
+    if source.startswith("synthetic:"):
+        return synthetic_path(parse_synthetic(source))
+    if source.startswith(("http://", "https://")):
+        return download(source, sha256)
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ModelError(f"model file {path} does not exist")
+    if sha256 and sha256_file(path) != sha256.lower():
+        raise ModelError(f"model file {path}: sha256 does not match the expected {sha256}")
+    return path
+
+
+def parse_synthetic(source: str) -> ModelSpec:
+    """``synthetic:tiny,blocks=4,seed=3`` -> ModelSpec."""
+    preset, *pairs = source.removeprefix("synthetic:").split(",")
+    fields = {f: type(v) for f, v in asdict(PRESETS["tiny"]).items()}
+    overrides: dict[str, object] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in fields:
+            raise ModelError(f"{source!r}: unknown synthetic model field {key!r}; expected one of {', '.join(fields)}")
+        typ = fields[key]
+        overrides[key] = value.lower() in ("1", "true", "yes") if typ is bool else typ(value)
+    return preset_spec(preset or "tiny", **overrides)
+
+
+def synthetic_source(spec: ModelSpec) -> str:
+    """The inverse of ``parse_synthetic``: a spec as a ``synthetic:`` source string (every field explicit)."""
+    return "synthetic:tiny," + ",".join(f"{k}={v}" for k, v in asdict(spec).items())

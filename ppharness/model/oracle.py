@@ -1,0 +1,84 @@
+"""The oracle: the unsplit model's greedy decode in one process, through the same ModelSlice code as the stages."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ppharness.model.decoding import finish_reason, visible
+
+
+@dataclass(frozen=True)
+class OracleResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    load_s: float
+    ttft_s: float  # prefill: prompt in, first token out
+    decode_tok_s: float  # tokens per second after the first token
+    n_params: int
+    # with boundaries=True: block index -> digest of that block's output at each step (ppharness.model.exactness)
+    boundary_digests: dict[int, list[bytes]] = field(default_factory=dict)
+
+
+def oracle_decode(
+    model_path: str | os.PathLike[str],
+    prompt: str,
+    max_tokens: int,
+    max_context: int = 256,
+    model: object | None = None,
+    boundaries: bool = False,
+) -> OracleResult:
+    """Greedy decode of ``prompt`` with the whole model in this process. ``model`` reuses an already loaded one
+    (its file and tokenizer too). ``boundaries`` also digests every block's output at every step (a model passed in
+    must then have been built with ``taps=True``)."""
+    from ppharness.model.decoding import warm_up
+    from ppharness.model.exactness import digest
+    from ppharness.model.slicing import GGUFFile, ModelSlice
+
+    t0 = time.monotonic()
+    if model is None:
+        f = GGUFFile(Path(model_path))
+        model = ModelSlice(f, 0, f.config.blocks, True, True, max_context, taps=boundaries)
+        warm_up(model)
+    if boundaries and not model.taps:  # type: ignore[attr-defined]
+        raise ValueError("oracle_decode(boundaries=True) needs a model built with taps=True")
+    digests: dict[int, list[bytes]] = {}
+    recording_s = 0.0  # time spent reading the taps, left out of the decode speed
+
+    def record() -> None:
+        nonlocal recording_s
+        if boundaries:
+            r0 = time.monotonic()
+            for block, hidden in model.tapped().items():  # type: ignore[attr-defined]
+                digests.setdefault(block, []).append(digest(hidden))
+            recording_s += time.monotonic() - r0
+
+    f = model.file  # type: ignore[attr-defined]
+    tok = f.tokenizer
+    load_s = time.monotonic() - t0
+    cfg = f.config
+    ids = ([cfg.bos_id] if cfg.bos_id is not None else []) + tok.encode(prompt)
+    t1 = time.monotonic()
+    tokens = [model.prefill(ids)]  # type: ignore[attr-defined]
+    t2 = time.monotonic()
+    record()
+    while (reason := finish_reason(tokens, cfg.eos_id, max_tokens)) is None:
+        tokens.append(model.decode([tokens[-1]], len(ids) + len(tokens) - 1))  # type: ignore[attr-defined]
+        record()
+    t3 = time.monotonic() - recording_s
+    out = visible(tokens, cfg.eos_id)
+    return OracleResult(
+        token_ids=out,
+        text=tok.decode(out),
+        finish_reason=reason,
+        prompt_tokens=len(ids),
+        load_s=load_s,
+        ttft_s=t2 - t1,
+        decode_tok_s=(len(tokens) - 1) / (t3 - t2) if t3 > t2 else 0.0,
+        n_params=model.n_params,
+        boundary_digests=digests,
+    )  # type: ignore[attr-defined]

@@ -1,0 +1,188 @@
+"""Failure detection: who is alive, suspect or dead, by one of two engines behind one small interface.
+
+- ``kinship``: SWIM with the Lifeguard extensions (the protocol of HashiCorp's memberlist), from the ``kinship``
+  package. Every node and the orchestrator gossip over UDP among themselves; a killed node is suspected after a missed
+  probe and declared dead when nobody can refute the suspicion. It needs every member to reach every other member's
+  UDP port, which holds for local processes and (with a per-run key) for one bridge network.
+- ``heartbeat``: carried over the run's own transport, for members that cannot reach each other's UDP ports (a laptop
+  behind NAT talking to rented machines through iroh relays). Each node sends a Heartbeat to the seed every
+  ``heartbeat_s``; the seed suspects a node after ``suspect_after`` missed beats and declares it dead after
+  ``dead_after_s`` of silence, so one lost packet is never a death.
+
+``auto`` picks kinship when the provider says its nodes share a network with the orchestrator, heartbeat otherwise.
+The seed side is polled from the orchestrator's wait loop (``dead()``); nodes run their side on a background thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ppharness.errors import ClusterError
+from ppharness.plan.stages import stage_name
+from ppharness.wire.messages import Heartbeat
+
+ENGINES = ("auto", "kinship", "heartbeat")
+
+
+def choose_engine(engine: str, gossip_reachable: bool) -> str:
+    """The engine a run uses: the scenario's choice, or for ``auto`` what the provider's network allows."""
+    if engine not in ENGINES:
+        raise ClusterError(f"unknown membership engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    if engine == "auto":
+        return "kinship" if gossip_reachable else "heartbeat"
+    return engine
+
+
+class HeartbeatDetector:
+    """Seed side of the heartbeat engine: feed it Heartbeats, ask it who is dead."""
+
+    name = "heartbeat"
+
+    def __init__(
+        self,
+        num_stages: int,
+        heartbeat_s: float,
+        suspect_after: int,
+        dead_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.heartbeat_s, self.suspect_after, self.dead_after_s, self.clock = (
+            heartbeat_s,
+            suspect_after,
+            dead_after_s,
+            clock,
+        )
+        self.last_seen: dict[int, float] = {}
+        self.num_stages = num_stages
+
+    def node_env(self) -> dict[str, str]:
+        return {"PP_MEMBERSHIP": "heartbeat", "PP_HEARTBEAT_S": str(self.heartbeat_s)}
+
+    def watch(self, stages: list[int]) -> None:
+        """Start the clocks: from now on a stage that stays silent too long is dead."""
+        now = self.clock()
+        for s in stages:
+            self.last_seen.setdefault(s, now)
+
+    def on_message(self, msg: Any) -> bool:
+        """Take a Heartbeat (True), or say it was not one (False)."""
+        if isinstance(msg, Heartbeat):
+            if msg.stage in self.last_seen or 0 <= msg.stage < self.num_stages:
+                self.last_seen[msg.stage] = self.clock()
+            return True
+        return False
+
+    def suspects(self) -> list[int]:
+        now = self.clock()
+        return [s for s, t in self.last_seen.items() if now - t > self.suspect_after * self.heartbeat_s]
+
+    def dead(self) -> list[tuple[int, str]]:
+        now = self.clock()
+        return [
+            (s, f"no heartbeat for {now - t:.1f} s (dead after {self.dead_after_s:g} s)")
+            for s, t in sorted(self.last_seen.items())
+            if now - t > self.dead_after_s
+        ]
+
+    def close(self) -> None:
+        pass
+
+
+class KinshipDetector:
+    """Seed side of the kinship engine: a SWIM/Lifeguard member of its own, which the nodes join."""
+
+    name = "kinship"
+
+    def __init__(self, run_label: str, bind_host: str = "127.0.0.1"):
+        import kinship
+        from kinship.blocking import Cluster
+
+        self._kinship = kinship
+        self._key = base64.b64encode(os.urandom(32)).decode()  # per run: gossip from other runs is unreadable
+        self._label = run_label[:64]
+        cfg = kinship.Config.local(bind=f"{bind_host}:0", name="pp-seed", cluster=self._label, keys=[self._key])
+        self._cluster = Cluster(cfg).start()
+        self.address = self._cluster.local.addr
+        self._watched: list[int] = []
+
+    def node_env(self) -> dict[str, str]:
+        return {
+            "PP_MEMBERSHIP": "kinship",
+            "PP_GOSSIP_SEED": self.address,
+            "PP_GOSSIP_KEY": self._key,
+            "PP_GOSSIP_CLUSTER": self._label,
+        }
+
+    def watch(self, stages: list[int]) -> None:
+        self._watched += [s for s in stages if s not in self._watched]
+
+    def on_message(self, msg: Any) -> bool:
+        return isinstance(msg, Heartbeat)
+
+    def dead(self) -> list[tuple[int, str]]:
+        out = []
+        for s in self._watched:
+            m = self._cluster.member(stage_name(s))
+            if m is None:
+                continue
+            if m.state in (self._kinship.State.DEAD, self._kinship.State.LEFT):
+                out.append((s, f"declared {m.state.name.lower()} by SWIM/Lifeguard (kinship)"))
+        return out
+
+    def close(self) -> None:
+        self._cluster.close()
+
+
+# --- node side ------------------------------------------------------------------------------------------------------
+
+
+class NodeMembership:
+    """A node's side of whichever engine the seed chose (from its environment); ``close()`` leaves cleanly."""
+
+    def __init__(self, env: dict[str, str], stage: int, seed: str, transport: Any, log: Callable[[str], None]):
+        self.engine = env.get("PP_MEMBERSHIP", "")
+        self._stop = threading.Event()
+        self._cluster: Any = None
+        self._thread: threading.Thread | None = None
+        if self.engine == "heartbeat":
+            period = float(env.get("PP_HEARTBEAT_S", "1.0"))
+            self._thread = threading.Thread(
+                target=self._beat, args=(transport, seed, stage, period, log), name="pp-heartbeat", daemon=True
+            )
+            self._thread.start()
+        elif self.engine == "kinship":
+            import kinship
+            from kinship.blocking import Cluster
+
+            cfg = kinship.Config.local(
+                bind=f"{env.get('PP_GOSSIP_BIND', '127.0.0.1')}:0",
+                name=stage_name(stage),
+                seeds=[env["PP_GOSSIP_SEED"]],
+                cluster=env.get("PP_GOSSIP_CLUSTER") or None,
+                keys=[env["PP_GOSSIP_KEY"]],
+            )
+            self._cluster = Cluster(cfg).start()
+
+    def _beat(self, transport: Any, seed: str, stage: int, period: float, log: Callable[[str], None]) -> None:
+        seq = 0
+        while not self._stop.wait(period):
+            seq += 1
+            try:
+                transport.send(seed, Heartbeat(stage=stage, seq=seq))
+            except Exception as exc:  # the seed may be gone; the node's own loop decides what that means
+                log(f"heartbeat {seq} to the seed failed: {exc}")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        if self._cluster is not None:
+            try:
+                self._cluster.close()
+            except Exception:
+                pass

@@ -1,0 +1,286 @@
+"""``pp-node``: the one process every provider starts, one per stage.
+
+Inputs come from the environment (the node contract): ``STAGE``, ``NUM_STAGES``, ``SEED_ADDR`` (the orchestrator's
+transport address), ``MODEL`` (GGUF path, URL or ``synthetic:`` spec), ``PLAN`` (JSON StagePlan: block range, plan id,
+wire dtype, timeouts), ``TRANSPORT`` (registry kind) and ``PP_RUN_LABEL``. Optional: ``PP_BIND_HOST`` and
+``PP_ADVERTISE_HOST`` for transports that bind sockets.
+
+The node joins the cluster, loads only its own layers, compiles its decode step, reports Ready, and serves until
+Shutdown (exit 0). Any failure is reported to the seed as an Error message with one line of reason, then exit 1.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+from ppharness.errors import CodecError, HarnessError, TransportTimeout
+from ppharness.model.decoding import warm_up
+from ppharness.plan.stages import StagePlan, names_of
+from ppharness.registry import transport_class
+from ppharness.run.cluster import resolve_members
+from ppharness.run.membership import NodeMembership
+from ppharness.testing.faults import with_fault
+from ppharness.trace.tracer import Tracer, now_ns
+from ppharness.wire import codec
+from ppharness.wire.messages import (
+    ClockProbe,
+    ClockReply,
+    DigestReport,
+    DigestRequest,
+    Error,
+    Join,
+    Message,
+    Ready,
+    Shutdown,
+    Stopped,
+    TraceReport,
+    TraceRequest,
+)
+
+REQUIRED_ENV = ("STAGE", "NUM_STAGES", "SEED_ADDR", "MODEL", "PLAN", "TRANSPORT")
+
+
+def _log(stage: int | str, text: str) -> None:
+    print(f"[pp-node stage {stage}] {text}", file=sys.stderr, flush=True)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def device_bytes() -> int:
+    """Bytes of tinygrad buffers this process holds on its device (0 before tinygrad is imported)."""
+    helpers = sys.modules.get("tinygrad.helpers")
+    return int(helpers.GlobalCounters.mem_used) if helpers is not None else 0
+
+
+def read_env(env: dict[str, str]) -> tuple[StagePlan, dict[str, str]]:
+    missing = [k for k in REQUIRED_ENV if not env.get(k)]
+    if missing:
+        raise HarnessError(
+            f"missing environment variable(s) {', '.join(missing)}; pp-node needs {', '.join(REQUIRED_ENV)}"
+        )
+    try:
+        plan = msgspec.json.decode(env["PLAN"], type=StagePlan)
+    except msgspec.DecodeError as exc:
+        raise HarnessError(f"PLAN is not a valid stage plan: {exc}") from exc
+    if str(plan.stage) != env["STAGE"] or str(plan.num_stages) != env["NUM_STAGES"]:
+        raise HarnessError(
+            f"PLAN says stage {plan.stage} of {plan.num_stages}, but STAGE={env['STAGE']} "
+            f"NUM_STAGES={env['NUM_STAGES']}"
+        )
+    return plan, env
+
+
+def make_transport(kind: str, env: dict[str, str]) -> Any:
+    """The node's transport: options from ``PP_TRANSPORT_OPTS`` (JSON, made by the transport's ``plan_endpoints``)
+    plus the bind/advertise hosts of providers that set them."""
+    cls = transport_class(kind)
+    try:
+        opts = msgspec.json.decode(env.get("PP_TRANSPORT_OPTS") or "{}", type=dict)
+    except msgspec.DecodeError as exc:
+        raise HarnessError(f"PP_TRANSPORT_OPTS is not a JSON object: {exc}") from exc
+    if env.get("PP_BIND_HOST"):
+        opts["host"] = env["PP_BIND_HOST"]
+    if env.get("PP_ADVERTISE_HOST"):
+        opts["advertise_host"] = env["PP_ADVERTISE_HOST"]
+    return cls(**opts)
+
+
+def load_stage_model(model_source: str, plan: StagePlan) -> tuple[Any, Any, float]:
+    """(ModelSlice, tokenizer or None, seconds): only this stage's tensors, decode step compiled and warmed."""
+    from ppharness.model.files import resolve_model
+    from ppharness.model.slicing import GGUFFile, ModelSlice
+
+    t0 = time.monotonic()
+    gguf_file = GGUFFile(resolve_model(model_source))
+    model = ModelSlice(gguf_file, plan.lo, plan.hi, plan.first, plan.last, plan.max_context)
+    tokenizer = gguf_file.tokenizer if plan.first or plan.last else None
+    warm_up(model)
+    return model, tokenizer, time.monotonic() - t0
+
+
+def _receive(transport: Any, timed: bool) -> tuple[str, Message, Any]:
+    """The next message; with ``timed``, also when it arrived and how long decoding took (for the trace)."""
+    if not timed:
+        sender, msg = transport.recv(1.0)
+        return sender, msg, None
+    sender, frame = transport.recv_frame(1.0)
+    t0 = now_ns()
+    msg = codec.decode(frame)
+    return sender, msg, (t0, t0, now_ns(), len(frame))
+
+
+def _idle_until_orphaned(parent: int) -> int:
+    """Do nothing (a fault under test) until the process that started this node is gone."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    return 1
+
+
+# what only the orchestrator may send a node; replies go to the orchestrator, never to an address a frame names
+CONTROL = (Shutdown, ClockProbe, TraceRequest, DigestRequest)
+
+
+def _reply(transport: Any, seed: str, msg: Message, log: Any) -> None:
+    """Answer the orchestrator; a failed answer is logged, never fatal (the orchestrator notices the silence)."""
+    try:
+        transport.send(seed, msg)
+    except HarnessError as exc:
+        log(f"could not answer the orchestrator with {type(msg).__name__}: {exc}")
+
+
+def serve(plan: StagePlan, env: dict[str, str]) -> int:
+    from ppharness.run.stage import Stage
+
+    seed = env["SEED_ADDR"]
+    log = lambda text: _log(plan.stage, text)  # noqa: E731
+    parent = os.getppid()
+    try:
+        transport = make_transport(env["TRANSPORT"], env)
+        address = transport.start()
+    except HarnessError as exc:
+        log(f"failed: could not start the {env['TRANSPORT']} transport: {exc}")
+        return 1
+    fault = env.get("PP_FAULT", "")
+    membership: NodeMembership | None = None
+    try:
+        if fault == "never-join":
+            log("fault never-join: not joining the cluster")
+            return _idle_until_orphaned(parent)
+        names = [] if fault == "no-names" else names_of(plan.stage, plan.num_stages)
+        transport.send(
+            seed,
+            Join(
+                stage=plan.stage,
+                num_stages=plan.num_stages,
+                address=address,
+                names=names,
+                run_label=env.get("PP_RUN_LABEL", ""),
+                pid=os.getpid(),
+            ),
+        )
+        membership = NodeMembership(env, plan.stage, seed, transport, log)
+        log(
+            f"joined seed {seed} from {address} ({membership.engine or 'no'} membership); "
+            f"loading blocks [{plan.lo}, {plan.hi})"
+        )
+        try:
+            model, tokenizer, load_s = load_stage_model(
+                "/nonexistent/bad-model.gguf" if fault == "bad-model" else env["MODEL"], plan
+            )
+        except Exception as exc:
+            raise HarnessError(f"loading the model failed: {type(exc).__name__}: {exc}") from exc
+        log(f"loaded {model.n_params} parameters and compiled the decode step in {load_s:.1f} s")
+        if fault == "stall-before-ready":
+            log("fault stall-before-ready: never reporting Ready")
+            return _idle_until_orphaned(parent)
+        model = with_fault(model, fault)
+
+        early: list[tuple[str, Message]] = []
+        names = resolve_members(transport.recv, plan.resolve_s, lambda s, m: early.append((s, m)), log=log)
+        tracer = Tracer() if plan.trace else None
+        stage = Stage(
+            plan.stage,
+            plan.num_stages,
+            model,
+            transport,
+            names,
+            plan.plan_id,
+            plan.wire_dtype,
+            tokenizer,
+            log=log,
+            tracer=tracer,
+            seed=seed,
+        )
+        transport.send(
+            seed,
+            Ready(
+                stage=plan.stage,
+                params=model.n_params,
+                tied_params=model.tied_params,
+                load_s=load_s,
+                rss_bytes=peak_rss_bytes(),
+            ),
+        )
+        while True:
+            rx = None
+            if early:
+                sender, msg = early.pop(0)
+            else:
+                try:
+                    sender, msg, rx = _receive(transport, tracer is not None)
+                except TransportTimeout:
+                    if os.getppid() != parent:
+                        log("the process that started this node is gone; exiting")
+                        return 1
+                    continue
+                except CodecError as exc:
+                    log(f"dropped a bad frame: {exc}")
+                    continue
+            if isinstance(msg, CONTROL) and sender != seed:
+                log(f"dropped {type(msg).__name__} from {sender[:120]}: only the orchestrator sends it")
+                continue
+            match msg:
+                case Shutdown():
+                    _reply(
+                        transport,
+                        seed,
+                        Stopped(
+                            stage=plan.stage,
+                            served=stage.served,
+                            peak_rss_bytes=peak_rss_bytes(),
+                            device_bytes=device_bytes(),
+                        ),
+                        log,
+                    )
+                    log(f"shutting down after {stage.served} request(s)")
+                    return 0
+                case ClockProbe():
+                    _reply(
+                        transport, seed, ClockReply(stage=plan.stage, t_seed_ns=msg.t_seed_ns, t_node_ns=now_ns()), log
+                    )
+                case TraceRequest():
+                    spans = tracer.take(msg.request_id) if tracer else []
+                    _reply(transport, seed, TraceReport(stage=plan.stage, request_id=msg.request_id, spans=spans), log)
+                case DigestRequest():
+                    _reply(
+                        transport,
+                        seed,
+                        DigestReport(
+                            stage=plan.stage, request_id=msg.request_id, digests=stage.digests.get(msg.request_id, [])
+                        ),
+                        log,
+                    )
+                case _:
+                    stage.handle(sender, msg, rx)
+    except HarnessError as exc:
+        log(f"failed: {exc}")
+        try:
+            transport.send(seed, Error(stage=plan.stage, reason=str(exc)))
+        except HarnessError:
+            pass
+        return 1
+    finally:
+        if membership is not None:
+            membership.close()
+        transport.close()
+
+
+def main() -> None:
+    try:
+        plan, env = read_env(dict(os.environ))
+    except HarnessError as exc:
+        _log(os.environ.get("STAGE", "?"), f"failed: {exc}")
+        sys.exit(1)
+    sys.exit(serve(plan, env))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,587 @@
+"""Carrying a scenario out: build the model, start N nodes, wait for them, send the request, compare, tear down.
+
+The orchestrator is the cluster's seed and the request's ``reply_to``; it is not on the token path. Every wait is
+bounded by its phase's timeout and by the run's total budget (the SPEC's 300 s), and checks between polls that no node
+died and no node reported an Error. The provider is a context manager, so every path out destroys every node.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from ppharness.errors import ClusterError, CodecError, HarnessError, StageError, TransportTimeout, WaitTimedOut
+from ppharness.plan.stages import ENTRY, EXIT, Plan, make_plan, stage_name
+from ppharness.registry import provider_class, transport_class
+from ppharness.run.cluster import Directory, wait_for
+from ppharness.run.locks import RunLock
+from ppharness.trace.tracer import now_ns
+from ppharness.wire.messages import (
+    ClockProbe,
+    ClockReply,
+    DigestReport,
+    DigestRequest,
+    Error,
+    InferenceRequest,
+    InferenceResponse,
+    Join,
+    Members,
+    Message,
+    Ready,
+    Shutdown,
+    Stopped,
+    TraceReport,
+    TraceRequest,
+)
+
+
+class Progress:
+    """Progress lines on stderr, stamped with seconds since the run started."""
+
+    def __init__(self, quiet: bool = False, stream: Any = None):
+        self.t0, self.quiet, self.stream = time.monotonic(), quiet, stream or sys.stderr
+
+    def __call__(self, text: str) -> None:
+        if not self.quiet:
+            print(f"[{time.monotonic() - self.t0:6.1f}s] {text}", file=self.stream, flush=True)
+
+
+@dataclass
+class StageReport:
+    index: int
+    lo: int
+    hi: int
+    params: int = 0
+    tied_params: int = 0
+    load_s: float = 0.0
+    peak_rss_bytes: int = 0
+    device_bytes: int = 0
+
+
+@dataclass
+class RunResult:
+    scenario: str
+    run_label: str
+    plan: Plan
+    response: InferenceResponse
+    request_s: float  # InferenceRequest sent -> InferenceResponse received, on the orchestrator's clock
+    stages: list[StageReport]
+    model_path: str
+    oracle: Any = None  # OracleResult when the scenario asks to match the oracle
+    trace: Any = None  # ppharness.trace.report.Trace when tracing was on
+    digests: dict[int, list[bytes]] = field(default_factory=dict)  # stage -> digests of the hidden states it sent
+    verdict: Any = None  # ppharness.model.exactness.Verdict when the oracle ran
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def decode_s(self) -> float:
+        return decode_span(self.response)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return decode_tok_s(self.response)
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token: the request's round trip less the decode span measured on the last stage."""
+        return self.request_s - self.decode_s
+
+    @property
+    def matches_oracle(self) -> bool | None:
+        """True only when the tokens and every stage boundary's hidden state equal the unsplit model's."""
+        return None if self.verdict is None else self.verdict.exact
+
+
+def decode_span(response: InferenceResponse) -> float:
+    """Seconds from the first token to the last, on the last stage's clock."""
+    t = response.token_times
+    return t[-1] - t[0] if len(t) > 1 else 0.0
+
+
+def decode_tok_s(response: InferenceResponse) -> float:
+    """Tokens per second after the first token, on the last stage's clock."""
+    span = decode_span(response)
+    return (len(response.token_times) - 1) / span if span > 0 else 0.0
+
+
+def model_source(scenario: Any) -> tuple[str, str | None]:
+    """The scenario's model as a source string for ``resolve_model`` (and its sha256)."""
+    from ppharness.model.files import preset_spec, synthetic_source
+
+    m = scenario.model
+    if m.synthetic is not None:
+        s = m.synthetic
+        spec = preset_spec(
+            s.preset, seed=s.seed, blocks=s.blocks, dim=s.dim, tied_embeddings=s.tied_embeddings, type=s.type
+        )
+        return synthetic_source(spec), None
+    return m.gguf, m.sha256
+
+
+class Chain:
+    """A running N-stage chain: provisioned, joined and ready on ``__enter__``, torn down on ``__exit__``.
+
+    ``request()`` can be called many times in between (benchmarks interleave requests across chains). Every wait is
+    bounded by its phase's timeout and by the total budget; any failure destroys every node before it propagates.
+    """
+
+    def __init__(
+        self,
+        scenario: Any,
+        progress: Callable[[str], None] | None = None,
+        run_label: str | None = None,
+        log_dir: str | None = None,
+        trace: bool = False,
+    ):
+        self.scenario, self.log_dir, self.trace_on = scenario, log_dir, trace
+        self.progress: Callable[[str], None] = progress or Progress()
+        self.run_label = run_label or f"pp-{uuid.uuid4().hex[:8]}"
+        self.deadline = time.monotonic() + scenario.budget.total_s
+        self.offsets_ns: dict[int, int] = {}
+        self._provider: Any = None
+        self._lock: RunLock | None = None
+        self.transport: Any = None
+        self.detector: Any = None
+
+    def _left(self, phase_s: float, what: str) -> float:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise HarnessError(f"the run's budget of {self.scenario.budget.total_s:g} s ran out before {what}")
+        return min(phase_s, remaining)
+
+    def _wait(self, on_message: Callable[[str, Message], bool], phase_s: float, what: str, phase: str) -> None:
+        def handle(sender: str, msg: Message) -> bool:
+            _raise_on_error(msg)
+            if self.detector is not None and self.detector.on_message(msg):
+                return False
+            return on_message(sender, msg)
+
+        watchdog = _watchdog(self._provider, phase, self.detector)
+
+        def check() -> None:
+            try:
+                watchdog()
+            except ClusterError:
+                self._drain(handle)  # a node's own Error, sent before it went, says more than its death
+                raise
+
+        wait_for(self.transport.recv, handle, self._left(phase_s, what), what, check=check, log=self.progress)
+
+    def _drain(self, handle: Callable[[str, Message], bool], limit: int = 100) -> None:
+        """Hand what has already arrived to ``handle`` (which raises on an Error), without waiting for more."""
+        for _ in range(limit):
+            try:
+                sender, msg = self.transport.recv(0.05)
+            except TransportTimeout:
+                return
+            except CodecError:
+                continue
+            handle(sender, msg)
+
+    def __enter__(self) -> Chain:
+        from ppharness.model.files import resolve_model
+        from ppharness.model.slicing import GGUFFile
+
+        sc, progress = self.scenario, self.progress
+        self._lock = RunLock(self.run_label).acquire()  # a label a live run holds is refused before anything exists
+        source, sha = model_source(sc)
+        self.model_source = source
+        progress(
+            f"model: {source if not source.startswith('synthetic:') else 'synthetic ' + sc.model.synthetic.preset}"
+            " (building or fetching once, then cached)"
+        )
+        self.model_path = str(resolve_model(source, sha))
+        cfg = GGUFFile(self.model_path).config
+        self.plan = plan = make_plan(
+            cfg.blocks, sc.stages.count, list(sc.stages.splits) if sc.stages.splits else None, model_id=self.model_path
+        )
+        n = plan.num_stages
+        progress(
+            f"model {self.model_path}: {cfg.blocks} blocks, dim {cfg.dim}, vocab {cfg.vocab}; "
+            f"plan {plan.plan_id}: {', '.join(f'[{lo},{hi})' for lo, hi in plan.ranges)}"
+        )
+        self.reports = [StageReport(i, lo, hi) for i, (lo, hi) in enumerate(plan.ranges)]
+        provider_cls = provider_class(sc.provider.kind)
+        settings = getattr(sc.provider, sc.provider.kind, None)
+        self._provider = (
+            provider_cls(self.run_label, settings, log_dir=self.log_dir)
+            if self.log_dir
+            else provider_cls(self.run_label, settings)
+        )
+        self.node_model = self._provider.node_model(self.model_source, self.model_path)
+        transport_cls = transport_class(sc.transport.kind)
+        endpoint_opts = transport_cls.plan_endpoints(n + 1, transport_settings(sc.transport))
+        self.transport = transport_cls(**endpoint_opts[0], **self._provider.seed_transport_options(sc.transport.kind))
+        self.seed = self.transport.start()
+        try:
+            self.detector = _make_detector(sc.cluster, self._provider, n, self.run_label)
+            progress(f"membership: {self.detector.name}")
+            self._provider.__enter__()
+            self._start(endpoint_opts)
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    def _start(self, endpoint_opts: list[dict[str, Any]]) -> None:
+        sc, plan, progress, n = self.scenario, self.plan, self.progress, self.plan.num_stages
+        budget = sc.budget
+        specs = []
+        for i in range(n):
+            sp = plan.stage(
+                i,
+                wire_dtype=sc.transport.wire_dtype,
+                max_context=sc.model.max_context,
+                join_s=budget.join_s,
+                resolve_s=budget.resolve_s,
+                trace=self.trace_on,
+            )
+            env = _node_env(i, n, self.seed, self.node_model, sc.transport.kind, sp) | self.detector.node_env()
+            for fault in sc.faults:
+                if fault.stage == i:
+                    env["PP_FAULT"] = fault.mode
+            if endpoint_opts[i + 1]:
+                env["PP_TRANSPORT_OPTS"] = json.dumps(endpoint_opts[i + 1])
+            specs.append(self._provider.spec(stage_name(i), env))
+        progress(f"starting {n} {sc.provider.kind} node(s) over {sc.transport.kind} (run {self.run_label})")
+        self._provider.provision(specs)
+
+        self.directory = directory = Directory(n)
+
+        def on_join(sender: str, msg: Message) -> bool:
+            if isinstance(msg, Join) and msg.address != sender:
+                progress(
+                    f"warning: ignored a Join of stage {msg.stage} from {sender[:120]} naming another address "
+                    f"({msg.address[:120]})"
+                )
+            elif isinstance(msg, Join):
+                directory.add(msg)
+                self.detector.watch([msg.stage])
+                progress(f"stage {msg.stage} joined from {msg.address}")
+            return directory.complete
+
+        try:
+            self._wait(on_join, budget.join_s, f"all {n} stages to join", "starting up")
+        except WaitTimedOut as exc:
+            raise self._with_logs(
+                ClusterError(
+                    f"the cluster never converged: stage(s) {directory.missing()} did "
+                    f"not join within {budget.join_s:g} s"
+                ),
+                directory.missing(),
+            ) from exc
+        for i in range(n):  # every stage's names, resolved with a bounded wait before anything is sent
+            self.resolve(stage_name(i), budget.resolve_s)
+        self.resolve(ENTRY, budget.resolve_s)
+        self.resolve(EXIT, budget.resolve_s)
+        for j in directory.joins.values():
+            self.transport.send(j.address, Members(names=directory.names))
+
+        ready: set[int] = set()
+
+        def on_ready(sender: str, msg: Message) -> bool:
+            if isinstance(msg, Ready):
+                ready.add(msg.stage)
+                r = self.reports[msg.stage]
+                r.params, r.tied_params, r.load_s, r.peak_rss_bytes = (
+                    msg.params,
+                    msg.tied_params,
+                    msg.load_s,
+                    msg.rss_bytes,
+                )
+                progress(
+                    f"stage {msg.stage} ready: {msg.params:,} parameters, loaded and compiled in "
+                    f"{msg.load_s:.1f} s ({len(ready)}/{n})"
+                )
+            return len(ready) == n
+
+        try:
+            self._wait(on_ready, budget.ready_s, "every stage to load its blocks and compile (Ready)", "starting up")
+        except WaitTimedOut as exc:
+            missing = [i for i in range(n) if i not in ready]
+            raise self._with_logs(
+                ClusterError(
+                    f"stage(s) {missing} never reported ready within {budget.ready_s:g} s "
+                    "(loading the model and compiling)"
+                ),
+                missing,
+            ) from exc
+        if self.trace_on:
+            self._probe_clocks()
+
+    def _with_logs(self, err: HarnessError, stages: list[int]) -> HarnessError:
+        """``err`` with the last log lines of each of ``stages``' instances attached as notes."""
+        for inst in self._provider.instances:
+            if any(inst.name == stage_name(s) for s in stages):
+                tail = self._provider.logs(inst, 15).rstrip()
+                if tail:
+                    err.add_note(f"last lines of {inst.name}:\n{tail}")
+        return err
+
+    def resolve(self, name: str, timeout: float) -> str:
+        """The address registered under ``name``, waiting (bounded) for a Join that registers it."""
+        if name in self.directory.names:
+            return self.directory.names[name]
+
+        def on_join(sender: str, msg: Message) -> bool:
+            if isinstance(msg, Join):
+                self.directory.add(msg)
+            return name in self.directory.names
+
+        try:
+            self._wait(on_join, timeout, f"the name {name!r} to be registered", "resolving names")
+        except WaitTimedOut as exc:
+            raise ClusterError(
+                f"the name {name!r} never resolved within {timeout:g} s; registered: "
+                f"{', '.join(sorted(self.directory.names)) or 'none'}"
+            ) from exc
+        return self.directory.names[name]
+
+    def _probe_clocks(self, probes: int = 5) -> None:
+        """Each node's monotonic clock minus ours, from the probe with the shortest round trip (error <= RTT/2)."""
+        best: dict[int, tuple[int, int]] = {}
+        for _ in range(probes):
+            for j in self.directory.joins.values():
+                self.transport.send(j.address, ClockProbe(t_seed_ns=now_ns()))
+            got: set[int] = set()
+
+            def on_reply(sender: str, msg: Message, got: set[int] = got) -> bool:
+                if isinstance(msg, ClockReply):
+                    t1 = now_ns()
+                    rtt, offset = t1 - msg.t_seed_ns, msg.t_node_ns - (msg.t_seed_ns + t1) // 2
+                    if msg.stage not in best or rtt < best[msg.stage][0]:
+                        best[msg.stage] = (rtt, offset)
+                    got.add(msg.stage)
+                return len(got) == len(self.directory.joins)
+
+            self._wait(on_reply, 10.0, "clock probe replies", "probing clocks")
+        # Nodes on this host share its monotonic clock: an offset within the probe's error is no offset at all.
+        self.offsets_ns = {stage: off if abs(off) > rtt // 2 else 0 for stage, (rtt, off) in best.items()}
+
+    def request(self, prompt: str, max_tokens: int) -> tuple[InferenceResponse, float]:
+        """Send one request to pp-entry; return the response and its round trip in seconds on our clock."""
+        request_id = uuid.uuid4().hex[:12]
+        t0 = time.monotonic()
+        self.transport.send(
+            self.directory.resolve(ENTRY),
+            InferenceRequest(reply_to=self.seed, prompt=prompt, max_tokens=max_tokens, request_id=request_id),
+        )
+        got: list[InferenceResponse] = []
+
+        def on_response(sender: str, msg: Message) -> bool:
+            if isinstance(msg, InferenceResponse) and msg.request_id == request_id:
+                got.append(msg)
+            return bool(got)
+
+        self._wait(on_response, self.scenario.budget.total_s, "the InferenceResponse from the last stage", "decoding")
+        return got[0], time.monotonic() - t0
+
+    def trace_of(self, response: InferenceResponse) -> Any:
+        """The per-token trace of a request this chain served (its stages must trace)."""
+        from ppharness.trace.report import build_trace
+
+        return build_trace(self.collect_trace(response.request_id), self.offsets_ns, response, self.plan.num_stages)
+
+    def _ask_every_stage(self, ask: Message, report: type, request_id: str, what: str, phase: str) -> dict[int, Any]:
+        """Send ``ask`` to every stage and gather each stage's ``report`` for ``request_id``, by stage index."""
+        for j in self.directory.joins.values():
+            self.transport.send(j.address, ask)
+        reports: dict[int, Any] = {}
+
+        def on_report(sender: str, msg: Message) -> bool:
+            if isinstance(msg, report) and msg.request_id == request_id:  # type: ignore[attr-defined]
+                reports[msg.stage] = msg  # type: ignore[attr-defined]
+            return len(reports) == len(self.directory.joins)
+
+        self._wait(on_report, 30.0, what, phase)
+        return reports
+
+    def collect_digests(self, request_id: str) -> dict[int, list[bytes]]:
+        """Every stage's digests of the hidden states it sent for ``request_id`` (ppharness.model.exactness)."""
+        reports = self._ask_every_stage(
+            DigestRequest(request_id=request_id),
+            DigestReport,
+            request_id,
+            "the stages' hidden-state digests",
+            "collecting digests",
+        )
+        return {stage: r.digests for stage, r in reports.items()}
+
+    def verdict(self, response: InferenceResponse, oracle: Any) -> Any:
+        """Compare a response this chain gave with the oracle's answer to the same request (run with boundaries)."""
+        from ppharness.model.exactness import compare
+
+        return compare(
+            response.token_ids,
+            oracle.token_ids,
+            self.plan.ranges,
+            self.collect_digests(response.request_id),
+            oracle.boundary_digests,
+            oracle.prompt_tokens,
+        )
+
+    def collect_trace(self, request_id: str) -> list[TraceReport]:
+        """Every stage's spans for ``request_id`` (stage order)."""
+        reports = self._ask_every_stage(
+            TraceRequest(request_id=request_id),
+            TraceReport,
+            request_id,
+            "the stages' trace reports",
+            "collecting the trace",
+        )
+        return [reports[i] for i in sorted(reports)]
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        destroyed = False
+        try:
+            if exc_type is None and self._provider is not None:
+                _shutdown(self.transport, self.directory, self.reports, self._provider, self.progress)
+        finally:
+            try:
+                if self.detector is not None:
+                    self.detector.close()
+                if self._provider is not None:
+                    self._provider.__exit__(exc_type, exc, tb)
+                    self._provider = None
+                destroyed = True
+            finally:
+                try:
+                    if self.transport is not None:
+                        self.transport.close()
+                finally:
+                    if self._lock is not None:
+                        # everything gone: forget the run; otherwise it stays registered, dead, for `ppharness reap`
+                        self._lock.release() if destroyed else self._lock.abandon()
+                        self._lock = None
+
+
+def run_scenario(
+    scenario: Any,
+    progress: Callable[[str], None] | None = None,
+    run_label: str | None = None,
+    log_dir: str | None = None,
+    trace: bool = False,
+) -> RunResult:
+    """Run ``scenario`` end to end; raise a HarnessError (after destroying everything) on any failure."""
+    req = scenario.request
+    progress = progress or Progress()
+    with Chain(scenario, progress, run_label, log_dir, trace=trace) as chain:
+        progress(f"request: {req.max_tokens} tokens after {req.prompt!r}")
+        response, request_s = chain.request(req.prompt, req.max_tokens)
+        traced = chain.trace_of(response) if trace else None
+        digests = chain.collect_digests(response.request_id) if scenario.expect.match_oracle else {}
+    n = chain.plan.num_stages
+    result = RunResult(
+        scenario=scenario.name,
+        run_label=chain.run_label,
+        plan=chain.plan,
+        response=response,
+        request_s=request_s,
+        stages=chain.reports,
+        model_path=chain.model_path,
+        trace=traced,
+        digests=digests,
+    )
+    if scenario.expect.non_empty and not response.token_ids:
+        raise StageError(f"stage {n - 1} (last) reported done with no text ({response.finish_reason})")
+    if scenario.expect.match_oracle:
+        from ppharness.model.exactness import compare
+        from ppharness.model.oracle import oracle_decode
+
+        progress("running the unsplit model in this process (the oracle)")
+        result.oracle = oracle_decode(
+            chain.model_path, req.prompt, req.max_tokens, scenario.model.max_context, boundaries=True
+        )
+        result.verdict = compare(
+            response.token_ids,
+            result.oracle.token_ids,
+            chain.plan.ranges,
+            digests,
+            result.oracle.boundary_digests,
+            result.oracle.prompt_tokens,
+        )
+    return result
+
+
+def transport_settings(section: Any) -> dict[str, Any]:
+    """The scenario's transport section less what every transport shares (kind, wire dtype)."""
+    return {k: v for k, v in msgspec.structs.asdict(section).items() if k not in ("kind", "wire_dtype")}
+
+
+def _node_env(i: int, n: int, seed: str, model_path: str, transport_kind: str, sp: Any) -> dict[str, str]:
+    """The node contract's environment for stage ``i``."""
+    return {
+        "STAGE": str(i),
+        "NUM_STAGES": str(n),
+        "SEED_ADDR": seed,
+        "MODEL": model_path,
+        "TRANSPORT": transport_kind,
+        "PLAN": msgspec.json.encode(sp).decode(),
+    }
+
+
+def _raise_on_error(msg: Message) -> None:
+    if isinstance(msg, Error):
+        raise StageError(f"stage {msg.stage}: {msg.reason}")
+
+
+def _make_detector(section: Any, provider: Any, n: int, run_label: str) -> Any:
+    from ppharness.run.membership import HeartbeatDetector, KinshipDetector, choose_engine
+
+    engine = choose_engine(section.engine, getattr(provider, "gossip_reachable", False))
+    if engine == "kinship":
+        return KinshipDetector(run_label)
+    return HeartbeatDetector(n, section.heartbeat_s, section.suspect_after, section.dead_after_s)
+
+
+def _watchdog(provider: Any, phase: str, detector: Any = None) -> Callable[[], None]:
+    """A check for wait_for: any node that exited or was declared dead during ``phase`` fails the run, with the
+    node's last log lines."""
+
+    def check() -> None:
+        for inst, rc in provider.exited():
+            err = ClusterError(f"{inst.name} ({provider.kind} {inst.id}) exited with code {rc} while {phase}")
+            tail = provider.logs(inst, 15).rstrip()
+            if tail:
+                err.add_note(f"last lines of {inst.name}:\n{tail}")
+            raise err
+        for stage, why in detector.dead() if detector is not None else []:
+            inst = next((i for i in provider.instances if i.name == stage_name(stage)), None)
+            err = ClusterError(f"{stage_name(stage)} died while {phase}: {why}")
+            tail = provider.logs(inst, 15).rstrip() if inst is not None else ""
+            if tail:
+                err.add_note(f"last lines of {inst.name}:\n{tail}")
+            raise err
+
+    return check
+
+
+def _shutdown(
+    transport: Any, directory: Directory, reports: list[StageReport], provider: Any, progress: Callable[[str], None]
+) -> None:
+    """Ask every node to stop, collect their Stopped reports (peak RSS) for a few seconds, wait for exits."""
+    for j in directory.joins.values():
+        transport.send(j.address, Shutdown(reason="run complete"))
+    stopped: set[int] = set()
+
+    def on_stopped(sender: str, msg: Message) -> bool:
+        if isinstance(msg, Stopped):
+            stopped.add(msg.stage)
+            reports[msg.stage].peak_rss_bytes = msg.peak_rss_bytes
+            reports[msg.stage].device_bytes = msg.device_bytes
+        return len(stopped) == len(directory.joins)
+
+    try:
+        wait_for(transport.recv, on_stopped, 10.0, "every stage to stop", log=progress)
+    except ClusterError as exc:
+        progress(f"warning: {exc}; destroying the rest")
+    wait_exited = getattr(provider, "wait_exited", None)
+    if wait_exited is not None:
+        wait_exited(5.0)

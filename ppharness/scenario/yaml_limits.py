@@ -1,0 +1,268 @@
+"""Limits a scenario's YAML must keep before it is decoded: one pass over the parser's events, in bounded time and
+memory.
+
+A scenario is a few dozen values; a file that is not is refused here, before ``msgspec.yaml.decode`` builds anything:
+
+- ``MAX_FILE_BYTES``: the whole file (checked by the caller before reading it);
+- ``MAX_DEPTH``: nested mappings and lists, an alias counting as the node it stands for;
+- ``MAX_SCALAR_BYTES``: one value in UTF-8 (a long prompt fits);
+- ``MAX_NODES`` and ``MAX_EXPANDED_BYTES``: the document with every alias expanded, so a file of nested aliases
+  ("billion laughs") fails here in microseconds instead of being expanded by the decoder;
+- one document per file, only the tags the safe loader reads, no alias to an undefined anchor or to a node that
+  contains it, and no key twice in a mapping (YAML itself would keep the last one silently).
+
+Aliases are never expanded: each anchor's expanded size and height are added up as its node closes, and an alias adds
+them. ``screen`` raises ``YamlLimit`` naming the ``$.path``, the line and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import yaml
+
+MAX_FILE_BYTES = 1 << 20  # 1 MiB
+MAX_DEPTH = 32
+MAX_SCALAR_BYTES = 256 << 10  # 256 KiB
+MAX_NODES = 10_000
+MAX_EXPANDED_BYTES = MAX_FILE_BYTES
+MAX_NUMBER_CHARS = 64
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_RESOLVER = yaml.resolver.Resolver()
+_YAML_TAG = "tag:yaml.org,2002:"
+_TAGS = frozenset(tag for tag in yaml.SafeLoader.yaml_constructors if tag)  # null, bool, int, ..., binary, set
+_STR = "tag:yaml.org,2002:str"
+_MERGE = "tag:yaml.org,2002:merge"
+_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+class YamlLimit(ValueError):
+    """The document breaks a limit: ``path`` is where (``$.request.prompt``), the message says what and the fix."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def short(text: str, limit: int = 60) -> str:
+    """``repr`` of ``text``, cut to ``limit`` characters with its full length said when longer."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text):,} characters)"
+
+
+def _name(anchor: str) -> str:
+    return anchor if len(anchor) <= 40 else f"{anchor[:40]}…"
+
+
+def _segment(key: str) -> str:
+    return f".{key}" if key.isidentifier() and len(key) <= 64 else f"[{short(key, 40)}]"
+
+
+@dataclass
+class _Size:
+    nodes: int = 1
+    text: int = 0  # bytes of scalar text
+    height: int = 0  # collection levels below and including this node
+
+
+@dataclass
+class _Frame:
+    mapping: bool
+    anchor: str | None
+    size: _Size = field(default_factory=_Size)
+    key: str | None = None  # mapping: the current key's path segment
+    want_key: bool = True  # mapping: the next node is a key
+    index: int = 0  # sequence: the next item's index
+    keys: dict[tuple[str, str], int] = field(default_factory=dict)  # mapping: (tag, value) -> 1-based line
+
+
+class _Screen:
+    def __init__(self) -> None:
+        self.stack: list[_Frame] = []
+        self.anchors: dict[str, _Size | None] = {}  # None while the anchored node is still open
+        self.nodes = 0
+        self.text = 0
+        self.documents = 0
+
+    def path(self) -> str:
+        """Where the parser is: ``$.request.prompt``, ``$.faults[1]``."""
+        parts = ["$"]
+        for frame in self.stack:
+            if frame.mapping:
+                if frame.key is not None and not frame.want_key:
+                    parts.append(frame.key)
+            else:
+                parts.append(f"[{frame.index}]")
+        return "".join(parts)
+
+    def feed(self, event: yaml.Event) -> None:
+        line = event.start_mark.line + 1 if event.start_mark is not None else 0
+        if isinstance(event, yaml.DocumentStartEvent):
+            self.documents += 1
+            if self.documents > 1:
+                raise YamlLimit(
+                    "$",
+                    f"a second YAML document starts at line {line} — a scenario file is one "
+                    "document: remove the `---` and what follows, or split it into two files",
+                )
+        elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            self._node(event, line, _Size())
+            if len(self.stack) >= MAX_DEPTH:
+                raise YamlLimit(
+                    self.path(),
+                    f"nested more than {MAX_DEPTH} levels deep at line {line} — "
+                    f"a scenario needs a few levels; at most {MAX_DEPTH} are read",
+                )
+            frame = _Frame(isinstance(event, yaml.MappingStartEvent), event.anchor)
+            if event.anchor is not None:
+                self.anchors[event.anchor] = None
+            self.stack.append(frame)
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            frame = self.stack.pop()
+            frame.size.height += 1
+            if frame.anchor is not None:
+                self.anchors[frame.anchor] = frame.size
+            self._done(frame.size)
+        elif isinstance(event, yaml.ScalarEvent):
+            self._scalar(event, line)
+        elif isinstance(event, yaml.AliasEvent):
+            size = self.anchors.get(event.anchor, False)
+            if size is False:
+                raise YamlLimit(
+                    self.path(),
+                    f"alias *{_name(event.anchor)} at line {line} names no anchor "
+                    "defined before it — define `&name` first or write the value out",
+                )
+            if size is None:
+                raise YamlLimit(
+                    self.path(),
+                    f"alias *{_name(event.anchor)} at line {line} refers to a "
+                    "node that contains it — a scenario cannot be recursive",
+                )
+            self._node(event, line, size)
+            if len(self.stack) + size.height > MAX_DEPTH:
+                raise YamlLimit(
+                    self.path(),
+                    f"alias *{_name(event.anchor)} at line {line} nests the "
+                    f"document more than {MAX_DEPTH} levels deep — write the value out",
+                )
+            self._done(size)
+
+    def _scalar(self, event: yaml.ScalarEvent, line: int) -> None:
+        value = event.value
+        n = len(value) if len(value) * 4 <= MAX_SCALAR_BYTES else len(value.encode("utf-8", "surrogatepass"))
+        parent = self.stack[-1] if self.stack else None
+        is_key = parent is not None and parent.mapping and parent.want_key
+        where = self.path()
+        if n > MAX_SCALAR_BYTES:
+            what = "key" if is_key else "value"
+            raise YamlLimit(
+                where,
+                f"a {what} of {n:,} bytes at line {line} is over the limit of "
+                f"{MAX_SCALAR_BYTES:,} bytes (256 KiB) per value — shorten it",
+            )
+        tag = self._tag(event)
+        if tag in _NUMBERS and len(value) > MAX_NUMBER_CHARS:
+            raise YamlLimit(
+                where,
+                f"a number of {len(value):,} characters at line {line} — numbers in a scenario "
+                f"have at most {MAX_NUMBER_CHARS}; quote it if it is text",
+            )
+        size = _Size(text=n)
+        self._node(event, line, size)
+        if is_key:
+            assert parent is not None
+            if tag != _MERGE:
+                first = parent.keys.get((tag, value))
+                if first is not None:
+                    lines = f"line {line}" if first == line else f"lines {first} and {line}"
+                    raise YamlLimit(
+                        where,
+                        f"key {short(value, 40)} appears twice, at {lines} — keep one "
+                        "(YAML would silently use the last)",
+                    )
+                parent.keys[(tag, value)] = line
+            parent.key = _segment(value)
+        self._done(size)
+
+    def _tag(self, event: yaml.ScalarEvent) -> str:
+        if event.tag not in (None, "!"):
+            return event.tag
+        if event.implicit[0]:
+            return _RESOLVER.resolve(yaml.ScalarNode, event.value, (True, False))
+        return _STR
+
+    def _node(self, event: yaml.NodeEvent, line: int, size: _Size) -> None:
+        """Count a node (an alias counts as its anchor's whole expansion) against the document limits."""
+        tag = getattr(event, "tag", None)
+        if tag not in (None, "!") and tag not in _TAGS:
+            shown = "!!" + tag[len(_YAML_TAG) :] if tag.startswith(_YAML_TAG) else tag
+            raise YamlLimit(
+                self.path(),
+                f"tag {short(shown, 40)} at line {line} is not one the safe loader reads — "
+                "remove it and write the value plainly",
+            )
+        parent = self.stack[-1] if self.stack else None
+        if parent is not None and parent.mapping and parent.want_key and not isinstance(event, yaml.ScalarEvent):
+            parent.key = "[?]"  # a list, a mapping or an alias used as a key: no field name
+        self.nodes += size.nodes
+        self.text += size.text
+        if self.nodes > MAX_NODES:
+            raise YamlLimit(
+                self.path(),
+                f"the document grows past {MAX_NODES:,} values at line {line}"
+                f"{' (aliases expanded)' if self.anchors else ''} — a scenario has a few "
+                "dozen; remove the repeated aliases or the surplus entries",
+            )
+        if self.text > MAX_EXPANDED_BYTES:
+            raise YamlLimit(
+                self.path(),
+                f"aliases expand the document's text past {MAX_EXPANDED_BYTES:,} bytes "
+                f"(1 MiB) at line {line} — write each value once",
+            )
+        anchor = getattr(event, "anchor", None)
+        if isinstance(event, yaml.ScalarEvent) and anchor is not None:
+            self.anchors[anchor] = size
+
+    def _done(self, size: _Size) -> None:
+        """A node is complete: add it to its parent and move the parent to its next key, value or item."""
+        if not self.stack:
+            return
+        parent = self.stack[-1]
+        parent.size.nodes += size.nodes
+        parent.size.text += size.text
+        parent.size.height = max(parent.size.height, size.height)
+        if parent.mapping:
+            if parent.want_key:
+                parent.want_key = False
+            else:
+                parent.want_key = True
+        else:
+            parent.index += 1
+
+
+def screen(text: str) -> None:
+    """Raise ``YamlLimit`` if ``text`` breaks a limit or is not YAML (then naming the line, column and problem)."""
+    s = _Screen()
+    loader = _Loader(text)
+    try:
+        while loader.check_event():
+            s.feed(loader.get_event())
+    except yaml.YAMLError as exc:
+        raise YamlLimit(s.path(), not_yaml(exc)) from None
+    finally:
+        loader.dispose()
+
+
+def not_yaml(exc: yaml.YAMLError) -> str:
+    """One line for a YAML error, without the library's quoted snippets: where and what."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or getattr(exc, "reason", None) or "not understood"
+    problem = str(problem)[:200]
+    if mark is not None:
+        return f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {problem} — fix the syntax there"
+    position = getattr(exc, "position", None)
+    where = f" at character {position + 1}" if isinstance(position, int) else ""
+    return f"not valid YAML{where}: {problem} — fix the syntax there"

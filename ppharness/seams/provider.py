@@ -1,0 +1,124 @@
+"""The Provider seam: where stages run.
+
+A provider turns node specs (environment, resources, image) into running instances of the one node entry point
+(``pp-node``), and takes them down again. Every instance carries the run's label so a reaper can find leftovers.
+Used as a context manager: whatever happens inside the ``with``, every instance it created is destroyed on the way out
+(the SPEC's "any path that allocates an instance also destroys it").
+"""
+
+from __future__ import annotations
+
+import abc
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from ppharness.errors import ProviderError
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node to start: its name (``pp-stage-3``) and the node contract's environment (STAGE, NUM_STAGES, ...)."""
+
+    name: str
+    env: dict[str, str]
+    image: str = ""
+    gpus: int = 0
+
+
+@dataclass
+class Instance:
+    """A provider's handle on one running node."""
+
+    id: str
+    name: str
+    provider: str
+    meta: dict[str, str] = field(default_factory=dict)
+
+
+class Provider(abc.ABC):
+    """Start nodes, watch them, read their logs, destroy them. ``run_label`` tags everything it creates."""
+
+    kind: str = "abstract"
+
+    def __init__(self, run_label: str, settings: Any = None):
+        """``settings``: the scenario's section for this provider kind (``provider.<kind>``), or None."""
+        self.run_label = run_label
+        self.settings = settings
+        self.instances: list[Instance] = []
+
+    def node_model(self, source: str, local_path: str) -> str:
+        """What a node's MODEL should say: by default the file the orchestrator resolved; a provider whose nodes
+        cannot see this machine's files returns the source (a URL or ``synthetic:`` spec) or a mounted path."""
+        return local_path
+
+    def seed_transport_options(self, kind: str) -> dict[str, Any]:
+        """Extra options for the orchestrator's own endpoint so that this provider's nodes can reach it (e.g. bind
+        on all interfaces and advertise a bridge address). By default none: nodes run on this machine."""
+        return {}
+
+    def spec(self, name: str, env: dict[str, str], **settings: object) -> NodeSpec:
+        """A NodeSpec for this provider (callers outside ``backends`` build specs through here)."""
+        return NodeSpec(name=name, env=env, **settings)  # type: ignore[arg-type]
+
+    @abc.abstractmethod
+    def provision(self, specs: list[NodeSpec]) -> list[Instance]:
+        """Create and start one instance per spec; raise ProvisionFailed (after cleaning up what it started)."""
+
+    @abc.abstractmethod
+    def exited(self) -> list[tuple[Instance, int]]:
+        """Instances that stopped on their own so far, with their exit codes. Cheap: called in every wait loop."""
+
+    @abc.abstractmethod
+    def logs(self, instance: Instance, lines: int = 20) -> str:
+        """The last ``lines`` lines of the instance's output."""
+
+    @abc.abstractmethod
+    def destroy(self, instance: Instance) -> None:
+        """Stop and remove one instance. Idempotent: destroying a gone instance is not an error."""
+
+    @classmethod
+    @abc.abstractmethod
+    def reap(
+        cls, label: str | None = None, select: Callable[[str], bool] | None = None, dry_run: bool = False
+    ) -> list[str]:
+        """Destroy every resource carrying ``label`` (any ppharness label when None) whose run label ``select``
+        accepts (all when None); ``dry_run`` destroys nothing. Return what was (or would be) destroyed, each entry
+        ending with ``(run LABEL)``."""
+
+    def destroy_all(self) -> list[str]:
+        """Destroy every instance this provider created; returns one warning per instance that failed to go."""
+        warnings = []
+        for inst in reversed(self.instances):
+            try:
+                self.destroy(inst)
+            except Exception as exc:  # keep destroying the others; report every failure
+                warnings.append(f"destroying {inst.name} ({inst.id}) failed: {exc}")
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        return warnings
+
+    def __enter__(self) -> Provider:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        warnings = self.destroy_all()
+        self._tidy_logs(failed=exc_type is not None or bool(warnings))
+        if warnings and exc_type is None:
+            raise ProviderError(f"{len(warnings)} instance(s) could not be destroyed: {'; '.join(warnings)}")
+
+    def _tidy_logs(self, failed: bool) -> None:
+        """A log folder this provider made for itself goes when the run ended well, and stays, named, when not (a
+        folder the caller gave is the caller's)."""
+        log_dir = getattr(self, "log_dir", None)
+        if log_dir is None or not getattr(self, "owns_log_dir", False):
+            return
+        if failed:
+            print(f"the nodes' logs are kept in {log_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(log_dir, ignore_errors=True)

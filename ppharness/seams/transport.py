@@ -1,0 +1,78 @@
+"""The Transport seam: how stages talk.
+
+A transport owns one local address and delivers whole messages, **reliably and in order per sender→receiver pair**
+(no gaps, no duplicates on a healthy connection). It is message-oriented: ``send`` takes a Message, ``recv`` returns the
+sender's address and the Message. Framing and encoding are ``ppharness.wire.codec``'s; a transport moves frames.
+
+Failures, by cause (all from ``ppharness.errors``):
+
+- ``TransportClosed``: *you* closed this transport and then used it.
+- ``PeerClosed`` / ``ConnectFailed``: the peer is gone or could not be reached.
+- ``TransportTimeout``: ``recv`` waited its bounded time and nothing came.
+- ``CodecError``: a frame arrived but was bad. ``recv`` raises it *after* consuming the frame, so the caller can log it
+  and call ``recv`` again: one bad frame never wedges or crashes a receiver.
+"""
+
+from __future__ import annotations
+
+import abc
+from types import TracebackType
+from typing import Any
+
+from ppharness.wire import codec
+from ppharness.wire.messages import Message
+
+
+class Transport(abc.ABC):
+    """One endpoint. ``start()`` binds and returns the address peers use to reach it."""
+
+    kind: str = "abstract"
+
+    @classmethod
+    def plan_endpoints(cls, count: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
+        """Constructor options for the ``count`` endpoints of one run: index 0 is the seed (the orchestrator), the
+        rest are the nodes in stage order. ``settings`` are the scenario's transport settings for this kind.
+
+        The default ignores the settings; a transport with per-run identities (keys, allow-lists) creates them here.
+        Options must be JSON-serialisable: they reach a node as ``PP_TRANSPORT_OPTS``.
+        """
+        return [{} for _ in range(count)]
+
+    @abc.abstractmethod
+    def start(self) -> str:
+        """Bind and return this endpoint's address (e.g. ``tcp://127.0.0.1:5555``)."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """The address returned by ``start``."""
+
+    @abc.abstractmethod
+    def send_frame(self, address: str, frame: bytes) -> None:
+        """Queue one encoded frame for the endpoint at ``address``. Does not wait for the peer to process it."""
+
+    @abc.abstractmethod
+    def recv_frame(self, timeout: float | None = None) -> tuple[str, bytes]:
+        """Wait up to ``timeout`` seconds (``None``: forever; ``0``: don't wait) for the next frame."""
+
+    def send(self, address: str, msg: Message) -> None:
+        """Encode ``msg`` and queue it for ``address``."""
+        self.send_frame(address, codec.encode(msg))
+
+    def recv(self, timeout: float | None = None) -> tuple[str, Message]:
+        """The next message and its sender's address. A bad frame is consumed, then raised as ``CodecError``."""
+        sender, frame = self.recv_frame(timeout)
+        return sender, codec.decode(frame)
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release sockets. Idempotent."""
+
+    def __enter__(self) -> Transport:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

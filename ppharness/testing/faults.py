@@ -1,0 +1,35 @@
+"""Faults a node injects into itself when its environment asks (``PP_FAULT``, set by a scenario's ``faults``): how the
+failure-mode tests provoke a model that answers EOS at once or a worker that dies mid-decode."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+
+class FaultyModel:
+    """A model slice with an injected fault: ``eos-first`` answers EOS at once; ``exit-mid-decode`` dies (exit 3)
+    at its third decode step, the way a crashed or OOM-killed worker would."""
+
+    def __init__(self, model: Any, fault: str):
+        self._model, self._fault, self._decodes = model, fault, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def prefill(self, x: Any) -> Any:
+        out = self._model.prefill(x)
+        return self._model.config.eos_id if self._fault == "eos-first" and self._model.last else out
+
+    def decode(self, x: Any, position: int) -> Any:
+        self._decodes += 1
+        if self._fault == "exit-mid-decode" and self._decodes == 3:
+            print(f"[pp-node] fault exit-mid-decode: exiting at position {position}", file=sys.stderr, flush=True)
+            os._exit(3)
+        return self._model.decode(x, position)
+
+
+def with_fault(model: Any, fault: str) -> Any:
+    """``model``, or ``model`` with the model-level fault ``fault`` (a node's ``PP_FAULT``) injected."""
+    return FaultyModel(model, fault) if fault in ("eos-first", "exit-mid-decode") else model

@@ -1,0 +1,114 @@
+"""The whole N-stage chain in one process over the in-memory transport, pumped by one thread.
+
+The same Stage objects and wire format as the multi-process chain, without processes or sockets: what the property
+tests use to try many splits quickly. Slices can be passed in (and kept between calls) since loading dominates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ppharness.errors import StageError, TransportTimeout
+from ppharness.plan.stages import ENTRY, names_of
+from ppharness.registry import transport_class
+from ppharness.run.stage import Stage
+from ppharness.wire.messages import Error, InferenceRequest, InferenceResponse, Message
+
+MAX_STEPS = 1_000_000
+
+
+def load_slices(
+    gguf_file: Any,
+    ranges: list[tuple[int, int]],
+    max_context: int = 256,
+    cache: dict[tuple[int, int, bool, bool, bool], Any] | None = None,
+    taps: bool = False,
+) -> list[Any]:
+    """One ModelSlice per range (from ``cache`` when it holds the same range and role; ``taps`` as ModelSlice's)."""
+    from ppharness.model.decoding import warm_up
+    from ppharness.model.slicing import ModelSlice
+
+    out = []
+    n = len(ranges)
+    for i, (lo, hi) in enumerate(ranges):
+        key = (lo, hi, i == 0, i == n - 1, taps)
+        if cache is None or key not in cache:
+            s = ModelSlice(gguf_file, lo, hi, i == 0, i == n - 1, max_context, taps=taps)
+            warm_up(s)
+            if cache is not None:
+                cache[key] = s
+        out.append(cache[key] if cache is not None else s)
+    return out
+
+
+def run_inprocess(
+    gguf_file: Any,
+    slices: list[Any],
+    prompt: str,
+    max_tokens: int,
+    wire_dtype: str = "f16",
+    plan_id: str = "inprocess",
+    digests: dict[int, list[bytes]] | None = None,
+    on_message: Callable[[int, Message], None] | None = None,
+) -> InferenceResponse:
+    """Serve one request through ``slices`` (stage order) and return the last stage's response.
+
+    ``digests``, when given, receives each stage's digests of the hidden states it sent (ppharness.model.exactness);
+    ``on_message(stage, message)`` sees every message a stage receives, as decoded from the wire."""
+    memory = transport_class("memory")
+    n = len(slices)
+    transports = [memory() for _ in range(n + 1)]
+    try:
+        addrs = [t.start() for t in transports]
+        names = {name: addrs[i] for i in range(n) for name in names_of(i, n)}
+        tok = gguf_file.tokenizer
+        client = transports[n]
+        stages = [
+            Stage(
+                i,
+                n,
+                slices[i],
+                transports[i],
+                names,
+                plan_id,
+                wire_dtype,
+                tok if i in (0, n - 1) else None,
+                log=lambda _: None,
+                seed=client.address,
+            )
+            for i in range(n)
+        ]
+        client.send(
+            names[ENTRY],
+            InferenceRequest(reply_to=client.address, prompt=prompt, max_tokens=max_tokens, request_id="r0"),
+        )
+        for _ in range(MAX_STEPS):
+            idle = True
+            for stage, t in zip(stages, transports):
+                try:
+                    sender, msg = t.recv(0)
+                except TransportTimeout:
+                    continue
+                idle = False
+                if on_message is not None:
+                    on_message(stage.index, msg)
+                stage.handle(sender, msg)
+            try:
+                _, reply = client.recv(0)
+            except TransportTimeout:
+                if idle:
+                    raise StageError(
+                        "the in-process chain stalled: no stage has a message and no response came"
+                    ) from None
+                continue
+            if isinstance(reply, Error):
+                raise StageError(f"stage {reply.stage}: {reply.reason}")
+            assert isinstance(reply, InferenceResponse)
+            if digests is not None:
+                digests.update({s.index: s.digests.get("r0", []) for s in stages})
+            return reply
+        raise StageError(f"the in-process chain did not finish in {MAX_STEPS} steps")
+    finally:
+        for t in transports:
+            t.close()

@@ -1,0 +1,49 @@
+"""A command run in the background whose output is read line by line until a marker shows: how the failover
+benchmark and the tests reach a phase of ``pp-smoke-run`` (joined, decoding, ...) before they interrupt it."""
+
+from __future__ import annotations
+
+import subprocess
+from types import TracebackType
+
+from ppharness.errors import HarnessError
+
+
+class WatchedRun:
+    """``cmd`` started with stdout and stderr merged; ``until(marker)`` reads up to the first line containing it;
+    ``finish(timeout)`` waits for the end and returns all the output. Leaving the ``with`` kills it if still running
+    and closes its pipe."""
+
+    def __init__(self, cmd: list[str], **popen: object):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)  # type: ignore[call-overload]
+        self.lines: list[str] = []
+
+    def until(self, marker: str) -> str:
+        """Read until a line containing ``marker``, and return that line; HarnessError if the output ends first."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if marker in line:
+                return line
+        raise HarnessError(f"{marker!r} never showed before the command ended:\n{''.join(self.lines[-15:])}")
+
+    def finish(self, timeout: float) -> str:
+        """Wait (bounded) for the command to end; return everything it printed."""
+        rest, _ = self.proc.communicate(timeout=timeout)
+        return "".join(self.lines) + rest
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def __enter__(self) -> WatchedRun:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()

@@ -1,0 +1,1 @@
+"""What crosses a process boundary: the message types and their binary framing."""

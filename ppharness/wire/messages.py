@@ -1,0 +1,215 @@
+"""Every message that crosses a process boundary, as frozen tagged msgspec structs.
+
+The SPEC's four (InferenceRequest, StageActivation, NextToken, InferenceResponse) keep their names and fields; what the
+harness needs besides them is added as further message types. Hidden states travel as raw little-endian bytes with
+their shape and wire dtype (never JSON, never base64): see ``ppharness.wire.codec`` for framing and tensor packing.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
+    pass
+
+
+# --- the SPEC's messages ------------------------------------------------------------------------------------------
+
+
+class InferenceRequest(_Msg):
+    """Orchestrator -> stage 0: generate up to ``max_tokens`` tokens after ``prompt``."""
+
+    reply_to: str
+    prompt: str
+    max_tokens: int
+    request_id: str = ""
+
+
+class StageActivation(_Msg):
+    """Stage i -> stage i+1: the hidden state after stage i's blocks for ``seq_len`` positions from ``position``."""
+
+    request_id: str
+    position: int
+    hidden: bytes  # raw little-endian, shape ``shape``, element type ``dtype``
+    seq_len: int
+    is_prefill: bool
+    shape: tuple[int, ...]
+    dtype: str  # wire dtype: "f16" | "bf16" | "f32"
+    plan_id: str
+
+
+class NextToken(_Msg):
+    """Last stage -> stage 0: the sampled token at ``position``; ``done`` ends the request (EOS or max_tokens)."""
+
+    request_id: str
+    token_id: int
+    position: int
+    done: bool
+    plan_id: str
+
+
+class InferenceResponse(_Msg):
+    """Last stage -> ``reply_to``: the detokenized text and token ids, with timings from the stages."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    # Wall-clock of the last stage, monotonic seconds relative to the moment it saw the prefill activation:
+    # token_times[k] is when token k was sampled.
+    token_times: list[float]
+    finish_reason: str  # "eos" | "length"
+
+
+# --- what the harness adds ----------------------------------------------------------------------------------------
+
+
+class RequestOpen(_Msg):
+    """Stage 0 -> down the chain, ahead of the prefill activation: what the last stage needs to finish the request.
+
+    Forwarded hop by hop on the same ordered channel as the activations, so every stage sees it before the prefill.
+    """
+
+    request_id: str
+    reply_to: str
+    max_tokens: int
+    prompt_tokens: int
+    plan_id: str
+
+
+class Join(_Msg):
+    """Node -> seed: I am stage ``stage`` of ``num_stages``, reachable at ``address``, under these names."""
+
+    stage: int
+    num_stages: int
+    address: str
+    names: list[str]
+    run_label: str
+    pid: int
+
+
+class Members(_Msg):
+    """Seed -> every node: the name directory (name -> transport address) once all stages joined."""
+
+    names: dict[str, str]
+
+
+class Ready(_Msg):
+    """Node -> seed: my slice is loaded and I serve requests."""
+
+    stage: int
+    params: int
+    tied_params: int
+    load_s: float
+    rss_bytes: int
+
+
+class Heartbeat(_Msg):
+    """Node -> seed every few seconds (heartbeat membership engine): I am alive."""
+
+    stage: int
+    seq: int
+
+
+class Shutdown(_Msg):
+    """Seed -> node: stop serving and exit 0."""
+
+    reason: str = ""
+
+
+class Stopped(_Msg):
+    """Node -> seed, answering Shutdown: what this stage did, just before it exits 0."""
+
+    stage: int
+    served: int
+    peak_rss_bytes: int
+    device_bytes: int = 0  # accelerator memory the stage's buffers hold (weights, KV cache, activations)
+
+
+class Span(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One timed piece of a stage's work for token ``step`` (0 = prefill), on the stage's monotonic clock."""
+
+    step: int
+    name: str  # recv | deserialize | tokenize | compute | serialize | send
+    t0_ns: int
+    t1_ns: int
+    nbytes: int = 0
+
+
+class TraceRequest(_Msg):
+    """Seed -> node: send me your spans for ``request_id``."""
+
+    request_id: str
+
+
+class TraceReport(_Msg):
+    """Node -> seed: the spans a stage recorded for one request (empty when tracing is off)."""
+
+    stage: int
+    request_id: str
+    spans: list[Span]
+
+
+class DigestRequest(_Msg):
+    """Seed -> node: send me the digests of the hidden states you sent for ``request_id``."""
+
+    request_id: str
+
+
+class DigestReport(_Msg):
+    """Node -> seed: one digest per activation a stage sent for one request, in step order (step 0 = prefill); empty
+    on the last stage, which sends no activation. ``ppharness.model.exactness`` compares them with the unsplit
+    model's."""
+
+    stage: int
+    request_id: str
+    digests: list[bytes]
+
+
+class ClockProbe(_Msg):
+    """Seed -> node: a clock-offset probe, stamped with the seed's monotonic clock."""
+
+    t_seed_ns: int
+
+
+class ClockReply(_Msg):
+    """Node -> seed: the probe's stamp echoed with the node's own monotonic clock at receipt."""
+
+    stage: int
+    t_seed_ns: int
+    t_node_ns: int
+
+
+class Error(_Msg):
+    """Anyone -> seed / reply_to: a failure that ends the request or the run, in one line."""
+
+    stage: int
+    reason: str
+    request_id: str = ""
+
+
+Message = (
+    InferenceRequest
+    | StageActivation
+    | NextToken
+    | InferenceResponse
+    | RequestOpen
+    | Join
+    | Members
+    | Ready
+    | Heartbeat
+    | Shutdown
+    | Stopped
+    | TraceRequest
+    | TraceReport
+    | DigestRequest
+    | DigestReport
+    | ClockProbe
+    | ClockReply
+    | Error
+)
+
+MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]

@@ -1,0 +1,297 @@
+"""The machinery of one iroh endpoint: accepting and dialling connections, reading streams, noticing peers that go.
+
+Coroutines here run on the transport's loop thread; stream reads run on one thread per incoming stream, through the
+``run`` function the transport gives (one blocking call of a binding coroutine); ``IrohTransport``
+writes to the outgoing streams from the sending thread.
+
+Wire protocol (ALPN ``ppharness/1``): one QUIC connection per pair of peers, reused in both directions; in each
+direction one long-lived unidirectional stream carrying records ``u32 big-endian length | bytes``. The first record
+of a stream is the sender's address (``iroh://<endpoint ticket>``, utf-8); every later record is one codec frame,
+passed on as it came so the codec judges it. The ticket's endpoint id must be the connection's authenticated remote
+id, so a peer cannot claim another's address; a stream that breaks the protocol (a bad first record, a record over
+the size limit, an end inside a record) is logged and no longer read, and the other streams are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import struct
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppharness.errors import ConnectFailed, PeerClosed, TransportError
+from ppharness.wire import codec
+
+ALPN = b"ppharness/1"
+MAX_RECORD = codec.HEADER.size + codec.MAX_FRAME_BYTES
+MAX_HELLO = 4096
+READ_CHUNK = 64 * 1024
+CLOSE_CODE, CLOSE_REASON = 0, b"ppharness transport closed"
+REFUSE_CODE, REFUSE_REASON = 403, b"ppharness: endpoint not invited to this run"
+HANDSHAKE_TIMEOUT_S = 10.0
+
+PREFIX = struct.Struct(">I")
+SCHEME = "iroh://"
+
+
+def log(text: str) -> None:
+    print(f"[ppharness iroh] {text}", file=sys.stderr, flush=True)
+
+
+def parse_address(iroh: Any, address: str) -> Any:
+    """``iroh://<ticket>`` -> the ticket's EndpointAddr; raises iroh.IrohError or TypeError for anything else."""
+    if not address.startswith(SCHEME):
+        raise TypeError(f"an iroh address starts with {SCHEME}")
+    return iroh.EndpointTicket.from_string(address[len(SCHEME) :]).endpoint_addr()
+
+
+def iroh_reason(exc: BaseException) -> str:
+    """A one-line description of an iroh exception (its ``str`` is often empty)."""
+    message = getattr(exc, "message", None)
+    if callable(message):
+        try:
+            return str(message())
+        except Exception:  # noqa: BLE001 - best effort: fall back to the repr
+            pass
+    return str(exc) or repr(exc)
+
+
+class _BadStream(Exception):
+    """A stream broke the record protocol; the reader logs it and stops reading that stream."""
+
+
+@dataclass(eq=False)
+class Peer:
+    """The outgoing half towards one address: its connection and stream. Writers hold ``lock`` while writing, so
+    records never interleave; ``error`` is set once the stream is unusable and then raised by every later send."""
+
+    address: str
+    endpoint_id: str
+    conn: Any
+    stream: Any
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    error: TransportError | None = None
+
+
+class Session:
+    """Connections, streams and tasks of one endpoint. Coroutines run on the loop thread; each incoming stream is read
+    by a thread of its own through ``run`` (a blocking call of one binding coroutine), which wakes straight from the
+    Rust side and hands each record to ``incoming``."""
+
+    def __init__(
+        self,
+        iroh: Any,
+        endpoint: Any,
+        address: str,
+        allowed: frozenset[str] | None,
+        incoming: queue.SimpleQueue[Any],
+        run: Callable[[Any], Any],
+    ) -> None:
+        self.iroh, self.endpoint, self.address = iroh, endpoint, address
+        self.allowed, self.incoming, self.run = allowed, incoming, run
+        self.endpoint_id = str(endpoint.id())
+        self.peers: dict[str, Peer] = {}
+        self.inbound: dict[str, Any] = {}
+        self.conns: dict[int, Any] = {}
+        self.refused: list[str] = []
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.closing = False
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # --- incoming ---------------------------------------------------------------------------------------------
+
+    async def accept_loop(self) -> None:
+        while True:
+            try:
+                incoming = await self.endpoint.accept_next()
+            except self.iroh.IrohError:
+                return
+            if incoming is None:
+                return
+            self.spawn(self._accept_one(incoming))
+
+    async def _accept_one(self, incoming: Any) -> None:
+        try:
+            accepting = await incoming.accept()
+            conn = await asyncio.wait_for(accepting.connect(), HANDSHAKE_TIMEOUT_S)
+        except (TimeoutError, self.iroh.IrohError) as exc:
+            if not self.closing:
+                log(f"endpoint {self.endpoint_id}: an incoming handshake failed: {iroh_reason(exc)}")
+            return
+        remote = str(conn.remote_id())
+        if self.allowed is not None and remote not in self.allowed:
+            self.refused.append(remote)
+            log(
+                f"refused a connection from endpoint {remote}: not in this run's allow-list "
+                f"of {len(self.allowed)} endpoint(s)"
+            )
+            conn.close(REFUSE_CODE, REFUSE_REASON)
+            return
+        self.adopt(conn, remote)
+
+    def adopt(self, conn: Any, remote: str) -> None:
+        """Serve a new connection: accept the peer's streams and notice when it closes."""
+        self.conns[conn.stable_id()] = conn
+        self.spawn(self._accept_streams(conn, remote))
+        self.spawn(self._watch(conn, remote))
+
+    async def _accept_streams(self, conn: Any, remote: str) -> None:
+        while True:
+            try:
+                stream = await conn.accept_uni()
+            except self.iroh.IrohError:
+                return
+            threading.Thread(
+                target=self._read_stream, args=(conn, stream, remote), name="ppharness-iroh-reader", daemon=True
+            ).start()
+
+    def _read_stream(self, conn: Any, stream: Any, remote: str) -> None:
+        """Deliver one stream's records until it ends (runs on a thread of its own)."""
+        reader = _RecordReader(stream, self.run)
+        try:
+            hello = reader.next(MAX_HELLO)
+            if hello is None:
+                return
+            sender = self._check_hello(hello, remote)
+            self.inbound.setdefault(sender, conn)
+            put = self.incoming.put
+            while (record := reader.next(MAX_RECORD)) is not None:
+                put((sender, record))
+        except _BadStream as exc:
+            log(f"stopped reading a stream from endpoint {remote}: {exc}")
+            try:
+                self.run(stream.stop(1))
+            except (self.iroh.IrohError, RuntimeError):
+                pass
+        except (self.iroh.IrohError, RuntimeError):
+            return
+
+    def _check_hello(self, hello: bytes, remote: str) -> str:
+        try:
+            sender = hello.decode("utf-8")
+            claimed = str(parse_address(self.iroh, sender).id())
+        except (UnicodeDecodeError, TypeError, self.iroh.IrohError) as exc:
+            raise _BadStream(f"its first record is not an iroh address ({iroh_reason(exc)})") from exc
+        if claimed != remote:
+            raise _BadStream(f"it claims the address of endpoint {claimed}, but the connection is from {remote}")
+        return sender
+
+    async def _watch(self, conn: Any, remote: str) -> None:
+        try:
+            reason = await conn.closed()
+        except self.iroh.IrohError as exc:
+            reason = iroh_reason(exc)
+        self.conns.pop(conn.stable_id(), None)
+        for address, c in list(self.inbound.items()):
+            if c is conn:
+                del self.inbound[address]
+        for peer in self.peers.values():
+            if peer.conn is conn and peer.error is None:
+                self.fail(
+                    peer,
+                    PeerClosed(f"iroh peer {peer.address} (endpoint {remote}): the connection ended: {reason}"),
+                    quiet=CLOSE_REASON.decode() in reason,
+                )
+
+    # --- outgoing ---------------------------------------------------------------------------------------------
+
+    async def connect(self, address: str, target: Any, remote: str, timeout: float) -> Peer:
+        """The peer for ``address``: reuse a connection the peer opened to us, else dial; then say hello."""
+        peer = self.peers.get(address)
+        if peer is not None:
+            return peer
+        conn = self.inbound.get(address)
+        try:
+            if conn is None:
+                conn = await asyncio.wait_for(self.endpoint.connect(target, ALPN), timeout)
+                if str(conn.remote_id()) != remote:
+                    conn.close(REFUSE_CODE, REFUSE_REASON)
+                    raise ConnectFailed(f"cannot connect to {address}: it answered as another endpoint")
+                self.adopt(conn, remote)
+            stream = await conn.open_uni()
+            hello = self.address.encode()
+            await asyncio.wait_for(stream.write_all(PREFIX.pack(len(hello)) + hello), timeout)
+        except TimeoutError as exc:
+            raise ConnectFailed(
+                f"cannot connect to {address} (endpoint {remote}): no answer within {timeout:g} s "
+                "(peer down, never started, or unreachable)"
+            ) from exc
+        except self.iroh.IrohError as exc:
+            raise ConnectFailed(f"cannot connect to {address} (endpoint {remote}): {iroh_reason(exc)}") from exc
+        return self.peers.setdefault(address, Peer(address, remote, conn, stream))
+
+    def fail(self, peer: Peer, error: TransportError, quiet: bool = False) -> None:
+        peer.error = error
+        if not quiet and not self.closing:
+            log(str(error))
+
+    # --- shutdown ---------------------------------------------------------------------------------------------
+
+    async def shutdown(self, linger: float) -> None:
+        """Finish every stream, wait up to ``linger`` s for the peers to acknowledge what was written, then close the
+        connections and the endpoint."""
+        loop = asyncio.get_running_loop()
+        self.closing = True
+        live = [p for p in self.peers.values() if p.error is None]
+        for peer in live:
+            await _quietly(peer.stream.finish())
+        stopped = [loop.create_task(_quietly(p.stream.stopped())) for p in live]
+        if stopped:
+            await asyncio.wait(stopped, timeout=linger)
+        for conn in list(self.conns.values()):
+            conn.close(CLOSE_CODE, CLOSE_REASON)
+        await _quietly(asyncio.wait_for(self.endpoint.close(), 2.0))
+        leftover = [t for t in (*self.tasks, *stopped) if not t.done()]
+        for task in leftover:
+            task.cancel()
+        if leftover:
+            await asyncio.wait(leftover, timeout=1.0)
+
+
+async def _quietly(aw: Any) -> None:
+    try:
+        await aw
+    except Exception:  # noqa: BLE001 - shutdown and stop are best effort: the peer may already be gone
+        pass
+
+
+class _RecordReader:
+    """Length-prefixed records from one stream: one ``read`` usually brings whole records (several when the sender
+    wrote them back to back); a record still incomplete once its length is known is finished with one
+    ``read_exact``. ``run`` runs one binding coroutine to completion on the calling thread."""
+
+    def __init__(self, stream: Any, run: Callable[[Any], Any]) -> None:
+        self.stream, self.run = stream, run
+        self.buf = b""
+        self.pos = 0
+
+    def next(self, limit: int) -> bytes | None:
+        """The next record; None at a clean end of stream. Raises _BadStream for a record over ``limit`` bytes or a
+        stream that ends inside a record."""
+        while True:
+            buf, pos = self.buf, self.pos
+            if len(buf) - pos >= PREFIX.size:
+                (n,) = PREFIX.unpack_from(buf, pos)
+                if n > limit:
+                    raise _BadStream(f"a record of {n} bytes exceeds the {limit}-byte limit")
+                start, end = pos + PREFIX.size, pos + PREFIX.size + n
+                if len(buf) >= end:
+                    self.pos = end
+                    return buf[start:end]
+                rest = self.run(self.stream.read_exact(end - len(buf)))
+                self.buf, self.pos = b"", 0
+                return buf[start:] + rest
+            chunk = self.run(self.stream.read(READ_CHUNK))
+            if not chunk:
+                if len(buf) > pos:
+                    raise _BadStream(f"the stream ended inside a record ({len(buf) - pos} bytes left over)")
+                return None
+            self.buf, self.pos = buf[pos:] + chunk, 0
