@@ -11,14 +11,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 from ppharness.errors import ProvisionFailed
-from ppharness.seams.provider import Instance, NodeSpec, Provider
+from ppharness.seams.provider import Instance, NodeSpec, Provider, Reaped
 
 LABEL_VAR = "PP_RUN_LABEL"
 STOP_GRACE_S = 5.0
@@ -34,15 +32,13 @@ class LocalProvider(Provider):
     gossip_reachable = True  # nodes and orchestrator share loopback: SWIM over UDP works
 
     def __init__(self, run_label: str, settings: object = None, log_dir: str | os.PathLike[str] | None = None):
-        super().__init__(run_label, settings)
-        self.owns_log_dir = log_dir is None
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"ppharness-{run_label}-"))
+        super().__init__(run_label, settings, log_dir)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def provision(self, specs: list[NodeSpec]) -> list[Instance]:
         started = []
         for spec in specs:
-            log_path = self.log_dir / f"{spec.name}.log"
+            log_path = self.node_log_dir() / f"{spec.name}.log"
             env = {**os.environ, **spec.env, LABEL_VAR: self.run_label, "PYTHONUNBUFFERED": "1"}
             try:
                 with open(log_path, "wb") as log:
@@ -79,12 +75,7 @@ class LocalProvider(Provider):
 
     def wait_exited(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for every node to exit on its own; True when all did."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(p.poll() is not None for p in self._procs.values()):
-                return True
-            time.sleep(0.05)
-        return False
+        return self._wait_until(lambda: all(p.poll() is not None for p in self._procs.values()), timeout)
 
     def destroy(self, instance: Instance) -> None:
         if self._fails_destroy(instance):
@@ -115,11 +106,11 @@ class LocalProvider(Provider):
     @classmethod
     def reap(
         cls, label: str | None = None, select: Callable[[str], bool] | None = None, dry_run: bool = False
-    ) -> list[str]:
+    ) -> list[Reaped]:
         victims = [(pid, lbl) for pid, lbl in labelled_nodes(label) if select is None or select(lbl)]
         for pid, _ in victims if not dry_run else []:
             _kill_group(pid, signal.SIGKILL)
-        return [f"process {pid} (run {lbl})" for pid, lbl in victims]
+        return [Reaped(f"process {pid}", lbl) for pid, lbl in victims]
 
 
 def _kill_group(pid: int, sig: signal.Signals) -> None:

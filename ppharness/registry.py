@@ -7,9 +7,11 @@ registry turns that into a class. A new implementation is one line here.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from ppharness.errors import HarnessError
+from ppharness.seams import Provider, Transport
 
 TRANSPORTS: dict[str, str] = {
     "memory": "transports.memory:MemoryTransport",
@@ -24,6 +26,12 @@ PROVIDERS: dict[str, str] = {
 }
 
 
+TOOLS: dict[str, str] = {
+    # ``ppharness vastai-emulator``: serve the API-compatible vast.ai emulator until interrupted
+    "vastai-emulator": "backends.vastai.emulator.server:serve_forever",
+}
+
+
 def _load(table: dict[str, str], kind: str, what: str) -> Any:
     try:
         target = table[kind]
@@ -33,9 +41,20 @@ def _load(table: dict[str, str], kind: str, what: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def transport_class(kind: str) -> Any:
-    return _load(TRANSPORTS, kind, "transport")
+def transport_class(kind: str) -> type[Transport]:
+    cls = _load(TRANSPORTS, kind, "transport")
+    assert isinstance(cls, type) and issubclass(cls, Transport), f"{kind}: {cls!r} is not a Transport"
+    return cls
 
 
-def provider_class(kind: str) -> Any:
-    return _load(PROVIDERS, kind, "provider")
+def provider_class(kind: str) -> type[Provider]:
+    cls = _load(PROVIDERS, kind, "provider")
+    assert isinstance(cls, type) and issubclass(cls, Provider), f"{kind}: {cls!r} is not a Provider"
+    return cls
+
+
+def tool(name: str) -> Callable[..., Any]:
+    """A command an implementation offers beside its seam (e.g. the vast.ai emulator's server)."""
+    fn = _load(TOOLS, name, "tool")
+    assert callable(fn), f"{name}: {fn!r} is not callable"
+    return fn  # type: ignore[no-any-return]

@@ -182,6 +182,7 @@ def test_reap_removes_a_crashed_runs_containers_and_network(node_image, docker_c
     provider.provision([provider.spec("pp-stage-0", {}), provider.spec("pp-stage-1", {})])  # exit at once: no env
     assert len(_leftovers(docker_client, label)) == 3
     reaped = DockerProvider.reap(label)
-    assert sorted(x.split()[0] for x in reaped) == ["container", "container", "network"], reaped
+    assert sorted(x.what.split()[0] for x in reaped) == ["container", "container", "network"], reaped
+    assert {x.run_label for x in reaped} == {label}
     _assert_nothing_left(docker_client, label)
     assert provider.destroy_all() == [], "destroying what reap already removed is not an error"

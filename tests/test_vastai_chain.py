@@ -142,6 +142,7 @@ def test_chain_in_node_image_containers(vastai_api, monkeypatch, tmp_path):
     arguments and environment exactly, as vast.ai starts them."""
     needs_emulator(vastai_api)
     import docker
+
     from backends.docker.image import ensure_node_image
     from backends.vastai.emulator.server import ApiTarget, Emulator
 

@@ -268,7 +268,7 @@ def test_reap_destroys_only_ppharness_instances(client, emu, monkeypatch):
         provider.instances.clear()  # a crash: this run forgets what it created
         foreign = _stopped_instance(client, emu, label="not-ours")
         reaped = VastaiProvider.reap()
-        assert len(reaped) == 1 and "pp-vt-reap" in reaped[0] and str(foreign) not in reaped[0]
+        assert [r.run_label for r in reaped] == ["pp-vt-reap"] and str(foreign) not in reaped[0].what
     assert [i["id"] for i in emu.live_instances()] == [foreign]
     monkeypatch.delenv("VAST_API_KEY")
     assert VastaiProvider.reap() == []

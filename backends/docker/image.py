@@ -33,9 +33,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import docker
 import docker.errors
 
-import docker
 from backends.docker.network import client as connect
 from ppharness.errors import ProvisionFailed
 

@@ -17,11 +17,12 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+import docker
 import docker.errors
 import requests.exceptions
 
-import docker
 from ppharness.errors import ProvisionFailed
+from ppharness.seams.provider import Reaped
 
 SUBNET_POOL = ipaddress.ip_network("10.213.0.0/16")
 PROBE_API = "1.41"  # Docker 20.10 (Debian bookworm's docker.io); later daemons serve it too
@@ -124,10 +125,10 @@ def remove_labelled(
     run_key: str = "ppharness.run",
     select: Callable[[str], bool] | None = None,
     dry_run: bool = False,
-) -> list[str]:
+) -> list[Reaped]:
     """Remove the containers, then the networks, matching ``label_filter`` whose ``run_key`` label ``select``
     accepts (all when None); ``dry_run`` only lists them. Return what went (or would go)."""
-    gone = []
+    gone: list[Reaped] = []
     for row in c.api.containers(all=True, filters={"label": label_filter}):
         run = (row.get("Labels") or {}).get(run_key, "")
         if select is not None and not select(run):
@@ -136,7 +137,7 @@ def remove_labelled(
             if not dry_run:
                 c.api.remove_container(row["Id"], force=True, v=True)
             name = row["Names"][0].lstrip("/") if row.get("Names") else row["Id"][:12]
-            gone.append(f"container {name} (run {run})")
+            gone.append(Reaped(f"container {name}", run))
         except docker.errors.NotFound:
             continue
     for net in c.api.networks(filters={"label": label_filter}):
@@ -146,7 +147,7 @@ def remove_labelled(
         try:
             if not dry_run:
                 c.api.remove_network(net["Id"])
-            gone.append(f"network {net['Name']} (run {run})")
+            gone.append(Reaped(f"network {net['Name']}", run))
         except docker.errors.NotFound:
             continue
     return gone

@@ -31,7 +31,6 @@ import ipaddress
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,14 +39,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import docker
 import docker.errors
 from docker.types import EndpointConfig, IPAMConfig, IPAMPool
 
-import docker
 from backends.docker.image import ensure_node_image
 from backends.docker.network import client, daemon_problem, free_subnet, parse_subnet, remove_labelled
 from ppharness.errors import NotReady, ProviderError, ProvisionFailed
-from ppharness.seams.provider import Instance, NodeSpec, Provider
+from ppharness.seams.provider import Instance, NodeSpec, Provider, Reaped
 
 RUN_LABEL = "ppharness.run"
 STAGE_LABEL = "ppharness.run.stage"
@@ -74,9 +73,7 @@ class DockerProvider(Provider):
     kind = "docker"
 
     def __init__(self, run_label: str, settings: Any = None, log_dir: str | os.PathLike[str] | None = None):
-        super().__init__(run_label, settings)
-        self.owns_log_dir = log_dir is None
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"ppharness-{run_label}-"))
+        super().__init__(run_label, settings, log_dir)
         self.network_name = f"ppharness-{run_label}"
         self.image: str | None = None
         self.start_times: dict[str, float] = {}
@@ -205,7 +202,7 @@ class DockerProvider(Provider):
                 "container": name,
                 "address": address,
                 "image": str(spec.image or self.image),
-                "log": str(self.log_dir / f"{spec.name}.log"),
+                "log": str(self.node_log_dir() / f"{spec.name}.log"),
             },
         )
         self.instances.append(inst)
@@ -268,12 +265,7 @@ class DockerProvider(Provider):
 
     def wait_exited(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for every container to exit on its own; True when all did."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if len(self.exited()) == len(self.instances):
-                return True
-            time.sleep(POLL_S)
-        return False
+        return self._wait_until(lambda: len(self.exited()) == len(self.instances), timeout, POLL_S)
 
     def logs(self, instance: Instance, lines: int = LOG_TAIL) -> str:
         """The container's last ``lines`` lines (stdout and stderr), or those of its saved log once removed."""
@@ -337,7 +329,7 @@ class DockerProvider(Provider):
     @classmethod
     def reap(
         cls, label: str | None = None, select: Callable[[str], bool] | None = None, dry_run: bool = False
-    ) -> list[str]:
+    ) -> list[Reaped]:
         """Remove every container and network labelled with ``label`` (any ppharness run when None) whose run label
         ``select`` accepts; ``dry_run`` only lists them. Nothing to do when no daemon answers."""
         if daemon_problem() is not None:

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from backends.vastai.client import ApiKey, VastApiError, VastClient, api_url
 from backends.vastai.offers import choose_offers, create_body, offer_query, plan_lines
 from ppharness.errors import NotReady, ProviderError, ProvisionFailed
-from ppharness.seams.provider import Instance, NodeSpec, Provider
+from ppharness.seams.provider import Instance, NodeSpec, Provider, Reaped
 
 MAX_POLLS = 60
 REAL_MIN_POLL_S = 10.0
@@ -97,9 +97,15 @@ def _say(line: str) -> None:
 class VastaiProvider(Provider):
     kind = "vastai"
 
-    def __init__(self, run_label: str, settings: Any = None, client: VastClient | None = None):
+    def __init__(
+        self,
+        run_label: str,
+        settings: Any = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        client: VastClient | None = None,
+    ):
         """``settings``: the scenario's ``provider.vastai`` (``ppharness.scenario.schema.VastaiSettings``)."""
-        super().__init__(run_label, settings)
+        super().__init__(run_label, settings, log_dir)
         if settings is None:
             raise ProviderError("the vastai provider needs the scenario's provider.vastai settings")
         self.client = client or client_from_env()
@@ -303,7 +309,7 @@ class VastaiProvider(Provider):
     @classmethod
     def reap(
         cls, label: str | None = None, select: Callable[[str], bool] | None = None, dry_run: bool = False
-    ) -> list[str]:
+    ) -> list[Reaped]:
         """Destroy the instances labelled ``label`` (every instance a ppharness run started, recognised by its
         ``PP_RUN_LABEL`` environment entry, when None) whose run label ``select`` accepts; ``dry_run`` only lists
         them. Without ``VAST_API_KEY`` there is nothing to reach."""
@@ -326,16 +332,12 @@ class VastaiProvider(Provider):
             except VastApiError as exc:
                 raise ProviderError(f"reaping vast.ai instances at {client.base_url} failed: {exc}") from exc
         return [
-            f"instance {r['id']} (${float(r.get('dph_total') or 0):.3f}/hr) (run {_run_label_of(r) or r.get('label')})"
+            Reaped(
+                f"instance {r['id']} (${float(r.get('dph_total') or 0):.3f}/hr)",
+                _run_label_of(r) or str(r.get("label") or ""),
+            )
             for r in victims
         ]
-
-    @staticmethod
-    def run_emulator(**options: Any) -> None:
-        """``ppharness vastai-emulator``: serve the API-compatible emulator until interrupted."""
-        from backends.vastai.emulator.server import serve_forever
-
-        serve_forever(**options)
 
 
 def _run_label_of(rec: dict[str, Any]) -> str | None:

@@ -18,6 +18,7 @@ import click
 
 from ppharness.errors import HarnessError
 from ppharness.run.locks import RunLabelInUse
+from ppharness.seams.provider import Reaped
 
 SCENARIO_HELP = "Scenario YAML file (see scenarios/); flags given here override its values."
 
@@ -108,7 +109,7 @@ def print_summary(result: Any) -> None:
         )
 
 
-def _reap_own(kind: str, run_label: str) -> list[str]:
+def _reap_own(kind: str, run_label: str) -> list[Reaped]:
     """The last sweep of every run: destroy whatever still carries its label; say what that was."""
     from ppharness.registry import provider_class
 
@@ -549,7 +550,7 @@ def vastai_emulator(
     It accepts the key in VAST_API_KEY, or generates one and prints it."""
     import os
 
-    from ppharness.registry import provider_class
+    from ppharness.registry import tool
 
     try:
         d = tuple(float(x) for x in delays.split(","))
@@ -558,7 +559,7 @@ def vastai_emulator(
     except ValueError:
         _fail(f"--delays {delays!r}: expected three numbers, e.g. 1,2,5")
     try:
-        provider_class("vastai").run_emulator(
+        tool("vastai-emulator")(
             host=host,
             port=port,
             seed=seed,
@@ -676,7 +677,7 @@ def reap(label: str | None, providers: tuple[str, ...], dry_run: bool, strict: b
             else:
                 found += [f"{kind}: {what}" for what in cls.reap(select=lambda r: state(r) == "dead", dry_run=dry_run)]
                 kept += [
-                    f"{kind}: {what}: {state(what.rsplit('(run ', 1)[-1].rstrip(')'))} run, kept"
+                    f"{kind}: {what}: {state(what.run_label)} run, kept"
                     for what in cls.reap(select=lambda r: state(r) != "dead", dry_run=True)
                 ]
         except HarnessError as exc:

@@ -27,7 +27,6 @@ from ppharness.run.cluster import resolve_members
 from ppharness.run.membership import NodeMembership
 from ppharness.testing.faults import with_fault
 from ppharness.trace.tracer import Tracer, now_ns
-from ppharness.wire import codec
 from ppharness.wire.messages import (
     ClockProbe,
     ClockReply,
@@ -104,17 +103,6 @@ def load_stage_model(model_source: str, plan: StagePlan) -> tuple[Any, Any, floa
     tokenizer = gguf_file.tokenizer if plan.first or plan.last else None
     warm_up(model)
     return model, tokenizer, time.monotonic() - t0
-
-
-def _receive(transport: Any, timed: bool) -> tuple[str, Message, Any]:
-    """The next message; with ``timed``, also when it arrived and how long decoding took (for the trace)."""
-    if not timed:
-        sender, msg = transport.recv(1.0)
-        return sender, msg, None
-    sender, frame = transport.recv_frame(1.0)
-    t0 = now_ns()
-    msg = codec.decode(frame)
-    return sender, msg, (t0, t0, now_ns(), len(frame))
 
 
 def _idle_until_orphaned(parent: int) -> int:
@@ -215,7 +203,8 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
                 sender, msg = early.pop(0)
             else:
                 try:
-                    sender, msg, rx = _receive(transport, tracer is not None)
+                    rx = transport.receive(1.0)
+                    sender, msg = rx.sender, rx.message
                 except TransportTimeout:
                     if os.getppid() != parent:
                         log("the process that started this node is gone; exiting")

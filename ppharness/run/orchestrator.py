@@ -210,11 +210,7 @@ class Chain:
         self.reports = [StageReport(i, lo, hi) for i, (lo, hi) in enumerate(plan.ranges)]
         provider_cls = provider_class(sc.provider.kind)
         settings = getattr(sc.provider, sc.provider.kind, None)
-        self._provider = (
-            provider_cls(self.run_label, settings, log_dir=self.log_dir)
-            if self.log_dir
-            else provider_cls(self.run_label, settings)
-        )
+        self._provider = provider_cls(self.run_label, settings, log_dir=self.log_dir)
         self.node_model = self._provider.node_model(self.model_source, self.model_path)
         transport_cls = transport_class(sc.transport.kind)
         endpoint_opts = transport_cls.plan_endpoints(n + 1, transport_settings(sc.transport))
@@ -535,7 +531,7 @@ def _raise_on_error(msg: Message) -> None:
 def _make_detector(section: Any, provider: Any, n: int, run_label: str) -> Any:
     from ppharness.run.membership import HeartbeatDetector, KinshipDetector, choose_engine
 
-    engine = choose_engine(section.engine, getattr(provider, "gossip_reachable", False))
+    engine = choose_engine(section.engine, provider.gossip_reachable)
     if engine == "kinship":
         return KinshipDetector(run_label)
     return HeartbeatDetector(n, section.heartbeat_s, section.suspect_after, section.dead_after_s)
@@ -582,6 +578,4 @@ def _shutdown(
         wait_for(transport.recv, on_stopped, 10.0, "every stage to stop", log=progress)
     except ClusterError as exc:
         progress(f"warning: {exc}; destroying the rest")
-    wait_exited = getattr(provider, "wait_exited", None)
-    if wait_exited is not None:
-        wait_exited(5.0)
+    provider.wait_exited(5.0)

@@ -22,6 +22,7 @@ from ppharness.errors import CodecError, HarnessError, StageError
 from ppharness.model.decoding import finish_reason, visible
 from ppharness.model.exactness import digest
 from ppharness.plan.stages import ENTRY, EXIT, stage_name
+from ppharness.seams.transport import Received
 from ppharness.trace.tracer import KEEP_REQUESTS, Tracer, now_ns
 from ppharness.wire import codec
 from ppharness.wire.messages import (
@@ -33,8 +34,6 @@ from ppharness.wire.messages import (
     RequestOpen,
     StageActivation,
 )
-
-Rx = tuple[int, int, int, int]  # (arrived, decode start, decode end) on the monotonic clock in ns, frame bytes
 
 
 @dataclass
@@ -93,10 +92,10 @@ class Stage:
 
     # --- dispatch ---------------------------------------------------------------------------------------------------
 
-    def handle(self, sender: str, msg: Message, rx: Rx | None = None) -> None:
+    def handle(self, sender: str, msg: Message, rx: Received | None = None) -> None:
         """Act on one message. Protocol violations are dropped with a log line; model failures raise StageError.
 
-        ``rx`` carries the message's arrival and decoding times when the caller decoded the frame itself (tracing).
+        ``rx``: the transport's receipt of the message (arrival and decoding times, size), for the trace.
         """
         role = self._sender_role(msg)
         if role is not None and sender != role[1]:
@@ -116,7 +115,7 @@ class Stage:
 
     # --- first stage ------------------------------------------------------------------------------------------------
 
-    def _on_request(self, msg: InferenceRequest, rx: Rx | None) -> None:
+    def _on_request(self, msg: InferenceRequest, rx: Received | None) -> None:
         if not self._reply_to_ok(msg.reply_to, "InferenceRequest"):
             return
         request_id = msg.request_id or uuid.uuid4().hex[:12]
@@ -172,7 +171,7 @@ class Stage:
         else:
             self._send_activation(out, position=0, is_prefill=True, step=0)
 
-    def _on_next_token(self, msg: NextToken, rx: Rx | None) -> None:
+    def _on_next_token(self, msg: NextToken, rx: Received | None) -> None:
         req = self._current(msg.request_id, msg.plan_id, "NextToken")
         if req is None:
             return
@@ -203,7 +202,7 @@ class Stage:
         if not self.last:
             self.transport.send(self.next_addr, msg)
 
-    def _on_activation(self, msg: StageActivation, rx: Rx | None) -> None:
+    def _on_activation(self, msg: StageActivation, rx: Received | None) -> None:
         req = self._current(msg.request_id, msg.plan_id, "StageActivation")
         if req is None:
             return
@@ -333,11 +332,10 @@ class Stage:
             return None
         return self.req
 
-    def _trace_rx(self, step: int, rx: Rx | None) -> None:
+    def _trace_rx(self, step: int, rx: Received | None) -> None:
         if self.tracer and rx is not None:
-            arrived, d0, d1, nbytes = rx
-            self.tracer.add(step, "recv", arrived, arrived, nbytes)
-            self.tracer.add(step, "deserialize", d0, d1)
+            self.tracer.add(step, "recv", rx.arrived_ns, rx.arrived_ns, rx.nbytes)
+            self.tracer.add(step, "deserialize", rx.arrived_ns, rx.decoded_ns)
 
     def _compute(self, step: int, fn: Callable[[], Any]) -> Any:
         t0 = now_ns() if self.tracer else 0
@@ -379,13 +377,9 @@ class Stage:
         )
 
     def _send(self, address: str, msg: Message, step: int, t0: int) -> None:
-        """Send ``msg``; when tracing, time its serialisation (from ``t0``, packing included) and the send call."""
-        if not self.tracer:
-            self.transport.send(address, msg)
-            return
-        frame = codec.encode(msg)
-        t1 = now_ns()
-        self.transport.send_frame(address, frame)
-        t2 = now_ns()
-        self.tracer.add(step, "serialize", t0, t1)
-        self.tracer.add(step, "send", t1, t2, len(frame))
+        """Send ``msg``; when tracing, record its serialisation (from ``t0``: packing the hidden state counts) and the
+        send call."""
+        sent = self.transport.send(address, msg)
+        if self.tracer:
+            self.tracer.add(step, "serialize", t0, sent.encode_end_ns)
+            self.tracer.add(step, "send", sent.encode_end_ns, sent.sent_ns, sent.nbytes)

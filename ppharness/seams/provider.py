@@ -9,12 +9,16 @@ Used as a context manager: whatever happens inside the ``with``, every instance 
 from __future__ import annotations
 
 import abc
+import os
 import shutil
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 from ppharness.errors import ProviderError
 
@@ -39,16 +43,42 @@ class Instance:
     meta: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Reaped:
+    """One resource a reaper destroyed (or would destroy): what it is (``process 4242``, ``container 1f2e...``) and
+    the run whose label it carries."""
+
+    what: str
+    run_label: str
+
+    def __str__(self) -> str:
+        return f"{self.what} (run {self.run_label})"
+
+
 class Provider(abc.ABC):
     """Start nodes, watch them, read their logs, destroy them. ``run_label`` tags everything it creates."""
 
-    kind: str = "abstract"
+    kind: ClassVar[str] = "abstract"
+    # whether the orchestrator and the nodes reach each other over UDP on the addresses they advertise (SWIM gossip
+    # works); otherwise membership falls back to heartbeats over the transport
+    gossip_reachable: ClassVar[bool] = False
 
-    def __init__(self, run_label: str, settings: Any = None):
-        """``settings``: the scenario's section for this provider kind (``provider.<kind>``), or None."""
+    def __init__(self, run_label: str, settings: Any = None, log_dir: str | os.PathLike[str] | None = None):
+        """``settings``: the scenario's section for this provider kind (``provider.<kind>``), or None. ``log_dir``:
+        where a provider that keeps its nodes' output on this machine writes it (see ``node_log_dir``)."""
         self.run_label = run_label
         self.settings = settings
         self.instances: list[Instance] = []
+        self._log_dir = Path(log_dir) if log_dir is not None else None
+        self._owns_log_dir = False
+
+    def node_log_dir(self) -> Path:
+        """The folder for the nodes' output on this machine: the one given, else a temporary folder of this
+        provider's own, removed when the run ends well and kept (and named) when it does not."""
+        if self._log_dir is None:
+            self._log_dir = Path(tempfile.mkdtemp(prefix=f"ppharness-{self.run_label}-"))
+            self._owns_log_dir = True
+        return self._log_dir
 
     def node_model(self, source: str, local_path: str) -> str:
         """What a node's MODEL should say: by default the file the orchestrator resolved; a provider whose nodes
@@ -80,14 +110,26 @@ class Provider(abc.ABC):
     def destroy(self, instance: Instance) -> None:
         """Stop and remove one instance. Idempotent: destroying a gone instance is not an error."""
 
+    def wait_exited(self, timeout: float) -> bool:
+        """After Shutdown: wait up to ``timeout`` seconds for every node to exit on its own; True when all did. A
+        provider that cannot watch that cheaply answers False at once (``destroy`` stops the nodes either way)."""
+        return False
+
+    def _wait_until(self, done: Callable[[], bool], timeout: float, poll_s: float = 0.05) -> bool:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
     @classmethod
     @abc.abstractmethod
     def reap(
         cls, label: str | None = None, select: Callable[[str], bool] | None = None, dry_run: bool = False
-    ) -> list[str]:
+    ) -> list[Reaped]:
         """Destroy every resource carrying ``label`` (any ppharness label when None) whose run label ``select``
-        accepts (all when None); ``dry_run`` destroys nothing. Return what was (or would be) destroyed, each entry
-        ending with ``(run LABEL)``."""
+        accepts (all when None); ``dry_run`` destroys nothing. Return what was (or would be) destroyed."""
 
     def destroy_all(self) -> list[str]:
         """Destroy every instance this provider created; returns one warning per instance that failed to go."""
@@ -115,10 +157,9 @@ class Provider(abc.ABC):
     def _tidy_logs(self, failed: bool) -> None:
         """A log folder this provider made for itself goes when the run ended well, and stays, named, when not (a
         folder the caller gave is the caller's)."""
-        log_dir = getattr(self, "log_dir", None)
-        if log_dir is None or not getattr(self, "owns_log_dir", False):
+        if self._log_dir is None or not self._owns_log_dir:
             return
         if failed:
-            print(f"the nodes' logs are kept in {log_dir}", file=sys.stderr)
+            print(f"the nodes' logs are kept in {self._log_dir}", file=sys.stderr)
         else:
-            shutil.rmtree(log_dir, ignore_errors=True)
+            shutil.rmtree(self._log_dir, ignore_errors=True)
