@@ -14,9 +14,13 @@ import sys
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ppharness.errors import ProvisionFailed
 from ppharness.seams.provider import Instance, NodeSpec, Provider, Reaped
+
+if TYPE_CHECKING:
+    from ppharness.scenario.schema import LocalSettings
 
 LABEL_VAR = "PP_RUN_LABEL"
 STOP_GRACE_S = 5.0
@@ -27,16 +31,20 @@ def node_command() -> list[str]:
     return [sys.executable, "-m", "ppharness.run.node"]
 
 
-class LocalProvider(Provider):
+class LocalProvider(Provider["LocalSettings | None"]):
+    """One ``pp-node`` process per stage on this machine; ``settings`` is the scenario's ``provider.local``."""
+
     kind = "local"
     gossip_reachable = True  # nodes and orchestrator share loopback: SWIM over UDP works
 
-    def __init__(self, run_label: str, settings: object = None, log_dir: str | os.PathLike[str] | None = None):
+    def __init__(
+        self, run_label: str, settings: LocalSettings | None = None, log_dir: str | os.PathLike[str] | None = None
+    ):
         super().__init__(run_label, settings, log_dir)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def provision(self, specs: list[NodeSpec]) -> list[Instance]:
-        started = []
+        started: list[Instance] = []
         for spec in specs:
             log_path = self.node_log_dir() / f"{spec.name}.log"
             env = {**os.environ, **spec.env, LABEL_VAR: self.run_label, "PYTHONUNBUFFERED": "1"}
@@ -59,7 +67,7 @@ class LocalProvider(Provider):
         return started
 
     def exited(self) -> list[tuple[Instance, int]]:
-        out = []
+        out: list[tuple[Instance, int]] = []
         for inst in self.instances:
             proc = self._procs.get(inst.id)
             if proc is not None and (rc := proc.poll()) is not None:
@@ -95,7 +103,7 @@ class LocalProvider(Provider):
             proc.wait(STOP_GRACE_S)
 
     def _fails_destroy(self, instance: Instance) -> bool:
-        stages = getattr(self.settings, "fail_destroy", ()) or ()
+        stages = self.settings.fail_destroy if self.settings is not None else ()
         return any(instance.name == f"pp-stage-{s}" for s in stages)
 
     @classmethod
@@ -137,7 +145,7 @@ def labelled_nodes(label: str | None = None) -> list[tuple[int, str]]:
     """(pid, run label) of every live pp-node process of this user whose environment carries PP_RUN_LABEL (equal
     to ``label`` when given). A process that merely has the variable (a shell, an editor) is not a node."""
     prefix = f"{LABEL_VAR}=".encode()
-    out = []
+    out: list[tuple[int, str]] = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue

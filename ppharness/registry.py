@@ -32,7 +32,7 @@ TOOLS: dict[str, str] = {
 }
 
 
-def _load(table: dict[str, str], kind: str, what: str) -> Any:
+def _load(table: dict[str, str], kind: str, what: str) -> object:
     try:
         target = table[kind]
     except KeyError:
@@ -47,14 +47,14 @@ def transport_class(kind: str) -> type[Transport]:
     return cls
 
 
-def provider_class(kind: str) -> type[Provider]:
+def provider_class(kind: str) -> type[Provider[Any]]:  # Any: each kind reads its own settings section
     cls = _load(PROVIDERS, kind, "provider")
     assert isinstance(cls, type) and issubclass(cls, Provider), f"{kind}: {cls!r} is not a Provider"
     return cls
 
 
-def tool(name: str) -> Callable[..., Any]:
+def tool(name: str) -> Callable[..., object]:
     """A command an implementation offers beside its seam (e.g. the vast.ai emulator's server)."""
     fn = _load(TOOLS, name, "tool")
     assert callable(fn), f"{name}: {fn!r} is not callable"
-    return fn  # type: ignore[no-any-return]
+    return fn

@@ -159,3 +159,18 @@ def test_strict_fails_on_anything_left_but_a_live_run(state, tmp_path):
     finally:
         node.kill()
         node.wait()
+
+
+def test_a_run_that_fails_before_any_node_starts_lets_go_of_its_label(state, tmp_path):
+    """The lock is taken first; a failure after it (here: a model file that does not exist) still releases it."""
+    from ppharness.errors import HarnessError
+    from ppharness.run.orchestrator import Chain
+    from ppharness.scenario.schema import ModelSection, Scenario
+
+    label = _label("early")
+    scenario = Scenario(version=1, model=ModelSection(gguf=str(tmp_path / "missing.gguf")))
+    with pytest.raises(HarnessError):
+        with Chain(scenario, lambda line: None, label):
+            pass
+    assert run_state(label).state == "unknown", "a run that failed cleanly stays registered"
+    RunLock(label).acquire().release()  # the label is free in this very process

@@ -323,7 +323,8 @@ def test_scenario_weight_type_reaches_the_model(tmp_path: Path) -> None:
 def test_spec_template_is_the_specs_request() -> None:
     from click.testing import CliRunner
 
-    from ppharness.cli import VASTAI_ACCEPTANCE, main
+    from ppharness.cli import main
+    from ppharness.cli.smoke import VASTAI_ACCEPTANCE
 
     assert SPEC_TEMPLATE.name == VASTAI_ACCEPTANCE  # what pp-smoke-run --vastai runs by default
     r = CliRunner().invoke(main, ["scenario", "check", str(SPEC_TEMPLATE)])

@@ -35,7 +35,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
 
 try:
     import zmq
@@ -45,7 +44,7 @@ except ImportError as exc:  # pragma: no cover - pyzmq is a declared dependency
     raise ImportError("the zmq transport needs pyzmq: pip install pyzmq") from exc
 
 from ppharness.errors import CodecError, ConnectFailed, TransportClosed, TransportError, TransportTimeout
-from ppharness.seams.transport import Transport
+from ppharness.seams.transport import JsonObject, Transport
 from ppharness.wire import codec
 
 SNDHWM = 1000
@@ -103,7 +102,7 @@ class ZmqTransport(Transport):
     kind = "zmq"
 
     @classmethod
-    def plan_endpoints(cls, count: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    def plan_endpoints(cls, count: int, settings: JsonObject) -> list[JsonObject]:
         """A fresh CURVE key pair per endpoint, every endpoint admitting exactly the run's ``count`` public keys."""
         unknown = sorted(k for k, v in settings.items() if v is not None)
         if unknown:
@@ -140,8 +139,8 @@ class ZmqTransport(Transport):
         self.refused: deque[str] = deque(maxlen=256)  # hex keys refused at the handshake, most recent last
         self.forged = 0  # messages dropped because the sender they named was not the key they came with
         self._refusals_logged: set[str] = set()
-        self._zap: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
+        self._zap: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
         self._zap_thread: threading.Thread | None = None
         self._host = host
         self._port = port
@@ -149,9 +148,9 @@ class ZmqTransport(Transport):
         self._send_timeout_ms = -1 if send_timeout is None else max(0, int(send_timeout * 1000))
         self._address: str | None = None
         self._address_bytes = b""
-        self._ctx: zmq.Context | None = None
-        self._pull: zmq.Socket | None = None
-        self._pushes: dict[str, zmq.Socket] = {}
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._pull: zmq.Socket[bytes] | None = None
+        self._pushes: dict[str, zmq.Socket[bytes]] = {}
         self._state_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
@@ -255,9 +254,9 @@ class ZmqTransport(Transport):
 
     # --- authentication -------------------------------------------------------------------------------------------
 
-    def _genuine(self, frames: list[Any]) -> bool:
+    def _genuine(self, frames: list[zmq.Frame]) -> bool:
         """Whether a received message names as its sender the key it authenticated with; otherwise drop and log."""
-        authenticated = frames[0].get("User-Id") if frames else ""
+        authenticated = str(frames[0].get("User-Id")) if frames else ""  # a string property: the ZAP user id
         try:
             claimed = split_address(frames[0].bytes.decode("utf-8"))[1] if len(frames) == 2 else authenticated
         except UnicodeDecodeError:
@@ -271,14 +270,14 @@ class ZmqTransport(Transport):
         )
         return False
 
-    def _start_zap(self, ctx: zmq.Context) -> None:
+    def _start_zap(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         """Bind this context's ZAP handler and serve it from a thread until the context ends."""
         self._zap = ctx.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
         self._zap.bind(ZAP_ENDPOINT)
         self._zap_thread = threading.Thread(target=self._serve_zap, args=(self._zap,), name="zmq-zap", daemon=True)
 
-    def _watch_handshakes(self, pull: zmq.Socket) -> None:
+    def _watch_handshakes(self, pull: zmq.Socket[bytes]) -> None:
         """Start the ZAP thread, also watching ``pull`` for handshakes that fail before ZAP is asked (a peer without
         CURVE, or one that dialled with another server key)."""
         self._monitor = pull.get_monitor_socket(
@@ -287,13 +286,14 @@ class ZmqTransport(Transport):
         assert self._zap_thread is not None
         self._zap_thread.start()
 
-    def _stop_zap(self, ctx: zmq.Context) -> None:
+    def _stop_zap(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         ctx.term()  # ends the ZAP thread's recv with ETERM; it closes its socket
         if self._zap_thread is not None:
             self._zap_thread.join(timeout=5)
 
-    def _serve_zap(self, sock: zmq.Socket) -> None:
+    def _serve_zap(self, sock: zmq.Socket[bytes]) -> None:
         monitor = self._monitor
+        assert monitor is not None, "_watch_handshakes() opens the monitor socket before it starts this thread"
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -346,7 +346,7 @@ class ZmqTransport(Transport):
 
     # --- internals ------------------------------------------------------------------------------------------------
 
-    def _connect(self, address: str) -> zmq.Socket:
+    def _connect(self, address: str) -> zmq.Socket[bytes]:
         assert self._ctx is not None
         endpoint, key = split_address(address)
         try:

@@ -39,7 +39,7 @@ import docker.errors
 from backends.docker.network import client as connect
 from ppharness.errors import ProvisionFailed
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: backends/docker/image.py
 DOCKER_DIR = ROOT / "docker"
 SUITE = "bookworm"
 BASE_REPO = "ppharness-base"

@@ -24,7 +24,7 @@ import requests.exceptions
 from ppharness.errors import ProvisionFailed
 from ppharness.seams.provider import Reaped
 
-SUBNET_POOL = ipaddress.ip_network("10.213.0.0/16")
+SUBNET_POOL = ipaddress.IPv4Network("10.213.0.0/16")
 PROBE_API = "1.41"  # Docker 20.10 (Debian bookworm's docker.io); later daemons serve it too
 
 
@@ -50,7 +50,8 @@ def daemon_problem(timeout: float = 10.0) -> str | None:
     if problem is not None:
         return problem
     try:
-        probe = docker.from_env(version=PROBE_API, timeout=timeout)
+        # types-docker says ``timeout: int``; the SDK hands it to requests, which takes seconds as a float
+        probe = docker.from_env(version=PROBE_API, timeout=timeout)  # type: ignore[arg-type]
     except docker.errors.DockerException as exc:
         return str(exc)
     try:
@@ -70,7 +71,8 @@ def client(timeout: float = 120.0) -> docker.DockerClient:
             f"no Docker daemon answers ({problem}); start one: `bash docker/dockerd.sh` (README, 'Docker')"
         )
     try:
-        return docker.from_env(timeout=timeout)
+        # types-docker says ``timeout: int``; the SDK hands it to requests, which takes seconds as a float
+        return docker.from_env(timeout=timeout)  # type: ignore[arg-type]
     except docker.errors.DockerException as exc:
         raise ProvisionFailed(f"connecting to the Docker daemon failed: {exc}") from exc
 
@@ -88,7 +90,7 @@ def parse_subnet(text: str) -> ipaddress.IPv4Network:
 
 def _host_networks() -> list[ipaddress.IPv4Network]:
     """The IPv4 networks this machine routes (default route excluded), from /proc/net/route."""
-    nets = []
+    nets: list[ipaddress.IPv4Network] = []
     try:
         rows = Path("/proc/net/route").read_text().splitlines()[1:]
     except OSError:
@@ -104,7 +106,7 @@ def _host_networks() -> list[ipaddress.IPv4Network]:
 
 def free_subnet(c: docker.DockerClient) -> ipaddress.IPv4Network:
     """A /24 of 10.213.0.0/16 that overlaps no Docker network and no route of this machine (random start)."""
-    taken = _host_networks()
+    taken: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = list(_host_networks())
     for net in c.api.networks():
         for cfg in (net.get("IPAM") or {}).get("Config") or []:
             try:

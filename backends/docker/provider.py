@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import docker
 import docker.errors
@@ -47,6 +47,10 @@ from backends.docker.image import ensure_node_image
 from backends.docker.network import client, daemon_problem, free_subnet, parse_subnet, remove_labelled
 from ppharness.errors import NotReady, ProviderError, ProvisionFailed
 from ppharness.seams.provider import Instance, NodeSpec, Provider, Reaped
+
+if TYPE_CHECKING:
+    from ppharness.scenario.schema import DockerSettings
+    from ppharness.seams.transport import JsonObject
 
 RUN_LABEL = "ppharness.run"
 STAGE_LABEL = "ppharness.run.stage"
@@ -67,12 +71,15 @@ def _explain(exc: BaseException) -> str:
     return str(getattr(exc, "explanation", None) or exc)
 
 
-class DockerProvider(Provider):
-    """One container per stage on a bridge network of its own (see the module's docstring)."""
+class DockerProvider(Provider["DockerSettings | None"]):
+    """One container per stage on a bridge network of its own (see the module's docstring); ``settings`` is the
+    scenario's ``provider.docker``."""
 
     kind = "docker"
 
-    def __init__(self, run_label: str, settings: Any = None, log_dir: str | os.PathLike[str] | None = None):
+    def __init__(
+        self, run_label: str, settings: DockerSettings | None = None, log_dir: str | os.PathLike[str] | None = None
+    ):
         super().__init__(run_label, settings, log_dir)
         self.network_name = f"ppharness-{run_label}"
         self.image: str | None = None
@@ -86,10 +93,6 @@ class DockerProvider(Provider):
 
     # --- settings and addresses -----------------------------------------------------------------------------------
 
-    def _setting(self, name: str, default: Any = None) -> Any:
-        value = getattr(self.settings, name, None) if self.settings is not None else None
-        return default if value is None else value
-
     @property
     def docker(self) -> docker.DockerClient:
         if self._client is None:
@@ -100,7 +103,7 @@ class DockerProvider(Provider):
     def subnet(self) -> ipaddress.IPv4Network:
         """The run network's subnet: the ``subnet`` setting, else a free /24 (chosen once, created in provision)."""
         if self._subnet is None:
-            wanted = self._setting("subnet")
+            wanted = self.settings.subnet if self.settings is not None else None
             self._subnet = parse_subnet(wanted) if wanted else free_subnet(self.docker)
         return self._subnet
 
@@ -124,7 +127,7 @@ class DockerProvider(Provider):
         self._model = (host_path, f"{MODEL_DIR}/{os.path.basename(host_path)}")
         return self._model[1]
 
-    def seed_transport_options(self, kind: str) -> dict[str, Any]:
+    def seed_transport_options(self, kind: str) -> JsonObject:
         """Bind every interface and advertise the run network's gateway (no options for the in-process memory kind)."""
         return {} if kind == "memory" else {"host": "0.0.0.0", "advertise_host": self.gateway}
 
@@ -132,7 +135,10 @@ class DockerProvider(Provider):
 
     def provision(self, specs: list[NodeSpec]) -> list[Instance]:
         try:
-            self.image = self._setting("image") or ensure_node_image(self.docker, self._setting("base_image"), _log)
+            s = self.settings
+            self.image = (s.image if s is not None else None) or ensure_node_image(
+                self.docker, s.base_image if s is not None else None, _log
+            )
             self._dirty = True
             self._create_network()
             started = [self._start(i, spec) for i, spec in enumerate(specs)]
@@ -176,10 +182,12 @@ class DockerProvider(Provider):
         if self._model:
             volumes[self._model[0]] = {"bind": self._model[1], "mode": "ro"}
         env["CACHEDB"] = f"{KERNEL_CACHE_DIR}/cache.db"
-        cpus, memory = self._setting("cpus"), self._setting("memory")
+        cpus, memory = (self.settings.cpus, self.settings.memory) if self.settings is not None else (None, None)
+        image = spec.image or self.image
+        assert image is not None, "provision() chooses the node image before it starts containers"
         try:
             container = self.docker.containers.create(
-                spec.image or self.image,
+                image,
                 command=["pp-node"],
                 name=name,
                 hostname=spec.name,
@@ -194,6 +202,7 @@ class DockerProvider(Provider):
             )
         except docker.errors.DockerException as exc:
             raise ProvisionFailed(f"creating the container of {spec.name} failed: {_explain(exc)}") from exc
+        assert container.id is not None, "the daemon gives every container it creates an id"
         inst = Instance(
             id=container.id[:12],
             name=spec.name,
@@ -201,7 +210,7 @@ class DockerProvider(Provider):
             meta={
                 "container": name,
                 "address": address,
-                "image": str(spec.image or self.image),
+                "image": image,
                 "log": str(self.node_log_dir() / f"{spec.name}.log"),
             },
         )
@@ -321,7 +330,7 @@ class DockerProvider(Provider):
             swept = []
             warnings.append(f"removing the run's containers and network failed: {_explain(exc)}")
             print(f"warning: {warnings[-1]}", file=sys.stderr)
-        containers = len(self.instances) + sum(x.startswith("container") for x in swept)
+        containers = len(self.instances) + sum(x.what.startswith("container") for x in swept)
         _log(f"removed {containers} container(s) and the network {self.network_name}")
         self.instances, self._network_id, self._dirty = [], None, False
         return warnings
@@ -358,5 +367,5 @@ def _signals_deferred() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for sig in pending[:1]:
-            signal.raise_signal(sig)
+        for signum in pending[:1]:
+            signal.raise_signal(signum)

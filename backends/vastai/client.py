@@ -17,8 +17,8 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator, Mapping
+from typing import Any, NoReturn
 
 import httpx
 import tenacity
@@ -51,7 +51,7 @@ class ApiKey:
         return self._value
 
     @classmethod
-    def from_env(cls, env: Any = None) -> ApiKey | None:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ApiKey | None:
         """The key in ``VAST_API_KEY``, or None when it is unset or empty."""
         value = (env if env is not None else os.environ).get(KEY_VAR, "")
         return cls(value) if value.strip() else None
@@ -61,7 +61,7 @@ class ApiKey:
 
     __str__ = __repr__
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> NoReturn:
         raise TypeError("an ApiKey cannot be pickled")
 
 
@@ -71,7 +71,7 @@ class _BearerAuth(httpx.Auth):
     def __init__(self, key: ApiKey) -> None:
         self._key = key
 
-    def auth_flow(self, request: httpx.Request) -> Any:
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
         request.headers["Authorization"] = f"Bearer {self._key.reveal()}"
         yield request
 
@@ -98,7 +98,7 @@ class VastApiError(ProviderError):
         return self.status == 404 or self.error in GONE_ERRORS
 
 
-def api_url(env: Any = None) -> str:
+def api_url(env: Mapping[str, str] | None = None) -> str:
     """The API's base URL: ``VAST_URL`` when set (as the vastai SDK reads it), else https://console.vast.ai."""
     return ((env if env is not None else os.environ).get(URL_VAR) or DEFAULT_URL).rstrip("/")
 
@@ -281,7 +281,7 @@ class VastClient:
             after = _retry_after(state.outcome.result())
             if after is not None:
                 return after
-        return min(0.5 * 2 ** (state.attempt_number - 1), 30.0) * self.pace
+        return min(0.5 * 2.0 ** (state.attempt_number - 1), 30.0) * self.pace
 
     def _call(
         self,
@@ -311,7 +311,8 @@ class VastClient:
 
         def last_outcome(state: tenacity.RetryCallState) -> httpx.Response:
             assert state.outcome is not None
-            return state.outcome.result()  # the last reply, or the last exception raised again
+            resp: httpx.Response = state.outcome.result()  # the last reply, or the last exception raised again
+            return resp
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.attempts),

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ppharness.errors import ProvisionFailed
+
+if TYPE_CHECKING:
+    from ppharness.scenario.schema import VastaiSettings
 
 ENV_ENTRY_MAX = 256  # characters per env entry, name and value together (shared/vastai-api.md §3)
 ENV_TOTAL_MAX = 32768
@@ -22,7 +25,7 @@ _PORT = re.compile(r"^(\d{1,5})(/(tcp|udp))?$")
 NODE_COMMAND = "pp-node"
 
 
-def offer_query(s: Any, count: int) -> dict[str, Any]:
+def offer_query(s: VastaiSettings, count: int) -> dict[str, Any]:
     """The search body: the scenario's constraints, vastai's default filters, cheapest first, on-demand prices for
     ``s.disk_gb`` of storage. RAM is in MB on the wire (GB x 1000, as the vastai CLI sends it)."""
     q: dict[str, Any] = {
@@ -49,7 +52,7 @@ def offer_query(s: Any, count: int) -> dict[str, Any]:
     return q
 
 
-def offer_matches(offer: dict[str, Any], s: Any) -> bool:
+def offer_matches(offer: dict[str, Any], s: VastaiSettings) -> bool:
     """The constraints checked again on our side: the catalog is cached and a server may ignore a filter."""
     names = (s.gpu_name,) if isinstance(s.gpu_name, str) else tuple(s.gpu_name or ())
     try:
@@ -68,7 +71,7 @@ def offer_matches(offer: dict[str, Any], s: Any) -> bool:
         return False
 
 
-def describe_constraints(s: Any) -> str:
+def describe_constraints(s: VastaiSettings) -> str:
     parts = [
         f"{s.num_gpus}x {s.gpu_name if isinstance(s.gpu_name, str) else ' or '.join(s.gpu_name or ['any GPU'])}",
         f"<= ${s.max_dph:.3f}/hr",
@@ -95,7 +98,7 @@ class RentalPlan:
         return sum(float(o["dph_total"]) for o in self.chosen)
 
 
-def choose_offers(offers: list[dict[str, Any]], s: Any, count: int) -> RentalPlan:
+def choose_offers(offers: list[dict[str, Any]], s: VastaiSettings, count: int) -> RentalPlan:
     """The ``count`` cheapest matching offers; ProvisionFailed when fewer match or they exceed ``max_total_dph``."""
     usable = sorted(
         (o for o in offers if offer_matches(o, s)),
@@ -116,7 +119,7 @@ def choose_offers(offers: list[dict[str, Any]], s: Any, count: int) -> RentalPla
     return plan
 
 
-def plan_lines(plan: RentalPlan, names: list[str], s: Any, run_label: str) -> list[str]:
+def plan_lines(plan: RentalPlan, names: list[str], s: VastaiSettings, run_label: str) -> list[str]:
     """The plan as printed before anything is rented."""
     lines = [
         f"vast.ai plan for run {run_label}: {len(plan.chosen)} instance(s) of {s.image}, cheapest matching offers first"
@@ -166,7 +169,7 @@ def encode_env(env: dict[str, str], ports: tuple[str, ...] = ()) -> tuple[dict[s
     return out, script
 
 
-def create_body(s: Any, image: str, label: str, env: dict[str, str]) -> dict[str, Any]:
+def create_body(s: VastaiSettings, image: str, label: str, env: dict[str, str]) -> dict[str, Any]:
     """``PUT /api/v0/asks/{id}/``'s body: the image's ENTRYPOINT replaced by ``/bin/sh`` (runtype ``args``, where
     ``onstart`` is the entrypoint) running the script that starts ``pp-node``, so the instance exits when the node
     does and its ``actual_status`` shows it."""

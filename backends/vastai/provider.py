@@ -20,13 +20,17 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from backends.vastai.client import ApiKey, VastApiError, VastClient, api_url
 from backends.vastai.offers import choose_offers, create_body, offer_query, plan_lines
 from ppharness.errors import NotReady, ProviderError, ProvisionFailed
 from ppharness.seams.provider import Instance, NodeSpec, Provider, Reaped
+
+if TYPE_CHECKING:
+    from ppharness.scenario.schema import VastaiSettings
 
 MAX_POLLS = 60
 REAL_MIN_POLL_S = 10.0
@@ -94,23 +98,24 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-class VastaiProvider(Provider):
+class VastaiProvider(Provider["VastaiSettings"]):
     kind = "vastai"
 
     def __init__(
         self,
         run_label: str,
-        settings: Any = None,
+        settings: VastaiSettings | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         client: VastClient | None = None,
     ):
         """``settings``: the scenario's ``provider.vastai`` (``ppharness.scenario.schema.VastaiSettings``)."""
-        super().__init__(run_label, settings, log_dir)
         if settings is None:
             raise ProviderError("the vastai provider needs the scenario's provider.vastai settings")
-        self.client = client or client_from_env()
-        if self.client is None:
+        super().__init__(run_label, settings, log_dir)
+        client = client or client_from_env()
+        if client is None:
             raise ProviderError("no vast.ai API key: pass --api-key or set VAST_API_KEY")
+        self.client = client
         self.poll_s = max(settings.poll_s, REAL_MIN_POLL_S) if is_vast_host(self.client.base_url) else settings.poll_s
         self.image = os.environ.get(IMAGE_VAR) or settings.image
         self._records: dict[int, dict[str, Any]] = {}
@@ -300,7 +305,9 @@ class VastaiProvider(Provider):
                 _say(f"warning: {warnings[-1]}")
         return warnings
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             super().__exit__(exc_type, exc, tb)
         finally:

@@ -14,9 +14,14 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ppharness.errors import HarnessError
+
+if TYPE_CHECKING:
+    from ppharness.run.orchestrator import Chain
+    from ppharness.scenario.schema import Scenario
+    from ppharness.wire.messages import InferenceResponse
 
 PROMPT = "Pipeline parallel inference over the wide area network"
 
@@ -46,14 +51,16 @@ class BenchResult:
         return out
 
 
-def _scenario(preset: str, n: int, kind: str, tokens: int, max_context: int) -> Any:
+def _scenario(preset: str, n: int, kind: str, tokens: int, max_context: int) -> Scenario:
     import msgspec
 
     from ppharness.scenario.schema import scenario_from_args
 
     base = scenario_from_args(num_stages=n, transport=kind, prompt=PROMPT, max_tokens=tokens)
+    synthetic = base.model.synthetic
+    assert synthetic is not None, "the built-in scenario's model is synthetic"
     model = msgspec.structs.replace(
-        base.model, synthetic=msgspec.structs.replace(base.model.synthetic, preset=preset), max_context=max_context
+        base.model, synthetic=msgspec.structs.replace(synthetic, preset=preset), max_context=max_context
     )
     budget = msgspec.structs.replace(base.budget, total_s=3600.0, ready_s=900.0)
     return msgspec.structs.replace(base, model=model, budget=budget)
@@ -106,7 +113,7 @@ def run_chain_bench(
     # compiles the prefill for this prompt; the answer every chain must give, bit for bit
     oracle = oracle_decode(path, PROMPT, tokens, max_context, model=single, boundaries=True)
 
-    chains: dict[str, Any] = {}
+    chains: dict[str, Chain] = {}
     with ExitStack() as stack:
         for kind in [*transports, "zmq+trace"]:
             transport = kind.removesuffix("+trace")
@@ -148,7 +155,7 @@ def run_chain_bench(
     return res
 
 
-def _absorb_trace(res: BenchResult, chain: Any, response: Any) -> None:
+def _absorb_trace(res: BenchResult, chain: Chain, response: InferenceResponse) -> None:
     trace = chain.trace_of(response)
     rows = trace.decode
     res.components_ms = trace.p50_parts()

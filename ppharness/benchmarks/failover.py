@@ -16,9 +16,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from ppharness.errors import HarnessError
 from ppharness.testing.watched import WatchedRun
+
+if TYPE_CHECKING:
+    from backends.local import LocalProvider
 
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}
 
@@ -34,7 +38,9 @@ class FailoverRun:
 def _labelled_pids(label: str) -> list[int]:
     from ppharness.registry import provider_class
 
-    return provider_class("local").labelled(label)
+    # the registry types every kind as a plain Provider; ``labelled`` is the local provider's own
+    local = cast("type[LocalProvider]", provider_class("local"))
+    return local.labelled(label)
 
 
 def _scenario_file(num_stages: int, engine: str) -> str:
@@ -69,11 +75,13 @@ def run_once(num_stages: int, victim: int, sig: str, engine: str, timeout: float
             os.kill(stage_pids[0], SIGNALS[sig])
             out = run.finish(timeout)
             seconds = time.monotonic() - t0
+            exit_code = run.returncode
+            assert exit_code is not None, "finish() returns once the command has ended"
     finally:
         os.unlink(scenario)
     reason = next((ln for ln in out.splitlines() if ln.startswith("FAILED: ")), "(no FAILED line)")
     left = _labelled_pids(label)
-    return FailoverRun(seconds=seconds, exit_code=run.returncode, reason=reason, leftovers=len(left))
+    return FailoverRun(seconds=seconds, exit_code=exit_code, reason=reason, leftovers=len(left))
 
 
 def _stage_of(pid: int) -> int | None:

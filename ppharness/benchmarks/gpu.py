@@ -18,9 +18,20 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from ppharness.benchmarks.chain import _scenario
+
+if TYPE_CHECKING:
+    from ppharness.model.slicing import ModelConfig
+
+
+class Tokenizer(Protocol):
+    """What ``prompt_of`` needs of a tokenizer (a GGUF file's, ``GGUFFile.tokenizer``)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 @dataclass
@@ -48,7 +59,7 @@ class GpuBench:
     notes: list[str] = field(default_factory=list)
 
 
-def prompt_of(tokenizer: Any, bos: int | None, n: int) -> str:
+def prompt_of(tokenizer: Tokenizer, bos: int | None, n: int) -> str:
     """A prompt that tokenizes to exactly ``n`` tokens with the BOS (words of a fixed text, trimmed)."""
     words = (
         "the pipeline stage sends its hidden state to the next stage over the wide area network and waits "
@@ -114,7 +125,10 @@ def run_gpu_bench(
     res.contenders.append(one)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save = lambda: (out / "gpu-bench.json").write_text(json.dumps(asdict(res), indent=2))  # noqa: E731
+
+    def save() -> None:
+        (out / "gpu-bench.json").write_text(json.dumps(asdict(res), indent=2))
+
     save()
     progress(f"single process: {one.median_tok_s():.1f} tok/s")
     del single
@@ -149,12 +163,14 @@ def run_gpu_bench(
 
 
 def hf_reference(
-    cfg: Any, prompt_tokens: int, tokens: int, repeats: int, progress: Callable[[str], None], notes: list[str]
+    cfg: ModelConfig, prompt_tokens: int, tokens: int, repeats: int, progress: Callable[[str], None], notes: list[str]
 ) -> list[Contender]:
     """HF transformers greedy decode of a random LlamaForCausalLM with the same dimensions, bf16, on the GPU."""
+    # optional packages, absent from the test install: mypy cannot find them there (the ignores), and checks this
+    # code against their own types where they are installed (unused-ignore then)
     try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import torch  # type: ignore[import-not-found, unused-ignore]
+        from transformers import LlamaConfig, LlamaForCausalLM  # type: ignore[import-not-found, unused-ignore]
     except ImportError as exc:
         notes.append(f"HF transformers reference skipped: {exc}")
         return []
@@ -178,11 +194,11 @@ def hf_reference(
     for cache in ("dynamic", "static"):
         how = "compiled by generate" if cache == "static" else "eager"
         c = Contender(f"HF transformers bf16, {cache} cache ({how})")
-        kw = {"do_sample": False, "pad_token_id": 0}
+        kw: dict[str, object] = {"do_sample": False, "pad_token_id": 0}
         if cache == "static":
             kw["cache_implementation"] = "static"
 
-        def timed(new: int, kw: dict[str, Any] = kw) -> float:
+        def timed(new: int, kw: dict[str, object] = kw) -> float:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.inference_mode():

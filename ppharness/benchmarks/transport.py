@@ -17,6 +17,7 @@ ppharness transport's ratio is its p50 over the p50 of the raw library it wraps,
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -25,12 +26,19 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, TextIO, cast
 
 from ppharness.errors import HarnessError
 from ppharness.registry import transport_class
+from ppharness.seams.transport import JsonObject
 from ppharness.trace.report import percentile
 from ppharness.wire.messages import StageActivation
+
+if TYPE_CHECKING:
+    from iroh import Endpoint, EndpointOptions, RecvStream, SendStream
+
+    from transports.iroh.transport import IrohTransport
 
 BATCH = 10
 WARMUP = 5
@@ -63,13 +71,19 @@ def _human(size: int) -> str:
 # --- echo peers (child processes) -----------------------------------------------------------------------------------
 
 
-def _iroh_endpoint_options(iroh: Any) -> Any:
-    return iroh.EndpointOptions(
+def _iroh_class() -> type[IrohTransport]:
+    """The registry's iroh transport, for its bulk-copy switch (the registry types it as any Transport)."""
+    return cast("type[IrohTransport]", transport_class("iroh"))
+
+
+def _iroh_endpoint_options(iroh: ModuleType) -> EndpointOptions:
+    options: EndpointOptions = iroh.EndpointOptions(
         preset=iroh.preset_minimal(), bind_addr="127.0.0.1:0", alpns=[ALPN], relay_mode=iroh.RelayMode.disabled()
     )
+    return options
 
 
-def _serve(kind: str, opts: dict[str, Any]) -> None:
+def _serve(kind: str, opts: JsonObject) -> None:
     """Run one echo peer; print its address on stdout; exit when stdin closes."""
     threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
     if kind == "raw-zmq":
@@ -81,7 +95,7 @@ def _serve(kind: str, opts: dict[str, Any]) -> None:
         while True:
             sock.send(sock.recv(copy=False), copy=False)
     elif kind.startswith("raw-iroh"):
-        transport_class("iroh").bulk_copy(kind == "raw-iroh-bulk")
+        _iroh_class().bulk_copy(kind == "raw-iroh-bulk")
         asyncio.run(_serve_raw_iroh())
     else:
         transport = transport_class(kind)(**opts)
@@ -96,7 +110,9 @@ async def _serve_raw_iroh() -> None:
 
     endpoint = await iroh.Endpoint.bind(_iroh_endpoint_options(iroh))
     print(str(iroh.EndpointTicket.from_addr(endpoint.addr())), flush=True)
-    conn = await (await (await endpoint.accept_next()).accept()).connect()
+    incoming = await endpoint.accept_next()
+    assert incoming is not None, "the echo endpoint closed before the benchmark connected"
+    conn = await (await incoming.accept()).connect()
     stream = await conn.accept_bi()
     recv, send = stream.recv(), stream.send()
     try:
@@ -107,7 +123,7 @@ async def _serve_raw_iroh() -> None:
 
 
 class _Child:
-    def __init__(self, kind: str, opts: dict[str, Any] | None = None) -> None:
+    def __init__(self, kind: str, opts: JsonObject | None = None) -> None:
         env = {**os.environ, "PP_BENCH_OPTS": json.dumps(opts or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ppharness.benchmarks.transport", "--serve", kind],
@@ -137,6 +153,8 @@ class _Child:
 # --- clients: each returns a function that times ``count`` round trips of one payload -------------------------------
 
 Timer = Callable[[bytes, int], list[float]]
+Client = Callable[[_Child], tuple[Timer, Callable[[], None]]]  # connects to an echo peer: (timer, closer)
+Measured = tuple[str, str | None, int, Timer]  # (path name, baseline path or None, samples wanted, timer)
 
 
 def _raw_zmq(child: _Child) -> tuple[Timer, Callable[[], None]]:
@@ -155,16 +173,20 @@ def _raw_zmq(child: _Child) -> tuple[Timer, Callable[[], None]]:
             out.append(time.perf_counter() - t0)
         return out
 
-    return rounds, lambda: (sock.close(linger=0), ctx.term())
+    def close() -> None:
+        sock.close(linger=0)
+        ctx.term()
+
+    return rounds, close
 
 
 def _raw_iroh(child: _Child, bulk: bool) -> tuple[Timer, Callable[[], None]]:
     import iroh
 
-    iroh_cls = transport_class("iroh")
+    iroh_cls = _iroh_class()
     loop = asyncio.new_event_loop()
 
-    async def connect() -> Any:
+    async def connect() -> tuple[Endpoint, SendStream, RecvStream]:
         endpoint = await iroh.Endpoint.bind(_iroh_endpoint_options(iroh))
         target = iroh.EndpointTicket.from_string(child.address).endpoint_addr()
         stream = await (await endpoint.connect(target, ALPN)).open_bi()
@@ -196,7 +218,7 @@ def _raw_iroh(child: _Child, bulk: bool) -> tuple[Timer, Callable[[], None]]:
     return rounds, close
 
 
-def _ppharness(child: _Child, kind: str, opts: dict[str, Any]) -> tuple[Timer, Callable[[], None]]:
+def _ppharness(child: _Child, kind: str, opts: JsonObject) -> tuple[Timer, Callable[[], None]]:
     transport = transport_class(kind)(**opts)
     transport.start()
 
@@ -226,7 +248,7 @@ def _ppharness(child: _Child, kind: str, opts: dict[str, Any]) -> tuple[Timer, C
 
 
 def run_transport_bench(
-    sizes: list[int], repeats: int, kinds: list[str], json_out: str | None = None, out: Any = None
+    sizes: list[int], repeats: int, kinds: list[str], json_out: str | None = None, out: TextIO | None = None
 ) -> list[Row]:
     """Measure every path for every size (interleaved), print the table, optionally write JSON; return the rows."""
     out = out or sys.stdout
@@ -238,14 +260,14 @@ def run_transport_bench(
             "bench transport: the memory transport works within one process only; every echo peer "
             "here is a process of its own (measure zmq, iroh, ...)"
         )
-    paths: list[tuple[str, str | None, int, Any]] = []
+    paths: list[Measured] = []
     children: list[_Child] = []
     closers: list[Callable[[], None]] = []
     try:
         iroh_wanted = "iroh" in kinds
         if iroh_wanted:
-            transport_class("iroh").bulk_copy(True)
-        specs: list[tuple[str, str | None, str, dict[str, Any] | None, Callable[..., Any]]] = [
+            _iroh_class().bulk_copy(True)
+        specs: list[tuple[str, str | None, str, JsonObject | None, Client]] = [
             ("raw zmq", None, "raw-zmq", None, _raw_zmq)
         ]
         if iroh_wanted:
@@ -263,7 +285,7 @@ def run_transport_bench(
             base = {"zmq": "raw zmq", "iroh": "raw iroh, bulk copy"}.get(kind)
             ends = transport_class(kind).plan_endpoints(2, {})
             specs.append(
-                (f"ppharness {kind}", base, kind, ends[1], lambda c, kind=kind, mine=ends[0]: _ppharness(c, kind, mine))
+                (f"ppharness {kind}", base, kind, ends[1], functools.partial(_ppharness, kind=kind, opts=ends[0]))
             )
         for name, base, serve_kind, child_opts, make in specs:
             child = _Child(serve_kind, child_opts)
@@ -285,7 +307,7 @@ def run_transport_bench(
     return rows
 
 
-def _measure(size: int, paths: list[tuple[str, str | None, int, Any]]) -> list[Row]:
+def _measure(size: int, paths: list[Measured]) -> list[Row]:
     payload = os.urandom(size)
     samples: dict[str, list[float]] = {name: [] for name, *_ in paths}
     for _, _, _, timer in paths:
@@ -307,7 +329,7 @@ def _measure(size: int, paths: list[tuple[str, str | None, int, Any]]) -> list[R
     return rows
 
 
-def _print(rows: list[Row], repeats: int, out: Any) -> None:
+def _print(rows: list[Row], repeats: int, out: TextIO) -> None:
     w = max(len(r.path) for r in rows)
     print(
         f"round trip on loopback (send, echo, receive), ms; {repeats} per cell unless n differs; interleaved, "

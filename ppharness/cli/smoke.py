@@ -1,6 +1,107 @@
-"""``python -m ppharness.cli.smoke`` = ``pp-smoke-run`` (for environments where the console script is not on PATH)."""
+"""``pp-smoke-run``: the N-stage chain once, checked against the unsplit model. ``python -m ppharness.cli.smoke`` is the
+same command (for environments where the console script is not on PATH)."""
 
-from ppharness.cli import smoke_run
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from ppharness.cli.common import SCENARIO_HELP, fail, load_scenario_or_fail, run_and_report
+
+
+@click.command(name="pp-smoke-run")
+@click.option("--num-stages", "-n", type=int, help="Number of pipeline stages (default: the scenario's, else 2).")
+@click.option("--scenario", "scenario_file", type=click.Path(dir_okay=False), help=SCENARIO_HELP)
+@click.option("--transport", help="Transport kind between processes: zmq or iroh.")
+@click.option("--provider", help="Provider kind (local, ...).")
+@click.option("--prompt", help="Prompt text.")
+@click.option("--max-tokens", type=int, help="Tokens to generate.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@click.option(
+    "--run-label",
+    help="Label every node of this run carries (default: a fresh pp-xxxxxxxx); "
+    "`ppharness reap --label L` destroys leftovers.",
+)
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(dir_okay=False),
+    help="Write the per-token trace: FILE (Perfetto/Chrome JSON) and FILE's .jsonl (one line per token).",
+)
+@click.option("--no-trace", is_flag=True, help="Record no timings (no per-token summary).")
+@click.option(
+    "--vastai",
+    is_flag=True,
+    help="Rent one vast.ai instance per stage (default scenario: the SPEC's "
+    "request, scenarios/templates/acceptance-5stage-vastai-llama3.2-1b.yaml; its CI variant on the tiny "
+    "model is scenarios/acceptance-5stage-vastai.yaml); prints the plan and its cost first.",
+)
+@click.option("--api-key", help="vast.ai API key (default: $VAST_API_KEY, which keeps it out of the process list).")
+@click.option(
+    "--vastai-url",
+    help="vast.ai API base URL (default: $VAST_URL, else https://console.vast.ai), e.g. a `ppharness vastai-emulator`.",
+)
+def smoke_run(
+    num_stages: int | None,
+    scenario_file: str | None,
+    transport: str | None,
+    provider: str | None,
+    prompt: str | None,
+    max_tokens: int | None,
+    quiet: bool,
+    run_label: str | None,
+    trace_path: str | None,
+    no_trace: bool,
+    vastai: bool,
+    api_key: str | None,
+    vastai_url: str | None,
+) -> None:
+    """Run the N-stage chain once, print its text, and check it against the unsplit model."""
+    if vastai:
+        provider, scenario_file = _use_vastai(provider, scenario_file, api_key, vastai_url)
+    elif api_key or vastai_url:
+        fail("--api-key and --vastai-url apply only with --vastai")
+    run_and_report(
+        load_scenario_or_fail(
+            scenario_file,
+            num_stages=num_stages,
+            transport=transport,
+            provider=provider,
+            prompt=prompt,
+            max_tokens=max_tokens,
+        ),
+        quiet=quiet,
+        run_label=run_label,
+        trace_path=trace_path,
+        trace=False if no_trace else None,
+    )
+
+
+# the SPEC's rung-1 request on vast.ai (llama3.2:1b, "Say hello", 64 tokens): what --vastai runs by default
+
+
+VASTAI_ACCEPTANCE = "acceptance-5stage-vastai-llama3.2-1b.yaml"
+
+
+def _use_vastai(
+    provider: str | None, scenario_file: str | None, api_key: str | None, vastai_url: str | None
+) -> tuple[str, str]:
+    """``--vastai``: the provider and scenario it implies; the key and URL go where the provider (and the reaper)
+    read them, the environment of this process only (never an argument of any process it starts)."""
+
+    if provider not in (None, "vastai"):
+        fail(f"--vastai and --provider {provider} contradict each other")
+    if api_key is not None:
+        os.environ["VAST_API_KEY"] = api_key
+    if vastai_url is not None:
+        os.environ["VAST_URL"] = vastai_url
+    if not os.environ.get("VAST_API_KEY", "").strip():
+        fail("--vastai needs a vast.ai API key: --api-key KEY or VAST_API_KEY")
+    default = Path(__file__).resolve().parents[2] / "scenarios" / "templates" / VASTAI_ACCEPTANCE
+    return "vastai", scenario_file or str(default)
+
 
 if __name__ == "__main__":
     smoke_run()

@@ -3,7 +3,10 @@ compiling the decode step before the first request."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ppharness.model.slicing import ModelSlice
 
 
 def finish_reason(tokens: list[int], eos_id: int, max_tokens: int) -> str | None:
@@ -20,7 +23,7 @@ def visible(tokens: list[int], eos_id: int) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] == eos_id else tokens
 
 
-def warm_up(model: Any) -> None:
+def warm_up(model: ModelSlice) -> None:
     """Compile the decode step before the first request: one prefill position, then enough decode steps for the JIT
     to capture and replay. The KV cache entries it writes are overwritten by the next request's prefill, and the
     captured decode step (symbolic in the position) serves every later request."""

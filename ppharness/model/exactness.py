@@ -12,13 +12,19 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+from numpy.typing import NDArray
+
+if TYPE_CHECKING:
+    from ppharness.model.oracle import OracleResult
 
 
-def digest(hidden: np.ndarray) -> bytes:
+def digest(hidden: NDArray[np.floating]) -> bytes:
     """The digest of a hidden state as the chain defines it: its fp16 bytes (an f32 wire widens them exactly)."""
-    return hashlib.blake2b(np.ascontiguousarray(hidden, dtype=np.float16), digest_size=8).digest()  # no copy
+    # no copy; ``.data``: the array's buffer (numpy's stubs declare ndarray a Buffer only for Python 3.12+)
+    return hashlib.blake2b(np.ascontiguousarray(hidden, dtype=np.float16).data, digest_size=8).digest()
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,7 @@ class SplitCheck:
 
 def check_splits(
     model_path: str, prompt: str, max_tokens: int, splits: list[list[tuple[int, int]]], max_context: int = 256
-) -> tuple[object, list[SplitCheck]]:
+) -> tuple[OracleResult, list[SplitCheck]]:
     """Run the unsplit model (tapped) once and every split in one process over the memory transport, on whatever
     device tinygrad uses (``DEV``); compare tokens, every stage-boundary hidden state and the compiled kernels."""
     from ppharness.model.oracle import oracle_decode

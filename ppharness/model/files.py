@@ -20,6 +20,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -138,7 +139,9 @@ def preset_spec(preset: str, **overrides: object) -> ModelSpec:
         spec = PRESETS[preset]
     except KeyError:
         raise ModelError(f"unknown model preset {preset!r}: expected one of {', '.join(PRESETS)}") from None
-    return replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+    # field name -> value: of the field's type, which differs from field to field
+    changes: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    return replace(spec, **changes)
 
 
 def preset_blocks(preset: str, blocks_override: int | None = None) -> int:

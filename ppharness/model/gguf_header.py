@@ -141,8 +141,8 @@ def _parse(r: _Reader) -> GGUFHeader:
             kv[key] = value
     try:
         arch = str(kv["general.architecture"])
-        blocks = int(kv[f"{arch}.block_count"])  # type: ignore[call-overload]
-        context = int(kv[f"{arch}.context_length"])  # type: ignore[call-overload]
+        blocks = _int(kv[f"{arch}.block_count"])
+        context = _int(kv[f"{arch}.context_length"])
     except KeyError as exc:
         raise ModelError(f"GGUF metadata lacks {exc.args[0]!r}") from None
     except (TypeError, ValueError):
@@ -156,3 +156,10 @@ def _parse(r: _Reader) -> GGUFHeader:
         bos=bos,
         longest_token=tokens.bytes if isinstance(tokens, _Longest) and tokens.bytes else None,
     )
+
+
+def _int(value: object) -> int:
+    """``int(value)`` for a number (or a text) read from the header; TypeError for anything else."""
+    if isinstance(value, (int, float, str)):
+        return int(value)
+    raise TypeError(f"{type(value).__name__} is not a number")

@@ -18,15 +18,24 @@ step, which is how the tests compare the unsplit model with a split byte for byt
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
+
+if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this module
+    from tinygrad.apps.llm import SimpleTokenizer, TransformerBlock
+    from tinygrad.device import Buffer
+    from tinygrad.engine.realize import ExecItem
+    from tinygrad.tensor import Tensor
+    from tinygrad.uop.ops import UOp
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -94,7 +103,7 @@ class GGUFFile:
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.config = ModelConfig.from_kv(self.kv, set(self._tensors))
 
-    def tensor(self, name: str) -> np.ndarray:
+    def tensor(self, name: str) -> NDArray[np.float16]:
         """One tensor as float16 in tinygrad's (out, in) layout; llama Q/K rows reordered for half-split RoPE."""
         import gguf
 
@@ -120,15 +129,16 @@ class GGUFFile:
         return list(self._tensors)
 
     @functools.cached_property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> SimpleTokenizer:
         """The file's tokenizer, built once (building one compiles a large regex: most of a second)."""
         return tokenizer_from(self.kv)
 
 
-def tokenizer_from(kv: dict[str, Any]) -> Any:
+def tokenizer_from(kv: dict[str, Any]) -> SimpleTokenizer:
     from tinygrad.apps.llm import SimpleTokenizer
 
-    return SimpleTokenizer.from_gguf_kv(kv)
+    tokenizer: SimpleTokenizer = SimpleTokenizer.from_gguf_kv(kv)  # tinygrad leaves its return type unannotated
+    return tokenizer
 
 
 def _local_name(name: str, lo: int) -> str:
@@ -175,7 +185,9 @@ class ModelSlice:
         max_context: int | None = None,
         taps: bool = False,
     ):
-        from tinygrad import TinyJit, UOp, nn
+        from tinygrad import nn
+        from tinygrad.engine.jit import TinyJit
+        from tinygrad.uop.ops import UOp
 
         cfg = gguf_file.config
         if not 0 <= lo < hi <= cfg.blocks and not (lo == hi and first and last and cfg.blocks == 0):
@@ -183,7 +195,7 @@ class ModelSlice:
         self.file, self.config, self.lo, self.hi, self.first, self.last = gguf_file, cfg, lo, hi, first, last
         self.max_context = min(max_context or cfg.context, cfg.context)
         self.taps = taps
-        self._tapped: list[Any] = []  # with taps: every block's output of the last step (tinygrad tensors)
+        self._tapped: list[Tensor] = []  # with taps: every block's output of the last step (tinygrad tensors)
         self.blk = [
             _block_class()(
                 cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.norm_eps, cfg.head_dim, cfg.rope_theta, self.max_context
@@ -198,10 +210,11 @@ class ModelSlice:
         self._load(gguf_file)
         self._pos = UOp.variable("start_pos", 1, self.max_context - 1)
         self._jit = TinyJit(self._forward)
-        self._decode_in: Any = None  # (1,1) ids or (1,1,D) hidden, reused by every decode step
+        self._decode_in: Tensor | None = None  # (1,1) ids or (1,1,D) hidden, reused by every decode step
 
     def _load(self, f: GGUFFile) -> None:
-        from tinygrad import Tensor, nn
+        from tinygrad import nn
+        from tinygrad.tensor import Tensor
 
         owned = owned_tensors(f.names(), self.lo, self.hi, self.first, self.last, self.config.tied)
         state = {local: Tensor(f.tensor(name)) for local, name in owned.items()}
@@ -220,12 +233,12 @@ class ModelSlice:
             p.replace(p.cast("float16").contiguous())
         Tensor.realize(*params)
         # what this stage holds, each file tensor once; a tied head on a stage without the embedding is reported apart
-        sizes = {name: int(np.prod(state[local].shape)) for local, name in owned.items()}
+        sizes = {name: math.prod(int(d) for d in state[local].shape) for local, name in owned.items()}
         self.n_params = sum(sizes.values())
         self.tied_params = sizes["token_embd.weight"] if self.last and self.config.tied and not self.first else 0
         self.n_params -= self.tied_params
 
-    def _forward(self, x: Any, start_pos: Any) -> Any:
+    def _forward(self, x: Tensor, start_pos: int | UOp) -> Tensor | tuple[Tensor, ...]:
         """The slice's step: (B,T) ids or a (B,T,D) fp16 hidden state in; a hidden state, or token ids on the last
         stage, out (with ``taps``, followed by every block's output)."""
         taps = []
@@ -237,18 +250,18 @@ class ModelSlice:
         out = self.output(self.output_norm(x))[:, -1, :].argmax(-1) if self.last else x  # (B,) or (B,T,D)
         return (out, *taps) if self.taps else out
 
-    def _input(self, x: list[int] | np.ndarray) -> Any:
-        from tinygrad import Tensor
+    def _input(self, x: list[int] | NDArray[np.int32] | NDArray[np.float16]) -> Tensor:
+        from tinygrad.tensor import Tensor
 
         if self.first:
             return Tensor([list(x)], dtype="int32")  # (1,T)
         return Tensor(np.ascontiguousarray(x, dtype=np.float16))  # (1,T,D)
 
-    def prefill(self, x: list[int] | np.ndarray) -> np.ndarray | int:
+    def prefill(self, x: list[int] | NDArray[np.float16]) -> NDArray[np.float16] | int:
         """Run positions [0, T). Ids (first stage) or hidden (1,T,D) in; hidden (1,T,D) or a token id out."""
         return self._output(self._forward(self._input(x), 0))
 
-    def decode(self, x: list[int] | np.ndarray, position: int) -> np.ndarray | int:
+    def decode(self, x: list[int] | NDArray[np.float16], position: int) -> NDArray[np.float16] | int:
         """Run one position ``position >= 1`` through the compiled decode step.
 
         The step's input lives in one persistent device buffer that each call overwrites, so a token costs one copy in
@@ -260,48 +273,50 @@ class ModelSlice:
         if self._decode_in is None:
             self._decode_in = self._input(arr if not self.first else arr[0]).realize()
         else:
-            self._decode_in.uop.base.realized.copyin(memoryview(np.ascontiguousarray(arr)).cast("B"))
+            buf = cast("Buffer", self._decode_in.uop.base.realized)  # realized above, on one device
+            buf.copyin(np.ascontiguousarray(arr).data.cast("B"))
         return self._output(self._jit(self._decode_in, self._pos.bind(position)))
 
     def decode_kernels(self) -> list[str]:
         """The source of every kernel the compiled decode step runs, in order, with kernel names left out (they number
         identical kernels apart within one process). Empty before the step is compiled."""
-        captured = getattr(self._jit, "captured", None)
+        captured = self._jit.captured
         out: list[str] = []
 
-        def walk(items: list[Any]) -> None:
+        def walk(items: list[ExecItem]) -> None:
             for item in items:
-                if hasattr(item.prg, "jit_cache"):  # a device graph (CUDA graph, ...) batching several kernels
-                    walk(item.prg.jit_cache)
+                prg = item.prg
+                if prg is not None and hasattr(prg, "jit_cache"):  # a device graph (CUDA graph, ...) batching kernels
+                    walk(prg.jit_cache)
                     continue
-                program = getattr(item.prg, "p", None)
+                program = getattr(prg, "p", None)  # a compiled kernel's ProgramSpec
                 src = getattr(program, "src", None)
                 out.append(
                     re.sub(rf"\b{re.escape(program.function_name)}\b", "kernel", src)
-                    if src
-                    else type(item.prg).__name__
+                    if program is not None and src
+                    else type(prg).__name__
                 )
 
         walk(captured.jit_cache if captured is not None else [])
         return out
 
-    def _output(self, out: Any) -> np.ndarray | int:
-        if self.taps:
+    def _output(self, out: Tensor | tuple[Tensor, ...]) -> NDArray[np.float16] | int:
+        if isinstance(out, tuple):  # with taps: the step's output, then every block's
             out, *self._tapped = out
         return int(out.item()) if self.last else out.numpy()
 
-    def tapped(self) -> dict[int, np.ndarray]:
+    def tapped(self) -> dict[int, NDArray[np.float16]]:
         """With ``taps``: block index (in the file) -> its output (1,T,D) at the last prefill or decode step."""
         return {self.lo + i: t.numpy() for i, t in enumerate(self._tapped)}
 
 
 @functools.cache
-def _block_class() -> type:
+def _block_class() -> type[TransformerBlock]:
     """tinygrad's llama block whose output is an fp16 buffer: the block boundary of the module docstring."""
     from tinygrad.apps.llm import TransformerBlock
 
-    class Block(TransformerBlock):  # type: ignore[misc]
-        def __call__(self, x: Any, start_pos: Any) -> Any:
+    class Block(TransformerBlock):
+        def __call__(self, x: Tensor, start_pos: int | UOp) -> Tensor:
             return self._feed_forward(self._attention(x, start_pos)).cast("float16").contiguous()
 
     return Block

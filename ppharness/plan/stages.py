@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 import msgspec
 
@@ -55,6 +56,16 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.stage == self.num_stages - 1
 
 
+class StageSettings(TypedDict, total=False):
+    """The run-wide fields of a StagePlan that ``Plan.stage`` takes as keywords (each defaults as in StagePlan)."""
+
+    wire_dtype: str
+    max_context: int
+    join_s: float
+    resolve_s: float
+    trace: bool
+
+
 @dataclass(frozen=True)
 class Plan:
     plan_id: str
@@ -64,9 +75,9 @@ class Plan:
     def num_stages(self) -> int:
         return len(self.ranges)
 
-    def stage(self, i: int, **settings: object) -> StagePlan:
+    def stage(self, i: int, **settings: Unpack[StageSettings]) -> StagePlan:
         lo, hi = self.ranges[i]
-        return StagePlan(plan_id=self.plan_id, stage=i, num_stages=self.num_stages, lo=lo, hi=hi, **settings)  # type: ignore[arg-type]
+        return StagePlan(plan_id=self.plan_id, stage=i, num_stages=self.num_stages, lo=lo, hi=hi, **settings)
 
 
 def make_plan(blocks: int, num_stages: int | None = None, splits: list[int] | None = None, model_id: str = "") -> Plan:

@@ -23,13 +23,20 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypedDict
 
 from ppharness.errors import HarnessError
 
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 State = Literal["live", "dead", "unknown"]
+
+
+class LockRecord(TypedDict, total=False):
+    """What a lock file holds (JSON): the orchestrator's pid and start time (``time.time()``)."""
+
+    pid: int
+    started: float
 
 
 class RunLabelInUse(HarnessError):
@@ -105,11 +112,12 @@ class RunLock:
         self.release()
 
 
-def _read(fd: int) -> dict:
+def _read(fd: int) -> LockRecord:
     try:
-        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+        record: LockRecord = json.loads(os.pread(fd, 4096, 0) or b"{}")
     except (OSError, ValueError):
         return {}
+    return record
 
 
 def run_state(label: str) -> RunInfo:

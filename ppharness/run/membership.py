@@ -20,11 +20,16 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from ppharness.errors import ClusterError
 from ppharness.plan.stages import stage_name
-from ppharness.wire.messages import Heartbeat
+from ppharness.wire.messages import Heartbeat, Message
+
+if TYPE_CHECKING:
+    from kinship.blocking import Cluster
+
+    from ppharness.seams.transport import Transport
 
 ENGINES = ("auto", "kinship", "heartbeat")
 
@@ -69,7 +74,7 @@ class HeartbeatDetector:
         for s in stages:
             self.last_seen.setdefault(s, now)
 
-    def on_message(self, msg: Any) -> bool:
+    def on_message(self, msg: Message) -> bool:
         """Take a Heartbeat (True), or say it was not one (False)."""
         if isinstance(msg, Heartbeat):
             if msg.stage in self.last_seen or 0 <= msg.stage < self.num_stages:
@@ -121,7 +126,7 @@ class KinshipDetector:
     def watch(self, stages: list[int]) -> None:
         self._watched += [s for s in stages if s not in self._watched]
 
-    def on_message(self, msg: Any) -> bool:
+    def on_message(self, msg: Message) -> bool:
         return isinstance(msg, Heartbeat)
 
     def dead(self) -> list[tuple[int, str]]:
@@ -138,16 +143,20 @@ class KinshipDetector:
         self._cluster.close()
 
 
+# the seed side of either engine, as the orchestrator holds it
+Detector: TypeAlias = HeartbeatDetector | KinshipDetector
+
+
 # --- node side ------------------------------------------------------------------------------------------------------
 
 
 class NodeMembership:
     """A node's side of whichever engine the seed chose (from its environment); ``close()`` leaves cleanly."""
 
-    def __init__(self, env: dict[str, str], stage: int, seed: str, transport: Any, log: Callable[[str], None]):
+    def __init__(self, env: dict[str, str], stage: int, seed: str, transport: Transport, log: Callable[[str], None]):
         self.engine = env.get("PP_MEMBERSHIP", "")
         self._stop = threading.Event()
-        self._cluster: Any = None
+        self._cluster: Cluster | None = None
         self._thread: threading.Thread | None = None
         if self.engine == "heartbeat":
             period = float(env.get("PP_HEARTBEAT_S", "1.0"))
@@ -168,7 +177,7 @@ class NodeMembership:
             )
             self._cluster = Cluster(cfg).start()
 
-    def _beat(self, transport: Any, seed: str, stage: int, period: float, log: Callable[[str], None]) -> None:
+    def _beat(self, transport: Transport, seed: str, stage: int, period: float, log: Callable[[str], None]) -> None:
         seq = 0
         while not self._stop.wait(period):
             seq += 1

@@ -15,7 +15,8 @@ import os
 import resource
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -25,6 +26,7 @@ from ppharness.plan.stages import StagePlan, names_of
 from ppharness.registry import transport_class
 from ppharness.run.cluster import resolve_members
 from ppharness.run.membership import NodeMembership
+from ppharness.seams.transport import JsonObject, Received, Transport
 from ppharness.testing.faults import with_fault
 from ppharness.trace.tracer import Tracer, now_ns
 from ppharness.wire.messages import (
@@ -41,6 +43,11 @@ from ppharness.wire.messages import (
     TraceReport,
     TraceRequest,
 )
+
+if TYPE_CHECKING:
+    from tinygrad.apps.llm import SimpleTokenizer
+
+    from ppharness.model.slicing import ModelSlice
 
 REQUIRED_ENV = ("STAGE", "NUM_STAGES", "SEED_ADDR", "MODEL", "PLAN", "TRANSPORT")
 
@@ -77,12 +84,12 @@ def read_env(env: dict[str, str]) -> tuple[StagePlan, dict[str, str]]:
     return plan, env
 
 
-def make_transport(kind: str, env: dict[str, str]) -> Any:
+def make_transport(kind: str, env: dict[str, str]) -> Transport:
     """The node's transport: options from ``PP_TRANSPORT_OPTS`` (JSON, made by the transport's ``plan_endpoints``)
     plus the bind/advertise hosts of providers that set them."""
     cls = transport_class(kind)
     try:
-        opts = msgspec.json.decode(env.get("PP_TRANSPORT_OPTS") or "{}", type=dict)
+        opts = msgspec.json.decode(env.get("PP_TRANSPORT_OPTS") or "{}", type=JsonObject)
     except msgspec.DecodeError as exc:
         raise HarnessError(f"PP_TRANSPORT_OPTS is not a JSON object: {exc}") from exc
     if env.get("PP_BIND_HOST"):
@@ -92,7 +99,7 @@ def make_transport(kind: str, env: dict[str, str]) -> Any:
     return cls(**opts)
 
 
-def load_stage_model(model_source: str, plan: StagePlan) -> tuple[Any, Any, float]:
+def load_stage_model(model_source: str, plan: StagePlan) -> tuple[ModelSlice, SimpleTokenizer | None, float]:
     """(ModelSlice, tokenizer or None, seconds): only this stage's tensors, decode step compiled and warmed."""
     from ppharness.model.files import resolve_model
     from ppharness.model.slicing import GGUFFile, ModelSlice
@@ -116,7 +123,7 @@ def _idle_until_orphaned(parent: int) -> int:
 CONTROL = (Shutdown, ClockProbe, TraceRequest, DigestRequest)
 
 
-def _reply(transport: Any, seed: str, msg: Message, log: Any) -> None:
+def _reply(transport: Transport, seed: str, msg: Message, log: Callable[[str], None]) -> None:
     """Answer the orchestrator; a failed answer is logged, never fatal (the orchestrator notices the silence)."""
     try:
         transport.send(seed, msg)
@@ -128,7 +135,10 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
     from ppharness.run.stage import Stage
 
     seed = env["SEED_ADDR"]
-    log = lambda text: _log(plan.stage, text)  # noqa: E731
+
+    def log(text: str) -> None:
+        _log(plan.stage, text)
+
     parent = os.getppid()
     try:
         transport = make_transport(env["TRANSPORT"], env)
@@ -169,17 +179,17 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
         if fault == "stall-before-ready":
             log("fault stall-before-ready: never reporting Ready")
             return _idle_until_orphaned(parent)
-        model = with_fault(model, fault)
+        served_model = with_fault(model, fault)
 
         early: list[tuple[str, Message]] = []
-        names = resolve_members(transport.recv, plan.resolve_s, lambda s, m: early.append((s, m)), log=log)
+        directory = resolve_members(transport.recv, plan.resolve_s, lambda s, m: early.append((s, m)), log=log)
         tracer = Tracer() if plan.trace else None
         stage = Stage(
             plan.stage,
             plan.num_stages,
-            model,
+            served_model,
             transport,
-            names,
+            directory,
             plan.plan_id,
             plan.wire_dtype,
             tokenizer,
@@ -198,7 +208,7 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
             ),
         )
         while True:
-            rx = None
+            rx: Received | None = None
             if early:
                 sender, msg = early.pop(0)
             else:

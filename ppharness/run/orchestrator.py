@@ -13,12 +13,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, TextIO, TypeVar
 
 import msgspec
 
 from ppharness.errors import ClusterError, CodecError, HarnessError, StageError, TransportTimeout, WaitTimedOut
-from ppharness.plan.stages import ENTRY, EXIT, Plan, make_plan, stage_name
+from ppharness.plan.stages import ENTRY, EXIT, Plan, StagePlan, make_plan, stage_name
 from ppharness.registry import provider_class, transport_class
 from ppharness.run.cluster import Directory, wait_for
 from ppharness.run.locks import RunLock
@@ -41,11 +42,23 @@ from ppharness.wire.messages import (
     TraceRequest,
 )
 
+if TYPE_CHECKING:
+    from ppharness.model.exactness import Verdict
+    from ppharness.model.oracle import OracleResult
+    from ppharness.run.membership import Detector
+    from ppharness.scenario.schema import ClusterSection, ProviderSettings, Scenario, TransportSection
+    from ppharness.seams import Provider, Transport
+    from ppharness.seams.transport import JsonObject
+    from ppharness.trace.report import Trace
+
+# what a stage reports for one request when asked (``Chain._ask_every_stage``)
+_Report = TypeVar("_Report", TraceReport, DigestReport)
+
 
 class Progress:
     """Progress lines on stderr, stamped with seconds since the run started."""
 
-    def __init__(self, quiet: bool = False, stream: Any = None):
+    def __init__(self, quiet: bool = False, stream: TextIO | None = None):
         self.t0, self.quiet, self.stream = time.monotonic(), quiet, stream or sys.stderr
 
     def __call__(self, text: str) -> None:
@@ -74,10 +87,10 @@ class RunResult:
     request_s: float  # InferenceRequest sent -> InferenceResponse received, on the orchestrator's clock
     stages: list[StageReport]
     model_path: str
-    oracle: Any = None  # OracleResult when the scenario asks to match the oracle
-    trace: Any = None  # ppharness.trace.report.Trace when tracing was on
+    oracle: OracleResult | None = None  # when the scenario asks to match the oracle
+    trace: Trace | None = None  # when tracing was on
     digests: dict[int, list[bytes]] = field(default_factory=dict)  # stage -> digests of the hidden states it sent
-    verdict: Any = None  # ppharness.model.exactness.Verdict when the oracle ran
+    verdict: Verdict | None = None  # when the oracle ran
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -111,7 +124,7 @@ def decode_tok_s(response: InferenceResponse) -> float:
     return (len(response.token_times) - 1) / span if span > 0 else 0.0
 
 
-def model_source(scenario: Any) -> tuple[str, str | None]:
+def model_source(scenario: Scenario) -> tuple[str, str | None]:
     """The scenario's model as a source string for ``resolve_model`` (and its sha256)."""
     from ppharness.model.files import preset_spec, synthetic_source
 
@@ -122,6 +135,7 @@ def model_source(scenario: Any) -> tuple[str, str | None]:
             s.preset, seed=s.seed, blocks=s.blocks, dim=s.dim, tied_embeddings=s.tied_embeddings, type=s.type
         )
         return synthetic_source(spec), None
+    assert m.gguf is not None  # a model section has exactly one of synthetic and gguf
     return m.gguf, m.sha256
 
 
@@ -134,7 +148,7 @@ class Chain:
 
     def __init__(
         self,
-        scenario: Any,
+        scenario: Scenario,
         progress: Callable[[str], None] | None = None,
         run_label: str | None = None,
         log_dir: str | None = None,
@@ -145,10 +159,10 @@ class Chain:
         self.run_label = run_label or f"pp-{uuid.uuid4().hex[:8]}"
         self.deadline = time.monotonic() + scenario.budget.total_s
         self.offsets_ns: dict[int, int] = {}
-        self._provider: Any = None
+        self._provider: Provider[ProviderSettings | None] | None = None
         self._lock: RunLock | None = None
-        self.transport: Any = None
-        self.detector: Any = None
+        self.transport: Transport | None = None
+        self.detector: Detector | None = None
 
     def _left(self, phase_s: float, what: str) -> float:
         remaining = self.deadline - time.monotonic()
@@ -163,6 +177,7 @@ class Chain:
                 return False
             return on_message(sender, msg)
 
+        assert self._provider is not None and self.transport is not None, "the chain is not started"
         watchdog = _watchdog(self._provider, phase, self.detector)
 
         def check() -> None:
@@ -176,6 +191,7 @@ class Chain:
 
     def _drain(self, handle: Callable[[str, Message], bool], limit: int = 100) -> None:
         """Hand what has already arrived to ``handle`` (which raises on an Error), without waiting for more."""
+        assert self.transport is not None, "the chain is not started"
         for _ in range(limit):
             try:
                 sender, msg = self.transport.recv(0.05)
@@ -191,32 +207,38 @@ class Chain:
 
         sc, progress = self.scenario, self.progress
         self._lock = RunLock(self.run_label).acquire()  # a label a live run holds is refused before anything exists
-        source, sha = model_source(sc)
-        self.model_source = source
-        progress(
-            f"model: {source if not source.startswith('synthetic:') else 'synthetic ' + sc.model.synthetic.preset}"
-            " (building or fetching once, then cached)"
-        )
-        self.model_path = str(resolve_model(source, sha))
-        cfg = GGUFFile(self.model_path).config
-        self.plan = plan = make_plan(
-            cfg.blocks, sc.stages.count, list(sc.stages.splits) if sc.stages.splits else None, model_id=self.model_path
-        )
-        n = plan.num_stages
-        progress(
-            f"model {self.model_path}: {cfg.blocks} blocks, dim {cfg.dim}, vocab {cfg.vocab}; "
-            f"plan {plan.plan_id}: {', '.join(f'[{lo},{hi})' for lo, hi in plan.ranges)}"
-        )
-        self.reports = [StageReport(i, lo, hi) for i, (lo, hi) in enumerate(plan.ranges)]
-        provider_cls = provider_class(sc.provider.kind)
-        settings = getattr(sc.provider, sc.provider.kind, None)
-        self._provider = provider_cls(self.run_label, settings, log_dir=self.log_dir)
-        self.node_model = self._provider.node_model(self.model_source, self.model_path)
-        transport_cls = transport_class(sc.transport.kind)
-        endpoint_opts = transport_cls.plan_endpoints(n + 1, transport_settings(sc.transport))
-        self.transport = transport_cls(**endpoint_opts[0], **self._provider.seed_transport_options(sc.transport.kind))
-        self.seed = self.transport.start()
-        try:
+        try:  # from here on, whatever fails releases the lock and closes what was opened
+            source, sha = model_source(sc)
+            self.model_source = source
+            synthetic = sc.model.synthetic
+            shown = (
+                source if not source.startswith("synthetic:") or synthetic is None else "synthetic " + synthetic.preset
+            )
+            progress(f"model: {shown} (building or fetching once, then cached)")
+            self.model_path = str(resolve_model(source, sha))
+            cfg = GGUFFile(self.model_path).config
+            self.plan = plan = make_plan(
+                cfg.blocks,
+                sc.stages.num_stages,
+                list(sc.stages.splits) if sc.stages.splits else None,
+                model_id=self.model_path,
+            )
+            n = plan.num_stages
+            progress(
+                f"model {self.model_path}: {cfg.blocks} blocks, dim {cfg.dim}, vocab {cfg.vocab}; "
+                f"plan {plan.plan_id}: {', '.join(f'[{lo},{hi})' for lo, hi in plan.ranges)}"
+            )
+            self.reports = [StageReport(i, lo, hi) for i, (lo, hi) in enumerate(plan.ranges)]
+            provider_cls = provider_class(sc.provider.kind)
+            settings: ProviderSettings | None = getattr(sc.provider, sc.provider.kind, None)
+            self._provider = provider_cls(self.run_label, settings, log_dir=self.log_dir)
+            self.node_model = self._provider.node_model(self.model_source, self.model_path)
+            transport_cls = transport_class(sc.transport.kind)
+            endpoint_opts = transport_cls.plan_endpoints(n + 1, transport_settings(sc.transport))
+            self.transport = transport_cls(
+                **endpoint_opts[0], **self._provider.seed_transport_options(sc.transport.kind)
+            )
+            self.seed = self.transport.start()
             self.detector = _make_detector(sc.cluster, self._provider, n, self.run_label)
             progress(f"membership: {self.detector.name}")
             self._provider.__enter__()
@@ -226,8 +248,10 @@ class Chain:
             raise
         return self
 
-    def _start(self, endpoint_opts: list[dict[str, Any]]) -> None:
+    def _start(self, endpoint_opts: list[JsonObject]) -> None:
         sc, plan, progress, n = self.scenario, self.plan, self.progress, self.plan.num_stages
+        provider, transport, detector = self._provider, self.transport, self.detector
+        assert provider is not None and transport is not None and detector is not None, "the chain is not started"
         budget = sc.budget
         specs = []
         for i in range(n):
@@ -239,15 +263,15 @@ class Chain:
                 resolve_s=budget.resolve_s,
                 trace=self.trace_on,
             )
-            env = _node_env(i, n, self.seed, self.node_model, sc.transport.kind, sp) | self.detector.node_env()
+            env = _node_env(i, n, self.seed, self.node_model, sc.transport.kind, sp) | detector.node_env()
             for fault in sc.faults:
                 if fault.stage == i:
                     env["PP_FAULT"] = fault.mode
             if endpoint_opts[i + 1]:
                 env["PP_TRANSPORT_OPTS"] = json.dumps(endpoint_opts[i + 1])
-            specs.append(self._provider.spec(stage_name(i), env))
+            specs.append(provider.spec(stage_name(i), env))
         progress(f"starting {n} {sc.provider.kind} node(s) over {sc.transport.kind} (run {self.run_label})")
-        self._provider.provision(specs)
+        provider.provision(specs)
 
         self.directory = directory = Directory(n)
 
@@ -259,7 +283,7 @@ class Chain:
                 )
             elif isinstance(msg, Join):
                 directory.add(msg)
-                self.detector.watch([msg.stage])
+                detector.watch([msg.stage])
                 progress(f"stage {msg.stage} joined from {msg.address}")
             return directory.complete
 
@@ -278,7 +302,7 @@ class Chain:
         self.resolve(ENTRY, budget.resolve_s)
         self.resolve(EXIT, budget.resolve_s)
         for j in directory.joins.values():
-            self.transport.send(j.address, Members(names=directory.names))
+            transport.send(j.address, Members(names=directory.names))
 
         ready: set[int] = set()
 
@@ -314,6 +338,7 @@ class Chain:
 
     def _with_logs(self, err: HarnessError, stages: list[int]) -> HarnessError:
         """``err`` with the last log lines of each of ``stages``' instances attached as notes."""
+        assert self._provider is not None, "the chain is not started"
         for inst in self._provider.instances:
             if any(inst.name == stage_name(s) for s in stages):
                 tail = self._provider.logs(inst, 15).rstrip()
@@ -343,6 +368,7 @@ class Chain:
     def _probe_clocks(self, probes: int = 5) -> None:
         """Each node's monotonic clock minus ours, from the probe with the shortest round trip (error <= RTT/2)."""
         best: dict[int, tuple[int, int]] = {}
+        assert self.transport is not None, "the chain is not started"
         for _ in range(probes):
             for j in self.directory.joins.values():
                 self.transport.send(j.address, ClockProbe(t_seed_ns=now_ns()))
@@ -364,6 +390,7 @@ class Chain:
     def request(self, prompt: str, max_tokens: int) -> tuple[InferenceResponse, float]:
         """Send one request to pp-entry; return the response and its round trip in seconds on our clock."""
         request_id = uuid.uuid4().hex[:12]
+        assert self.transport is not None, "the chain is not started"
         t0 = time.monotonic()
         self.transport.send(
             self.directory.resolve(ENTRY),
@@ -379,21 +406,24 @@ class Chain:
         self._wait(on_response, self.scenario.budget.total_s, "the InferenceResponse from the last stage", "decoding")
         return got[0], time.monotonic() - t0
 
-    def trace_of(self, response: InferenceResponse) -> Any:
+    def trace_of(self, response: InferenceResponse) -> Trace:
         """The per-token trace of a request this chain served (its stages must trace)."""
         from ppharness.trace.report import build_trace
 
         return build_trace(self.collect_trace(response.request_id), self.offsets_ns, response, self.plan.num_stages)
 
-    def _ask_every_stage(self, ask: Message, report: type, request_id: str, what: str, phase: str) -> dict[int, Any]:
+    def _ask_every_stage(
+        self, ask: Message, report: type[_Report], request_id: str, what: str, phase: str
+    ) -> dict[int, _Report]:
         """Send ``ask`` to every stage and gather each stage's ``report`` for ``request_id``, by stage index."""
+        assert self.transport is not None, "the chain is not started"
         for j in self.directory.joins.values():
             self.transport.send(j.address, ask)
-        reports: dict[int, Any] = {}
+        reports: dict[int, _Report] = {}
 
         def on_report(sender: str, msg: Message) -> bool:
-            if isinstance(msg, report) and msg.request_id == request_id:  # type: ignore[attr-defined]
-                reports[msg.stage] = msg  # type: ignore[attr-defined]
+            if isinstance(msg, report) and msg.request_id == request_id:
+                reports[msg.stage] = msg
             return len(reports) == len(self.directory.joins)
 
         self._wait(on_report, 30.0, what, phase)
@@ -410,7 +440,7 @@ class Chain:
         )
         return {stage: r.digests for stage, r in reports.items()}
 
-    def verdict(self, response: InferenceResponse, oracle: Any) -> Any:
+    def verdict(self, response: InferenceResponse, oracle: OracleResult) -> Verdict:
         """Compare a response this chain gave with the oracle's answer to the same request (run with boundaries)."""
         from ppharness.model.exactness import compare
 
@@ -434,10 +464,12 @@ class Chain:
         )
         return [reports[i] for i in sorted(reports)]
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         destroyed = False
         try:
-            if exc_type is None and self._provider is not None:
+            if exc_type is None and self._provider is not None and self.transport is not None:
                 _shutdown(self.transport, self.directory, self.reports, self._provider, self.progress)
         finally:
             try:
@@ -459,7 +491,7 @@ class Chain:
 
 
 def run_scenario(
-    scenario: Any,
+    scenario: Scenario,
     progress: Callable[[str], None] | None = None,
     run_label: str | None = None,
     log_dir: str | None = None,
@@ -506,12 +538,12 @@ def run_scenario(
     return result
 
 
-def transport_settings(section: Any) -> dict[str, Any]:
+def transport_settings(section: TransportSection) -> JsonObject:
     """The scenario's transport section less what every transport shares (kind, wire dtype)."""
     return {k: v for k, v in msgspec.structs.asdict(section).items() if k not in ("kind", "wire_dtype")}
 
 
-def _node_env(i: int, n: int, seed: str, model_path: str, transport_kind: str, sp: Any) -> dict[str, str]:
+def _node_env(i: int, n: int, seed: str, model_path: str, transport_kind: str, sp: StagePlan) -> dict[str, str]:
     """The node contract's environment for stage ``i``."""
     return {
         "STAGE": str(i),
@@ -528,7 +560,9 @@ def _raise_on_error(msg: Message) -> None:
         raise StageError(f"stage {msg.stage}: {msg.reason}")
 
 
-def _make_detector(section: Any, provider: Any, n: int, run_label: str) -> Any:
+def _make_detector(
+    section: ClusterSection, provider: Provider[ProviderSettings | None], n: int, run_label: str
+) -> Detector:
     from ppharness.run.membership import HeartbeatDetector, KinshipDetector, choose_engine
 
     engine = choose_engine(section.engine, provider.gossip_reachable)
@@ -537,7 +571,9 @@ def _make_detector(section: Any, provider: Any, n: int, run_label: str) -> Any:
     return HeartbeatDetector(n, section.heartbeat_s, section.suspect_after, section.dead_after_s)
 
 
-def _watchdog(provider: Any, phase: str, detector: Any = None) -> Callable[[], None]:
+def _watchdog(
+    provider: Provider[ProviderSettings | None], phase: str, detector: Detector | None = None
+) -> Callable[[], None]:
     """A check for wait_for: any node that exited or was declared dead during ``phase`` fails the run, with the
     node's last log lines."""
 
@@ -549,18 +585,22 @@ def _watchdog(provider: Any, phase: str, detector: Any = None) -> Callable[[], N
                 err.add_note(f"last lines of {inst.name}:\n{tail}")
             raise err
         for stage, why in detector.dead() if detector is not None else []:
-            inst = next((i for i in provider.instances if i.name == stage_name(stage)), None)
+            node = next((i for i in provider.instances if i.name == stage_name(stage)), None)
             err = ClusterError(f"{stage_name(stage)} died while {phase}: {why}")
-            tail = provider.logs(inst, 15).rstrip() if inst is not None else ""
-            if tail:
-                err.add_note(f"last lines of {inst.name}:\n{tail}")
+            tail = provider.logs(node, 15).rstrip() if node is not None else ""
+            if node is not None and tail:
+                err.add_note(f"last lines of {node.name}:\n{tail}")
             raise err
 
     return check
 
 
 def _shutdown(
-    transport: Any, directory: Directory, reports: list[StageReport], provider: Any, progress: Callable[[str], None]
+    transport: Transport,
+    directory: Directory,
+    reports: list[StageReport],
+    provider: Provider[ProviderSettings | None],
+    progress: Callable[[str], None],
 ) -> None:
     """Ask every node to stop, collect their Stopped reports (peak RSS) for a few seconds, wait for exits."""
     for j in directory.joins.values():

@@ -16,13 +16,13 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ppharness.errors import CodecError, HarnessError, StageError
 from ppharness.model.decoding import finish_reason, visible
 from ppharness.model.exactness import digest
 from ppharness.plan.stages import ENTRY, EXIT, stage_name
-from ppharness.seams.transport import Received
+from ppharness.seams.transport import Received, Transport
 from ppharness.trace.tracer import KEEP_REQUESTS, Tracer, now_ns
 from ppharness.wire import codec
 from ppharness.wire.messages import (
@@ -34,6 +34,31 @@ from ppharness.wire.messages import (
     RequestOpen,
     StageActivation,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    from tinygrad.apps.llm import SimpleTokenizer
+
+    from ppharness.model.slicing import ModelConfig
+
+_T = TypeVar("_T")
+
+
+class StageModel(Protocol):
+    """What a Stage computes with: a ``ppharness.model.slicing.ModelSlice``, or one with an injected fault
+    (``ppharness.testing.faults.FaultyModel``). ``prefill`` and ``decode`` take token ids (first stage) or an fp16
+    hidden state (1, T, D), and return a hidden state, or on the last stage the next token id."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    def prefill(self, x: list[int] | npt.NDArray[np.float16]) -> npt.NDArray[np.float16] | int: ...
+
+    def decode(self, x: list[int] | npt.NDArray[np.float16], position: int) -> npt.NDArray[np.float16] | int: ...
 
 
 @dataclass
@@ -63,12 +88,12 @@ class Stage:
         self,
         index: int,
         num_stages: int,
-        model: Any,
-        transport: Any,
+        model: StageModel,
+        transport: Transport,
         names: dict[str, str],
         plan_id: str,
         wire_dtype: str = "f16",
-        tokenizer: Any = None,
+        tokenizer: SimpleTokenizer | None = None,
         log: Callable[[str], None] = print,
         tracer: Tracer | None = None,
         seed: str | None = None,
@@ -130,6 +155,7 @@ class Stage:
             )
             return
         cfg = self.model.config
+        assert self.tokenizer is not None  # the constructor insists on it for the first stage
         if self.tracer:
             self.tracer.begin(request_id)
             self._trace_rx(0, rx)
@@ -154,7 +180,7 @@ class Stage:
         self.req = _Request(
             request_id, msg.reply_to, msg.max_tokens, len(ids), next_position=len(ids), t0=time.monotonic()
         )
-        if not self.last:
+        if self.next_addr is not None:  # not the last stage
             self.transport.send(
                 self.next_addr,
                 RequestOpen(
@@ -169,6 +195,7 @@ class Stage:
         if self.last:  # N = 1: this stage is the whole chain
             self._decode_alone(out)
         else:
+            assert not isinstance(out, int)  # a stage before the last returns a hidden state
             self._send_activation(out, position=0, is_prefill=True, step=0)
 
     def _on_next_token(self, msg: NextToken, rx: Received | None) -> None:
@@ -186,6 +213,7 @@ class Stage:
             return
         req.next_position += 1
         out = self._compute(step, lambda: self.model.decode([msg.token_id], msg.position))
+        assert not isinstance(out, int)  # a stage before the last returns a hidden state
         self._send_activation(out, position=msg.position, is_prefill=False, step=step)
 
     # --- later stages -----------------------------------------------------------------------------------------------
@@ -199,7 +227,7 @@ class Stage:
         self.req = _Request(msg.request_id, msg.reply_to, msg.max_tokens, msg.prompt_tokens, t0=time.monotonic())
         if self.tracer:
             self.tracer.begin(msg.request_id)
-        if not self.last:
+        if self.next_addr is not None:  # not the last stage
             self.transport.send(self.next_addr, msg)
 
     def _on_activation(self, msg: StageActivation, rx: Received | None) -> None:
@@ -246,6 +274,7 @@ class Stage:
         if self.last:
             self._emit(int(out), position=req.next_position, step=step)
         else:
+            assert not isinstance(out, int)  # a stage before the last returns a hidden state
             self._send_activation(out, position=msg.position, is_prefill=msg.is_prefill, step=step)
 
     # --- last stage ---------------------------------------------------------------------------------------------------
@@ -273,15 +302,17 @@ class Stage:
         if reason is not None:
             self._respond(reason)
 
-    def _decode_alone(self, token: Any) -> None:
+    def _decode_alone(self, token: npt.NDArray[np.float16] | int) -> None:
         req = self.req
         assert req is not None
         position = req.prompt_tokens
         self._emit(int(token), position, step=0)
         while self.req is not None:
-            token = self._compute(
-                len(req.tokens), lambda position=position: self.model.decode([req.tokens[-1]], position)
-            )
+
+            def next_token(position: int = position) -> npt.NDArray[np.float16] | int:
+                return self.model.decode([req.tokens[-1]], position)
+
+            token = self._compute(len(req.tokens), next_token)
             position += 1
             self._emit(int(token), position, step=len(req.tokens))
 
@@ -289,6 +320,7 @@ class Stage:
         req = self.req
         assert req is not None
         ids = visible(req.tokens, self.model.config.eos_id)
+        assert self.tokenizer is not None  # the constructor insists on it for the last stage
         self.transport.send(
             req.reply_to,
             InferenceResponse(
@@ -337,7 +369,7 @@ class Stage:
             self.tracer.add(step, "recv", rx.arrived_ns, rx.arrived_ns, rx.nbytes)
             self.tracer.add(step, "deserialize", rx.arrived_ns, rx.decoded_ns)
 
-    def _compute(self, step: int, fn: Callable[[], Any]) -> Any:
+    def _compute(self, step: int, fn: Callable[[], _T]) -> _T:
         t0 = now_ns() if self.tracer else 0
         try:
             out = fn()
@@ -352,7 +384,7 @@ class Stage:
                 f"stage {self.index}: compute failed for request {rid}: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _send_activation(self, hidden: Any, position: int, is_prefill: bool, step: int) -> None:
+    def _send_activation(self, hidden: npt.NDArray[np.float16], position: int, is_prefill: bool, step: int) -> None:
         assert self.req is not None and self.next_addr is not None
         t0 = now_ns() if self.tracer else 0
         sent = self.digests.setdefault(self.req.request_id, [])

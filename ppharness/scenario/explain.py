@@ -29,7 +29,7 @@ MAX_SHOWN = 60  # characters of a text value quoted in a message
 MAX_LIBRARY_TEXT = 200  # characters of a library's message passed on
 
 
-def show(value: Any, limit: int = MAX_SHOWN) -> str:
+def show(value: object, limit: int = MAX_SHOWN) -> str:
     """A value as a message quotes it: texts cut to ``limit`` characters (with their length), lists and mappings by
     their size, numbers and the like by ``repr``; bounded whatever the value's size."""
     if isinstance(value, str):
@@ -50,7 +50,7 @@ def _cut(text: str, limit: int = MAX_LIBRARY_TEXT) -> str:
     return text if len(text) <= limit else f"{text[:limit]}…"
 
 
-def explain(exc: msgspec.ValidationError, raw: Any, root: type, version: int) -> str:
+def explain(exc: msgspec.ValidationError, raw: object, root: type, version: int) -> str:
     """One line for a validation error: the ``$.path``, what was wrong, and what is expected."""
     m = _AT.match(str(exc))
     assert m is not None
@@ -134,9 +134,11 @@ def _type_at(root: type, path: str) -> list[mi.Type]:
 
 def _description_at(root: type, path: str) -> str | None:
     """The ``Meta(description=...)`` of the field at ``path``, when it has one."""
-    *parent, last = list(_segments(path)) or [None]
+    segments = list(_segments(path))
+    last = segments[-1] if segments else None
     if not isinstance(last, str):
         return None
+    parent = segments[:-1]
     parent_path = "$" + "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in parent)
     for t in _type_at(root, parent_path):
         if isinstance(t, mi.StructType):
@@ -162,19 +164,20 @@ def _field_names(root: type, path: str) -> list[str]:
     return [f.encode_name for t in _type_at(root, path) if isinstance(t, mi.StructType) for f in t.fields]
 
 
-def _literal_values(root: type, path: str) -> list[Any]:
+def _literal_values(root: type, path: str) -> list[object]:
     return [v for t in _type_at(root, path) if isinstance(t, mi.LiteralType) for v in t.values]
 
 
-def untyped(text: str) -> Any:
+def untyped(text: str) -> object:
+    """``text`` decoded as plain YAML (mappings, lists, scalars), or ``MISSING`` when it is not YAML."""
     try:
         return msgspec.yaml.decode(text)
     except msgspec.DecodeError:
         return MISSING
 
 
-def _raw_at(raw: Any, path: str) -> Any:
-    node = raw
+def _raw_at(raw: object, path: str) -> object:
+    node: Any = raw  # plain YAML data: indexed as it comes, a wrong kind of node is a TypeError
     for seg in _segments(path):
         try:
             node = node[seg]

@@ -18,7 +18,7 @@ import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal, TypeAlias, TypeVar
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -28,7 +28,7 @@ from ppharness.errors import ModelError, ScenarioError
 from ppharness.scenario.explain import FieldError, explain, explain_yaml, show, untyped
 from ppharness.scenario.yaml_limits import MAX_FILE_BYTES, MAX_SCALAR_BYTES, YamlLimit, screen
 
-SCENARIO_VERSION = 1
+SCENARIO_VERSION: Final = 1
 WIRE_DTYPES = ("f16", "bf16", "f32")
 MAX_SECONDS = 86_400.0  # a day: the longest any budget, timeout or interval may be
 # transports whose endpoints live in one process; every provider in registry.PROVIDERS runs each stage as a process
@@ -40,11 +40,13 @@ Seconds = Annotated[float, Meta(gt=0, le=MAX_SECONDS, description="seconds, more
 Minutes = Annotated[float, Meta(gt=0, le=MAX_SECONDS / 60, description="minutes, more than 0 and at most 1440")]
 
 
+# ``frozen`` is inherited at run time; every section repeats ``frozen=True`` because a type checker reads a Struct as a
+# dataclass (PEP 681), and takes a subclass that does not say frozen as not frozen
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
 
-class SyntheticModel(_Section):
+class SyntheticModel(_Section, frozen=True):
     """A model ppharness makes itself from a named preset, with optional overrides."""
 
     preset: Annotated[str, Meta(min_length=1)] = "tiny"
@@ -80,7 +82,7 @@ class SyntheticModel(_Section):
                 raise FieldError("", f"{exc} — change the preset's overrides or the type") from None
 
 
-class ModelSection(_Section):
+class ModelSection(_Section, frozen=True):
     """Exactly one of ``synthetic`` and ``gguf``; ``max_context`` is the KV cache length every stage allocates."""
 
     synthetic: SyntheticModel | None = None
@@ -103,7 +105,7 @@ class ModelSection(_Section):
             raise FieldError("sha256", "sha256 applies only to a gguf file — remove it or set gguf")
 
 
-class Stages(_Section):
+class Stages(_Section, frozen=True):
     """How the blocks are split: ``count`` even stages (the last takes the remainder) or explicit split points."""
 
     count: PositiveInt | UnsetType = UNSET
@@ -151,7 +153,7 @@ RELAY_HELP = (
 )
 
 
-class TransportSection(_Section):
+class TransportSection(_Section, frozen=True):
     """How stages talk: a kind from ``ppharness.registry.TRANSPORTS``, the dtype hidden states travel in and, for
     iroh, the relay mode."""
 
@@ -169,14 +171,14 @@ class TransportSection(_Section):
             )
 
 
-class LocalSettings(_Section):
+class LocalSettings(_Section, frozen=True):
     """Settings of the ``local`` provider. ``fail_destroy`` is a fault switch for failure-mode tests: destroying
     these stages' processes reports an error and leaves them running (for ``ppharness reap`` to find)."""
 
     fail_destroy: tuple[Annotated[int, Meta(ge=0)], ...] = ()
 
 
-class DockerSettings(_Section):
+class DockerSettings(_Section, frozen=True):
     """Settings of the ``docker`` provider, all optional. ``image``: run this node image as is (no build);
     ``base_image``: build ``docker/Dockerfile`` on this image (e.g. ``python:3.11-slim-bookworm``, pulled by the daemon)
     instead of the Debian base built locally; ``subnet``: the run network (default: a free /24 of 10.213.0.0/16;
@@ -221,7 +223,7 @@ def _check_subnet(text: str) -> None:
         )
 
 
-class VastaiSettings(_Section):
+class VastaiSettings(_Section, frozen=True):
     """Settings of the ``vastai`` provider: the offer search (one instance per stage, cheapest match first: GPU model
     or models, GPUs per instance, GPU RAM in GB, $/hour per instance, reliability 0-1, CUDA version, direct ports),
     ``max_total_dph``, the cap on the whole plan's $/hour, the node image and disk, container ports to open
@@ -255,7 +257,11 @@ class VastaiSettings(_Section):
                 )
 
 
-class ProviderSection(_Section):
+# what a provider kind's settings section can be (ppharness.seams.Provider's settings)
+ProviderSettings: TypeAlias = LocalSettings | DockerSettings | VastaiSettings
+
+
+class ProviderSection(_Section, frozen=True):
     """Where stages run: a kind from ``ppharness.registry.PROVIDERS``."""
 
     kind: str = "local"
@@ -277,7 +283,7 @@ class ProviderSection(_Section):
             msgspec.structs.force_setattr(self, "vastai", VastaiSettings())
 
 
-class RequestSection(_Section):
+class RequestSection(_Section, frozen=True):
     """The one request the run sends."""
 
     prompt: Annotated[
@@ -291,14 +297,14 @@ class RequestSection(_Section):
     max_tokens: Annotated[int, Meta(ge=1, le=4096)] = 16
 
 
-class ExpectSection(_Section):
+class ExpectSection(_Section, frozen=True):
     """What the answer must satisfy: non-empty text, and the same tokens as the single-process oracle."""
 
     non_empty: bool = True
     match_oracle: bool = True
 
 
-class BudgetSection(_Section):
+class BudgetSection(_Section, frozen=True):
     """Time budgets in seconds."""
 
     total_s: Seconds = 300.0
@@ -307,7 +313,7 @@ class BudgetSection(_Section):
     ready_s: Seconds = 180.0
 
 
-class TraceSection(_Section):
+class TraceSection(_Section, frozen=True):
     """Per-token, per-hop timing: on by default (the run's summary table needs it); ``path`` also writes the
     Perfetto trace JSON there and one JSON line per token next to it (``.jsonl``)."""
 
@@ -315,7 +321,7 @@ class TraceSection(_Section):
     path: str | None = None
 
 
-class ClusterSection(_Section):
+class ClusterSection(_Section, frozen=True):
     """Membership and failure detection: ``auto`` uses kinship (SWIM/Lifeguard over UDP) when the provider's nodes
     share a network with the orchestrator, else heartbeats over the run's transport."""
 
@@ -328,7 +334,7 @@ class ClusterSection(_Section):
 FaultMode = Literal["never-join", "no-names", "stall-before-ready", "bad-model", "eos-first", "exit-mid-decode"]
 
 
-class FaultSection(_Section):
+class FaultSection(_Section, frozen=True):
     """Inject one failure into one stage, to test that the run fails cleanly: ``never-join`` (the cluster never
     converges), ``no-names`` (a name never resolves), ``stall-before-ready`` / ``bad-model`` (the worker never reports
     ready), ``eos-first`` (the last stage answers with no text), ``exit-mid-decode`` (the node dies while decoding)."""
@@ -341,7 +347,7 @@ def _default_model() -> ModelSection:
     return ModelSection(synthetic=SyntheticModel())
 
 
-class Scenario(_Section):
+class Scenario(_Section, frozen=True):
     """A whole scenario file (format version 1)."""
 
     version: Literal[1]
@@ -617,7 +623,10 @@ def scenario_from_args(
     return checked
 
 
-def _set(obj: Any, where: str, **changes: Any) -> Any:
+_S = TypeVar("_S", bound=msgspec.Struct)
+
+
+def _set(obj: _S, where: str, **changes: object) -> _S:
     """``msgspec.structs.replace`` whose failed checks become ``ScenarioError`` naming ``where``'s field."""
     try:
         return msgspec.structs.replace(obj, **changes)

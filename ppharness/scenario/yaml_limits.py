@@ -18,6 +18,7 @@ them. ``screen`` raises ``YamlLimit`` naming the ``$.path``, the line and the fi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import yaml
 
@@ -28,8 +29,15 @@ MAX_NODES = 10_000
 MAX_EXPANDED_BYTES = MAX_FILE_BYTES
 MAX_NUMBER_CHARS = 64
 
+
+class _Resolver(Protocol):
+    """``yaml.resolver.Resolver.resolve``, which the PyYAML stubs leave unannotated: the tag of a plain scalar."""
+
+    def resolve(self, kind: type[yaml.Node], value: str, implicit: tuple[bool, bool]) -> str: ...
+
+
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-_RESOLVER = yaml.resolver.Resolver()
+_RESOLVER: _Resolver = yaml.resolver.Resolver()
 _YAML_TAG = "tag:yaml.org,2002:"
 _TAGS = frozenset(tag for tag in yaml.SafeLoader.yaml_constructors if tag)  # null, bool, int, ..., binary, set
 _STR = "tag:yaml.org,2002:str"
@@ -128,24 +136,26 @@ class _Screen:
         elif isinstance(event, yaml.ScalarEvent):
             self._scalar(event, line)
         elif isinstance(event, yaml.AliasEvent):
-            size = self.anchors.get(event.anchor, False)
-            if size is False:
+            anchor = event.anchor
+            assert anchor is not None  # the parser names the anchor of every alias
+            if anchor not in self.anchors:
                 raise YamlLimit(
                     self.path(),
-                    f"alias *{_name(event.anchor)} at line {line} names no anchor "
+                    f"alias *{_name(anchor)} at line {line} names no anchor "
                     "defined before it — define `&name` first or write the value out",
                 )
+            size = self.anchors[anchor]
             if size is None:
                 raise YamlLimit(
                     self.path(),
-                    f"alias *{_name(event.anchor)} at line {line} refers to a "
+                    f"alias *{_name(anchor)} at line {line} refers to a "
                     "node that contains it — a scenario cannot be recursive",
                 )
             self._node(event, line, size)
             if len(self.stack) + size.height > MAX_DEPTH:
                 raise YamlLimit(
                     self.path(),
-                    f"alias *{_name(event.anchor)} at line {line} nests the "
+                    f"alias *{_name(anchor)} at line {line} nests the "
                     f"document more than {MAX_DEPTH} levels deep — write the value out",
                 )
             self._done(size)

@@ -18,9 +18,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Self, TypedDict, TypeVar, Unpack, cast
 
 from ppharness.errors import ProviderError
+
+if TYPE_CHECKING:
+    from ppharness.scenario.schema import ProviderSettings
+    from ppharness.seams.transport import JsonObject
+
+# the scenario's settings section for a provider kind (``provider.<kind>``), or None when the scenario has none
+SettingsT = TypeVar("SettingsT", bound="ProviderSettings | None")
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,13 @@ class NodeSpec:
     env: dict[str, str]
     image: str = ""
     gpus: int = 0
+
+
+class NodeOptions(TypedDict, total=False):
+    """What ``Provider.spec`` takes besides a node's name and environment: NodeSpec's optional fields."""
+
+    image: str
+    gpus: int
 
 
 @dataclass
@@ -55,19 +69,25 @@ class Reaped:
         return f"{self.what} (run {self.run_label})"
 
 
-class Provider(abc.ABC):
-    """Start nodes, watch them, read their logs, destroy them. ``run_label`` tags everything it creates."""
+class Provider(abc.ABC, Generic[SettingsT]):
+    """Start nodes, watch them, read their logs, destroy them. ``run_label`` tags everything it creates.
+
+    ``SettingsT`` is the type of the scenario section the provider kind reads (``Provider[VastaiSettings]``)."""
 
     kind: ClassVar[str] = "abstract"
     # whether the orchestrator and the nodes reach each other over UDP on the addresses they advertise (SWIM gossip
     # works); otherwise membership falls back to heartbeats over the transport
     gossip_reachable: ClassVar[bool] = False
 
-    def __init__(self, run_label: str, settings: Any = None, log_dir: str | os.PathLike[str] | None = None):
+    def __init__(
+        self, run_label: str, settings: SettingsT | None = None, log_dir: str | os.PathLike[str] | None = None
+    ) -> None:
         """``settings``: the scenario's section for this provider kind (``provider.<kind>``), or None. ``log_dir``:
         where a provider that keeps its nodes' output on this machine writes it (see ``node_log_dir``)."""
         self.run_label = run_label
-        self.settings = settings
+        # as SettingsT: a kind whose section may be absent says so in its SettingsT (Provider[LocalSettings | None]);
+        # a kind that needs it refuses None when it is built (Provider[VastaiSettings])
+        self.settings: SettingsT = cast("SettingsT", settings)
         self.instances: list[Instance] = []
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._owns_log_dir = False
@@ -85,14 +105,14 @@ class Provider(abc.ABC):
         cannot see this machine's files returns the source (a URL or ``synthetic:`` spec) or a mounted path."""
         return local_path
 
-    def seed_transport_options(self, kind: str) -> dict[str, Any]:
+    def seed_transport_options(self, kind: str) -> JsonObject:
         """Extra options for the orchestrator's own endpoint so that this provider's nodes can reach it (e.g. bind
         on all interfaces and advertise a bridge address). By default none: nodes run on this machine."""
         return {}
 
-    def spec(self, name: str, env: dict[str, str], **settings: object) -> NodeSpec:
+    def spec(self, name: str, env: dict[str, str], **settings: Unpack[NodeOptions]) -> NodeSpec:
         """A NodeSpec for this provider (callers outside ``backends`` build specs through here)."""
-        return NodeSpec(name=name, env=env, **settings)  # type: ignore[arg-type]
+        return NodeSpec(name=name, env=env, **settings)
 
     @abc.abstractmethod
     def provision(self, specs: list[NodeSpec]) -> list[Instance]:
@@ -143,7 +163,7 @@ class Provider(abc.ABC):
             print(f"warning: {w}", file=sys.stderr)
         return warnings
 
-    def __enter__(self) -> Provider:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 from types import TracebackType
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Self
 
 from ppharness.trace.tracer import now_ns
 from ppharness.wire import codec
@@ -108,7 +108,7 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release sockets. Idempotent."""
 
-    def __enter__(self) -> Transport:
+    def __enter__(self) -> Self:
         self.start()
         return self
 

@@ -5,24 +5,30 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from ppharness.model.slicing import ModelSlice
 
 
 class FaultyModel:
     """A model slice with an injected fault: ``eos-first`` answers EOS at once; ``exit-mid-decode`` dies (exit 3)
     at its third decode step, the way a crashed or OOM-killed worker would."""
 
-    def __init__(self, model: Any, fault: str):
+    def __init__(self, model: ModelSlice, fault: str):
         self._model, self._fault, self._decodes = model, fault, 0
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # everything else is the wrapped slice's, whatever its type
         return getattr(self._model, name)
 
-    def prefill(self, x: Any) -> Any:
+    def prefill(self, x: list[int] | npt.NDArray[np.float16]) -> npt.NDArray[np.float16] | int:
         out = self._model.prefill(x)
         return self._model.config.eos_id if self._fault == "eos-first" and self._model.last else out
 
-    def decode(self, x: Any, position: int) -> Any:
+    def decode(self, x: list[int] | npt.NDArray[np.float16], position: int) -> npt.NDArray[np.float16] | int:
         self._decodes += 1
         if self._fault == "exit-mid-decode" and self._decodes == 3:
             print(f"[pp-node] fault exit-mid-decode: exiting at position {position}", file=sys.stderr, flush=True)
@@ -30,6 +36,6 @@ class FaultyModel:
         return self._model.decode(x, position)
 
 
-def with_fault(model: Any, fault: str) -> Any:
+def with_fault(model: ModelSlice, fault: str) -> ModelSlice | FaultyModel:
     """``model``, or ``model`` with the model-level fault ``fault`` (a node's ``PP_FAULT``) injected."""
     return FaultyModel(model, fault) if fault in ("eos-first", "exit-mid-decode") else model

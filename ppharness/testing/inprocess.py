@@ -6,25 +6,28 @@ tests use to try many splits quickly. Slices can be passed in (and kept between 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from ppharness.errors import StageError, TransportTimeout
 from ppharness.plan.stages import ENTRY, names_of
 from ppharness.registry import transport_class
-from ppharness.run.stage import Stage
+from ppharness.run.stage import Stage, StageModel
 from ppharness.wire.messages import Error, InferenceRequest, InferenceResponse, Message
+
+if TYPE_CHECKING:
+    from ppharness.model.slicing import GGUFFile, ModelSlice
 
 MAX_STEPS = 1_000_000
 
 
 def load_slices(
-    gguf_file: Any,
+    gguf_file: GGUFFile,
     ranges: list[tuple[int, int]],
     max_context: int = 256,
-    cache: dict[tuple[int, int, bool, bool, bool], Any] | None = None,
+    cache: dict[tuple[int, int, bool, bool, bool], ModelSlice] | None = None,
     taps: bool = False,
-) -> list[Any]:
+) -> list[ModelSlice]:
     """One ModelSlice per range (from ``cache`` when it holds the same range and role; ``taps`` as ModelSlice's)."""
     from ppharness.model.decoding import warm_up
     from ppharness.model.slicing import ModelSlice
@@ -43,8 +46,8 @@ def load_slices(
 
 
 def run_inprocess(
-    gguf_file: Any,
-    slices: list[Any],
+    gguf_file: GGUFFile,
+    slices: Sequence[StageModel],
     prompt: str,
     max_tokens: int,
     wire_dtype: str = "f16",

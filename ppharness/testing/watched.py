@@ -3,10 +3,20 @@ benchmark and the tests reach a phase of ``pp-smoke-run`` (joined, decoding, ...
 
 from __future__ import annotations
 
+import os
 import subprocess
+from collections.abc import Mapping
 from types import TracebackType
+from typing import TypedDict, Unpack
 
 from ppharness.errors import HarnessError
+
+
+class PopenOptions(TypedDict, total=False):
+    """What ``WatchedRun`` passes on to ``subprocess.Popen`` besides the command (whose output it always reads)."""
+
+    cwd: str | os.PathLike[str]
+    env: Mapping[str, str]
 
 
 class WatchedRun:
@@ -14,8 +24,8 @@ class WatchedRun:
     ``finish(timeout)`` waits for the end and returns all the output. Leaving the ``with`` kills it if still running
     and closes its pipe."""
 
-    def __init__(self, cmd: list[str], **popen: object):
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)  # type: ignore[call-overload]
+    def __init__(self, cmd: list[str], **popen: Unpack[PopenOptions]):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
         self.lines: list[str] = []
 
     def until(self, marker: str) -> str:

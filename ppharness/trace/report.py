@@ -17,7 +17,10 @@ import json
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ppharness.wire.messages import InferenceResponse, TraceReport
 
 STAGE_PARTS = ("deserialize", "tokenize", "compute", "serialize")
 
@@ -152,7 +155,9 @@ def _hop_name(i: int, n: int) -> str:
     return f"{i}->{(i + 1) % n}"
 
 
-def build_trace(reports: list[Any], offsets_ns: dict[int, int], response: Any, num_stages: int) -> Trace:
+def build_trace(
+    reports: list[TraceReport], offsets_ns: dict[int, int], response: InferenceResponse, num_stages: int
+) -> Trace:
     """Records and Chrome events from the stages' TraceReports (stage order), on the orchestrator's clock."""
     n = num_stages
     # (stage, step, name) -> list of (t0, t1, nbytes) in ns on the orchestrator's clock

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import msgspec
 import numpy as np
+from numpy.typing import NDArray
 
 from ppharness.errors import CodecError
 from ppharness.wire.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, StageActivation
@@ -71,7 +72,7 @@ def decode(frame: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYT
 
 # --- what was wrong with a body the decoder refused, in this project's words (the library's text is the cause) ------
 
-_BY_TAG = {cls.__struct_config__.tag: cls for cls in MESSAGE_TYPES}
+_BY_TAG: dict[str, type[Message]] = {str(cls.__struct_config__.tag): cls for cls in MESSAGE_TYPES}  # tag: class name
 _TAG_FIELD = MESSAGE_TYPES[0].__struct_config__.tag_field
 _WALK_LIMIT = 1 << 20  # msgpack items examined at most when explaining a bad body
 _DEEP = 1000  # nesting levels past which a refused body is called too deep
@@ -226,10 +227,15 @@ def _type_name(tp: object) -> str:
 
 # --- hidden states --------------------------------------------------------------------------------------------------
 
-_NUMPY_WIRE = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4"), "bf16": np.dtype("<u2")}
+_WireScalar = np.float16 | np.float32 | np.uint16  # bf16 travels as the upper 16 bits of a float32, in a uint16
+_NUMPY_WIRE: dict[str, np.dtype[_WireScalar]] = {
+    "f16": np.dtype("<f2"),
+    "f32": np.dtype("<f4"),
+    "bf16": np.dtype("<u2"),
+}
 
 
-def pack_hidden(x: np.ndarray, wire_dtype: str) -> tuple[bytes, tuple[int, ...]]:
+def pack_hidden(x: NDArray[np.floating], wire_dtype: str) -> tuple[bytes, tuple[int, ...]]:
     """A float array -> raw little-endian bytes in ``wire_dtype``. f16/f32 are exact for an fp16 model; bf16 rounds."""
     if wire_dtype not in _NUMPY_WIRE:
         raise CodecError(f"unknown wire dtype {wire_dtype!r}: expected one of {', '.join(WIRE_DTYPES)}")
@@ -244,7 +250,7 @@ def pack_hidden(x: np.ndarray, wire_dtype: str) -> tuple[bytes, tuple[int, ...]]
     return np.ascontiguousarray(x, dtype=_NUMPY_WIRE[wire_dtype]).tobytes(), tuple(x.shape)
 
 
-def unpack_hidden(msg: StageActivation) -> np.ndarray:
+def unpack_hidden(msg: StageActivation) -> NDArray[np.float16]:
     """The activation's bytes -> a float16 array of ``msg.shape``; a size or dtype mismatch is a CodecError."""
     if msg.dtype not in _NUMPY_WIRE:
         raise CodecError(f"activation for {msg.request_id!r} has unknown wire dtype {msg.dtype!r}")

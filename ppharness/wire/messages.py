@@ -7,11 +7,16 @@ their shape and wire dtype (never JSON, never base64): see ``ppharness.wire.code
 
 from __future__ import annotations
 
+import typing
+from typing import TypeAlias
+
 import msgspec
 
 PROTOCOL_VERSION = 1
 
 
+# ``frozen`` is inherited at run time; every message repeats ``frozen=True`` because a type checker reads a Struct as a
+# dataclass (PEP 681), and takes a subclass that does not say frozen as not frozen
 class _Msg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
     pass
 
@@ -19,7 +24,7 @@ class _Msg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
 # --- the SPEC's messages ------------------------------------------------------------------------------------------
 
 
-class InferenceRequest(_Msg):
+class InferenceRequest(_Msg, frozen=True):
     """Orchestrator -> stage 0: generate up to ``max_tokens`` tokens after ``prompt``."""
 
     reply_to: str
@@ -28,7 +33,7 @@ class InferenceRequest(_Msg):
     request_id: str = ""
 
 
-class StageActivation(_Msg):
+class StageActivation(_Msg, frozen=True):
     """Stage i -> stage i+1: the hidden state after stage i's blocks for ``seq_len`` positions from ``position``."""
 
     request_id: str
@@ -41,7 +46,7 @@ class StageActivation(_Msg):
     plan_id: str
 
 
-class NextToken(_Msg):
+class NextToken(_Msg, frozen=True):
     """Last stage -> stage 0: the sampled token at ``position``; ``done`` ends the request (EOS or max_tokens)."""
 
     request_id: str
@@ -51,7 +56,7 @@ class NextToken(_Msg):
     plan_id: str
 
 
-class InferenceResponse(_Msg):
+class InferenceResponse(_Msg, frozen=True):
     """Last stage -> ``reply_to``: the detokenized text and token ids, with timings from the stages."""
 
     request_id: str
@@ -67,7 +72,7 @@ class InferenceResponse(_Msg):
 # --- what the harness adds ----------------------------------------------------------------------------------------
 
 
-class RequestOpen(_Msg):
+class RequestOpen(_Msg, frozen=True):
     """Stage 0 -> down the chain, ahead of the prefill activation: what the last stage needs to finish the request.
 
     Forwarded hop by hop on the same ordered channel as the activations, so every stage sees it before the prefill.
@@ -80,7 +85,7 @@ class RequestOpen(_Msg):
     plan_id: str
 
 
-class Join(_Msg):
+class Join(_Msg, frozen=True):
     """Node -> seed: I am stage ``stage`` of ``num_stages``, reachable at ``address``, under these names."""
 
     stage: int
@@ -91,13 +96,13 @@ class Join(_Msg):
     pid: int
 
 
-class Members(_Msg):
+class Members(_Msg, frozen=True):
     """Seed -> every node: the name directory (name -> transport address) once all stages joined."""
 
     names: dict[str, str]
 
 
-class Ready(_Msg):
+class Ready(_Msg, frozen=True):
     """Node -> seed: my slice is loaded and I serve requests."""
 
     stage: int
@@ -107,20 +112,20 @@ class Ready(_Msg):
     rss_bytes: int
 
 
-class Heartbeat(_Msg):
+class Heartbeat(_Msg, frozen=True):
     """Node -> seed every few seconds (heartbeat membership engine): I am alive."""
 
     stage: int
     seq: int
 
 
-class Shutdown(_Msg):
+class Shutdown(_Msg, frozen=True):
     """Seed -> node: stop serving and exit 0."""
 
     reason: str = ""
 
 
-class Stopped(_Msg):
+class Stopped(_Msg, frozen=True):
     """Node -> seed, answering Shutdown: what this stage did, just before it exits 0."""
 
     stage: int
@@ -139,13 +144,13 @@ class Span(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=T
     nbytes: int = 0
 
 
-class TraceRequest(_Msg):
+class TraceRequest(_Msg, frozen=True):
     """Seed -> node: send me your spans for ``request_id``."""
 
     request_id: str
 
 
-class TraceReport(_Msg):
+class TraceReport(_Msg, frozen=True):
     """Node -> seed: the spans a stage recorded for one request (empty when tracing is off)."""
 
     stage: int
@@ -153,13 +158,13 @@ class TraceReport(_Msg):
     spans: list[Span]
 
 
-class DigestRequest(_Msg):
+class DigestRequest(_Msg, frozen=True):
     """Seed -> node: send me the digests of the hidden states you sent for ``request_id``."""
 
     request_id: str
 
 
-class DigestReport(_Msg):
+class DigestReport(_Msg, frozen=True):
     """Node -> seed: one digest per activation a stage sent for one request, in step order (step 0 = prefill); empty
     on the last stage, which sends no activation. ``ppharness.model.exactness`` compares them with the unsplit
     model's."""
@@ -169,13 +174,13 @@ class DigestReport(_Msg):
     digests: list[bytes]
 
 
-class ClockProbe(_Msg):
+class ClockProbe(_Msg, frozen=True):
     """Seed -> node: a clock-offset probe, stamped with the seed's monotonic clock."""
 
     t_seed_ns: int
 
 
-class ClockReply(_Msg):
+class ClockReply(_Msg, frozen=True):
     """Node -> seed: the probe's stamp echoed with the node's own monotonic clock at receipt."""
 
     stage: int
@@ -183,7 +188,7 @@ class ClockReply(_Msg):
     t_node_ns: int
 
 
-class Error(_Msg):
+class Error(_Msg, frozen=True):
     """Anyone -> seed / reply_to: a failure that ends the request or the run, in one line."""
 
     stage: int
@@ -191,7 +196,7 @@ class Error(_Msg):
     request_id: str = ""
 
 
-Message = (
+Message: TypeAlias = (
     InferenceRequest
     | StageActivation
     | NextToken
@@ -212,4 +217,4 @@ Message = (
     | Error
 )
 
-MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
+MESSAGE_TYPES: tuple[type[Message], ...] = typing.get_args(Message)

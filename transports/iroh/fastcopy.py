@@ -105,7 +105,8 @@ def _make_fast(ffi: ModuleType, original_write: Callable[..., Any]) -> tuple[Cal
             elif isinstance(value, memoryview) and value.format == "B" and value.c_contiguous:
                 value = value.tobytes()
             else:
-                return original_write(self, value)
+                original_write(self, value)
+                return
         _append(self, value)
 
     def _pack_into(self: Any, size: int, format: str, value: Any) -> None:
@@ -146,7 +147,9 @@ def apply(ffi: ModuleType | None = None, version: str | None = None) -> bool:
         if _patched is not None:
             return True
         if ffi is None:
-            from iroh import iroh_ffi as ffi  # noqa: N813
+            from iroh import iroh_ffi
+
+            ffi = iroh_ffi
         version = installed_version() if version is None else version
         why = refusal(ffi, version)
         if why is not None:

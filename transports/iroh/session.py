@@ -19,12 +19,16 @@ import queue
 import struct
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ppharness.errors import ConnectFailed, PeerClosed, TransportError
 from ppharness.wire import codec
+
+if TYPE_CHECKING:  # the binding is imported when the first transport is made (transports.iroh.transport.load_iroh)
+    from iroh import Connection, Endpoint, EndpointAddr, EndpointTicket, Incoming, RecvStream, SendStream
 
 ALPN = b"ppharness/1"
 MAX_RECORD = codec.HEADER.size + codec.MAX_FRAME_BYTES
@@ -37,16 +41,25 @@ HANDSHAKE_TIMEOUT_S = 10.0
 PREFIX = struct.Struct(">I")
 SCHEME = "iroh://"
 
+_T = TypeVar("_T")
+
+
+class RunBlocking(Protocol):
+    """Runs one binding coroutine to completion, blocking the calling thread, and returns its result."""
+
+    def __call__(self, coro: Coroutine[Any, Any, _T], /) -> _T: ...
+
 
 def log(text: str) -> None:
     print(f"[ppharness iroh] {text}", file=sys.stderr, flush=True)
 
 
-def parse_address(iroh: Any, address: str) -> Any:
+def parse_address(iroh: ModuleType, address: str) -> EndpointAddr:
     """``iroh://<ticket>`` -> the ticket's EndpointAddr; raises iroh.IrohError or TypeError for anything else."""
     if not address.startswith(SCHEME):
         raise TypeError(f"an iroh address starts with {SCHEME}")
-    return iroh.EndpointTicket.from_string(address[len(SCHEME) :]).endpoint_addr()
+    ticket: EndpointTicket = iroh.EndpointTicket.from_string(address[len(SCHEME) :])
+    return ticket.endpoint_addr()
 
 
 def iroh_reason(exc: BaseException) -> str:
@@ -71,8 +84,8 @@ class Peer:
 
     address: str
     endpoint_id: str
-    conn: Any
-    stream: Any
+    conn: Connection
+    stream: SendStream
     lock: threading.Lock = field(default_factory=threading.Lock)
     error: TransportError | None = None
 
@@ -84,24 +97,26 @@ class Session:
 
     def __init__(
         self,
-        iroh: Any,
-        endpoint: Any,
+        iroh: ModuleType,
+        endpoint: Endpoint,
         address: str,
         allowed: frozenset[str] | None,
-        incoming: queue.SimpleQueue[Any],
-        run: Callable[[Any], Any],
+        incoming: queue.SimpleQueue[tuple[str, bytes] | None],
+        run: RunBlocking,
     ) -> None:
+        """``incoming`` receives ``(sender address, record)`` for every record read (None is the transport's own
+        end-of-queue mark)."""
         self.iroh, self.endpoint, self.address = iroh, endpoint, address
         self.allowed, self.incoming, self.run = allowed, incoming, run
         self.endpoint_id = str(endpoint.id())
         self.peers: dict[str, Peer] = {}
-        self.inbound: dict[str, Any] = {}
-        self.conns: dict[int, Any] = {}
+        self.inbound: dict[str, Connection] = {}
+        self.conns: dict[int, Connection] = {}
         self.refused: list[str] = []
-        self.tasks: set[asyncio.Task[Any]] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
         self.closing = False
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -118,7 +133,7 @@ class Session:
                 return
             self.spawn(self._accept_one(incoming))
 
-    async def _accept_one(self, incoming: Any) -> None:
+    async def _accept_one(self, incoming: Incoming) -> None:
         try:
             accepting = await incoming.accept()
             conn = await asyncio.wait_for(accepting.connect(), HANDSHAKE_TIMEOUT_S)
@@ -137,13 +152,13 @@ class Session:
             return
         self.adopt(conn, remote)
 
-    def adopt(self, conn: Any, remote: str) -> None:
+    def adopt(self, conn: Connection, remote: str) -> None:
         """Serve a new connection: accept the peer's streams and notice when it closes."""
         self.conns[conn.stable_id()] = conn
         self.spawn(self._accept_streams(conn, remote))
         self.spawn(self._watch(conn, remote))
 
-    async def _accept_streams(self, conn: Any, remote: str) -> None:
+    async def _accept_streams(self, conn: Connection, remote: str) -> None:
         while True:
             try:
                 stream = await conn.accept_uni()
@@ -153,7 +168,7 @@ class Session:
                 target=self._read_stream, args=(conn, stream, remote), name="ppharness-iroh-reader", daemon=True
             ).start()
 
-    def _read_stream(self, conn: Any, stream: Any, remote: str) -> None:
+    def _read_stream(self, conn: Connection, stream: RecvStream, remote: str) -> None:
         """Deliver one stream's records until it ends (runs on a thread of its own)."""
         reader = _RecordReader(stream, self.run)
         try:
@@ -184,7 +199,7 @@ class Session:
             raise _BadStream(f"it claims the address of endpoint {claimed}, but the connection is from {remote}")
         return sender
 
-    async def _watch(self, conn: Any, remote: str) -> None:
+    async def _watch(self, conn: Connection, remote: str) -> None:
         try:
             reason = await conn.closed()
         except self.iroh.IrohError as exc:
@@ -203,7 +218,7 @@ class Session:
 
     # --- outgoing ---------------------------------------------------------------------------------------------
 
-    async def connect(self, address: str, target: Any, remote: str, timeout: float) -> Peer:
+    async def connect(self, address: str, target: EndpointAddr, remote: str, timeout: float) -> Peer:
         """The peer for ``address``: reuse a connection the peer opened to us, else dial; then say hello."""
         peer = self.peers.get(address)
         if peer is not None:
@@ -256,7 +271,7 @@ class Session:
             await asyncio.wait(leftover, timeout=1.0)
 
 
-async def _quietly(aw: Any) -> None:
+async def _quietly(aw: Awaitable[object]) -> None:
     try:
         await aw
     except Exception:  # noqa: BLE001 - shutdown and stop are best effort: the peer may already be gone
@@ -268,7 +283,7 @@ class _RecordReader:
     wrote them back to back); a record still incomplete once its length is known is finished with one
     ``read_exact``. ``run`` runs one binding coroutine to completion on the calling thread."""
 
-    def __init__(self, stream: Any, run: Callable[[Any], Any]) -> None:
+    def __init__(self, stream: RecvStream, run: RunBlocking) -> None:
         self.stream, self.run = stream, run
         self.buf = b""
         self.pos = 0

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Generator
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from transports.iroh.fastcopy import source_digest
 
@@ -30,6 +30,7 @@ KNOWN_GOOD: dict[str, dict[str, str]] = {
         "_uniffi_set_future_result": "7151bf2ce14127bd3519feca8bb418de9c5589b7a4e43c16ddf93a8848e8200d",
     },
 }
+_T = TypeVar("_T")
 _CONTINUATION = (
     "def _uniffi_continuation_callback(future_ptr, poll_code):\n"
     "    (eventloop, future) = _UniffiContinuationHandleMap.remove(future_ptr)\n"
@@ -63,7 +64,7 @@ class _Waiter:
 
     def __init__(self) -> None:
         self.event = threading.Event()
-        self.result: Any = None
+        self.result: object = None
         self.done = False
 
     def create_future(self) -> _Waiter:
@@ -71,18 +72,18 @@ class _Waiter:
         self.done = False
         return self
 
-    def call_soon_threadsafe(self, callback: Any, *args: Any) -> None:
+    def call_soon_threadsafe(self, callback: Callable[..., object], *args: object) -> None:
         callback(*args)
 
     def cancelled(self) -> bool:
         return False
 
-    def set_result(self, result: Any) -> None:
+    def set_result(self, result: object) -> None:
         self.result = result
         self.done = True
         self.event.set()
 
-    def __await__(self) -> Any:
+    def __await__(self) -> Generator[_Waiter, None, object]:
         if not self.done:
             yield self
         return self.result
@@ -93,19 +94,21 @@ def can_call() -> bool:
     return asyncio._get_running_loop() is None
 
 
-def call(coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+def call(coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
     """Run one binding coroutine to completion on this thread; ``timeout`` bounds each wait for Rust."""
     if asyncio._get_running_loop() is not None:
         coro.close()
         raise RuntimeError("this thread runs an asyncio loop: await the binding instead")
     waiter = _Waiter()
+    # a stand-in, not an AbstractEventLoop: the binding only calls its create_future and call_soon_threadsafe
     asyncio._set_running_loop(waiter)  # type: ignore[arg-type]
     try:
         while True:
             try:
                 yielded = coro.send(None)
             except StopIteration as stop:
-                return stop.value
+                value: _T = stop.value  # the coroutine's return value
+                return value
             if yielded is not waiter:
                 coro.close()
                 raise RuntimeError(f"a binding coroutine awaited {yielded!r}, not the binding's continuation")

@@ -44,21 +44,26 @@ import ipaddress
 import queue
 import threading
 import weakref
-from typing import Any
+from collections.abc import Coroutine
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ppharness.errors import CodecError, ConnectFailed, PeerClosed, TransportClosed, TransportError, TransportTimeout
-from ppharness.seams.transport import Transport
+from ppharness.seams.transport import JsonObject, Transport
 from ppharness.wire import codec
 from transports.iroh import fastcopy as _iroh_fastcopy
 from transports.iroh import sync as _iroh_sync
-from transports.iroh.session import PREFIX, SCHEME, iroh_reason, log, parse_address
+from transports.iroh.session import ALPN, PREFIX, SCHEME, Peer, Session, iroh_reason, log, parse_address
+
+if TYPE_CHECKING:  # the binding itself is imported by load_iroh()
+    from iroh import EndpointBuilder, SendStream
 
 LINGER_S = 2.0
 INLINE_BYTES = 64 * 1024
 ONLINE_TIMEOUT_S = 15.0
 RELAY_MODES = ("disabled", "default")
-_CLOSED = object()
-_iroh: Any = None
+_T = TypeVar("_T")
+_iroh: ModuleType | None = None
 _direct_calls = False
 _load_lock = threading.Lock()
 _live: weakref.WeakSet[IrohTransport] = weakref.WeakSet()
@@ -72,7 +77,7 @@ def _close_live_transports() -> None:
         transport.close()
 
 
-def load_iroh() -> Any:
+def load_iroh() -> ModuleType:
     """The iroh module, imported once, with the bulk-copy fix applied when its version is known to be safe."""
     global _iroh, _direct_calls
     with _load_lock:
@@ -87,7 +92,7 @@ def load_iroh() -> Any:
                 log(f"sends go through the event loop thread (slower): {why}")
             _direct_calls = why is None
             _iroh = iroh
-    return _iroh
+        return _iroh
 
 
 def _bind_addrs(host: str, port: int) -> list[str]:
@@ -110,7 +115,7 @@ class IrohTransport(Transport):
     kind = "iroh"
 
     @classmethod
-    def plan_endpoints(cls, count: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    def plan_endpoints(cls, count: int, settings: JsonObject) -> list[JsonObject]:
         """A fresh secret key per endpoint, every endpoint allowing exactly the run's ``count`` endpoint ids."""
         unknown = sorted(set(settings) - {"relay"})
         if unknown:
@@ -162,8 +167,9 @@ class IrohTransport(Transport):
         self._address: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._session: Any = None
-        self._incoming: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._session: Session | None = None
+        # (sender address, frame) as the session reads them; None marks the transport closed
+        self._incoming: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
         self._state_lock = threading.Lock()
         self._connect_locks: dict[str, threading.Lock] = {}
         self._closed = False
@@ -181,24 +187,24 @@ class IrohTransport(Transport):
             thread.start()
             self._loop, self._thread = loop, thread
             try:
-                self._session = self._call(self._open(), ONLINE_TIMEOUT_S + 10, "bind")
+                session = self._session = self._call(self._open(), ONLINE_TIMEOUT_S + 10, "bind")
             except BaseException:
                 self._stop_loop()
                 raise
-            self._address = self._session.address
+            self._address = session.address
             _live.add(self)
             return self._address
 
-    async def _open(self) -> Any:
-        from transports.iroh.session import ALPN, Session
+    async def _open(self) -> Session:
+        from iroh import Preset  # loaded by load_iroh(): this is self._iroh.Preset
 
         iroh, bind = self._iroh, self._bind
 
-        class _Preset(iroh.Preset):  # type: ignore[misc, name-defined]
+        class _Preset(Preset):
             def __init__(self, relay: str) -> None:
                 self.relay = relay
 
-            def apply(self, builder: Any) -> None:
+            def apply(self, builder: EndpointBuilder) -> None:
                 if self.relay == "disabled":
                     builder.apply_minimal()
                 else:
@@ -256,7 +262,7 @@ class IrohTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-        self._incoming.put(_CLOSED)
+        self._incoming.put(None)
         if self._session is not None:
             try:
                 self._call(self._session.shutdown(LINGER_S), LINGER_S + 5, "close")
@@ -282,6 +288,7 @@ class IrohTransport(Transport):
         if address == self._address:
             self._incoming.put((address, bytes(frame)))
             return
+        assert self._session is not None  # started: _check_ready() passed
         peer = self._session.peers.get(address) or self._connect(address)
         prefix = PREFIX.pack(len(frame))
         with peer.lock:
@@ -310,10 +317,10 @@ class IrohTransport(Transport):
                 log(str(peer.error))
                 raise peer.error from exc
 
-    def _write(self, stream: Any, data: bytes) -> None:
+    def _write(self, stream: SendStream, data: bytes) -> None:
         self._run_blocking(stream.write_all(data), self._send_timeout)
 
-    def _run_blocking(self, coro: Any, timeout: float | None = None) -> Any:
+    def _run_blocking(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
         """Run one binding coroutine to completion: on this thread when the binding allows it, else on the loop."""
         if self._direct and _iroh_sync.can_call():
             return _iroh_sync.call(coro, timeout)
@@ -331,14 +338,15 @@ class IrohTransport(Transport):
                 item = self._incoming.get(timeout=timeout)
         except queue.Empty:
             raise TransportTimeout(f"{self._address}: nothing arrived within {timeout} s") from None
-        if item is _CLOSED or self._closed:
-            self._incoming.put(_CLOSED)
+        if item is None or self._closed:
+            self._incoming.put(None)
             raise TransportClosed(f"iroh transport {self._address} is closed")
-        return item  # type: ignore[no-any-return]
+        return item
 
     # --- internals ------------------------------------------------------------------------------------------------
 
-    def _connect(self, address: str) -> Any:
+    def _connect(self, address: str) -> Peer:
+        assert self._session is not None  # started: send_frame checked
         with self._state_lock:
             lock = self._connect_locks.setdefault(address, threading.Lock())
         with lock:
@@ -357,7 +365,7 @@ class IrohTransport(Transport):
             coro = self._session.connect(address, target, remote, self._connect_timeout)
             return self._call(coro, self._connect_timeout + 5, f"connect to {address}")
 
-    def _call(self, coro: Any, timeout: float, what: str) -> Any:
+    def _call(self, coro: Coroutine[Any, Any, _T], timeout: float, what: str) -> _T:
         """Run ``coro`` on the loop thread and wait for its result, mapping failures into the error tree."""
         assert self._loop is not None
         try:

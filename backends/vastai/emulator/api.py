@@ -12,9 +12,13 @@ import json
 import shlex
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.vastai.emulator.state import matches, order_key, priced, sort_records
+
+if TYPE_CHECKING:
+    from backends.vastai.emulator.server import Emulator
+    from backends.vastai.emulator.state import EmuInstance
 
 SEARCH_KEYS = frozenset(
     {
@@ -56,7 +60,7 @@ class Reply:
     """A status (0: drop the connection without answering), a JSON value or plain text, extra headers."""
 
     status: int
-    body: Any
+    body: object
     headers: dict[str, str] = field(default_factory=dict)
 
 
@@ -72,7 +76,7 @@ def validate_key(key: str, authorization: str, query_key: str | None, peer: str,
     return "key" if hmac.compare_digest(given.encode(), key.encode()) else None
 
 
-def handle_search(emu: Any, body: Any) -> Reply:
+def handle_search(emu: Emulator, body: Any) -> Reply:
     if not isinstance(body, dict):
         return _bad(400, "invalid_request", "the search query must be a JSON object")
     kind = body.get("type", "on-demand")
@@ -131,7 +135,7 @@ def _parse_env(raw: Any) -> tuple[dict[str, str], list[str]] | str:
     return env, flags
 
 
-def handle_create(emu: Any, offer_id: int, body: Any) -> Reply:
+def handle_create(emu: Emulator, offer_id: int, body: Any) -> Reply:
     emu.creates += 1
     ordinal, f = emu.creates, emu.faults
     if ordinal in f.reject_create:
@@ -197,7 +201,7 @@ def _validate_create(body: dict[str, Any]) -> str | None:
     return None
 
 
-def handle_list(emu: Any, query: dict[str, str]) -> Reply:
+def handle_list(emu: Emulator, query: dict[str, str]) -> Reply:
     try:
         filters = json.loads(query.get("select_filters") or "{}")
         order = json.loads(query.get("order_by") or "[]")
@@ -238,7 +242,7 @@ def handle_list(emu: Any, query: dict[str, str]) -> Reply:
     )
 
 
-def handle_manage(emu: Any, inst: Any, body: Any) -> Reply:
+def handle_manage(emu: Emulator, inst: EmuInstance, body: Any) -> Reply:
     if not isinstance(body, dict) or not ({"state", "label"} & set(body)):
         return _bad(400, "invalid_args", 'expected {"state": "running"|"stopped"} or {"label": ...}')
     if "label" in body:

@@ -24,14 +24,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from docker.models.containers import Container
+
+    from backends.vastai.emulator.state import EmuInstance
 
 EMULATOR_VAR = "PP_VASTAI_EMULATOR"
 CHECK_S = 0.5
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.I)
 
 
-def container_argv(inst: Any) -> list[str]:
+def container_argv(inst: EmuInstance) -> list[str]:
     """The command the container runs: ``onstart`` as entrypoint plus ``args`` (runtype args), else ``sh -c``."""
     body = inst.body
     if "args" in inst.runtype.split():
@@ -44,7 +49,7 @@ def container_argv(inst: Any) -> list[str]:
     return ["/bin/sh", "-c", str(body.get("onstart") or "sleep infinity")]
 
 
-def instance_extras(inst: Any, emulator_id: str) -> dict[str, str]:
+def instance_extras(inst: EmuInstance, emulator_id: str) -> dict[str, str]:
     return {
         "CONTAINER_API_KEY": inst.instance_key,
         "CONTAINER_ID": str(inst.id),
@@ -61,13 +66,29 @@ def node_environment(client_env: dict[str, str], extra: dict[str, str]) -> dict[
     return {**base, **client_env, **extra, "PYTHONUNBUFFERED": "1"}
 
 
+def _process(inst: EmuInstance) -> subprocess.Popen[bytes] | None:
+    """The process a ``ProcessRunner`` started for ``inst`` (None when it is not running)."""
+    handle = inst.handle
+    assert handle is None or isinstance(handle, subprocess.Popen), "a ProcessRunner's handles are processes"
+    return handle
+
+
+def _container(inst: EmuInstance) -> Container | None:
+    """The container a ``DockerRunner`` started for ``inst`` (None when it is not running)."""
+    from docker.models.containers import Container
+
+    handle = inst.handle
+    assert handle is None or isinstance(handle, Container), "a DockerRunner's handles are containers"
+    return handle
+
+
 class ProcessRunner:
     name = "process"
 
     def __init__(self, emulator_id: str, log_dir: Path) -> None:
         self.emulator_id, self.log_dir = emulator_id, log_dir
 
-    def start(self, inst: Any) -> None:
+    def start(self, inst: EmuInstance) -> None:
         path = self.log_dir / f"instance-{inst.id}.log"
         env = node_environment(inst.env, instance_extras(inst, self.emulator_id))
         with open(path, "ab") as log:
@@ -85,12 +106,13 @@ class ProcessRunner:
                 log.write(f"cannot start the container's command: {exc}\n".encode())
                 inst.handle = None
 
-    def exit_code(self, inst: Any) -> int | None:
+    def exit_code(self, inst: EmuInstance) -> int | None:
         """None while the command runs; its exit code once it ended (1 when it never started)."""
-        return inst.handle.poll() if inst.handle is not None else 1
+        proc = _process(inst)
+        return proc.poll() if proc is not None else 1
 
-    def stop(self, inst: Any, grace_s: float = 3.0) -> None:
-        proc, inst.handle = inst.handle, None
+    def stop(self, inst: EmuInstance, grace_s: float = 3.0) -> None:
+        proc, inst.handle = _process(inst), None
         if proc is None or proc.poll() is not None:
             return
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -104,7 +126,7 @@ class ProcessRunner:
             except subprocess.TimeoutExpired:
                 continue
 
-    def log(self, inst: Any) -> str:
+    def log(self, inst: EmuInstance) -> str:
         path = self.log_dir / f"instance-{inst.id}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
@@ -120,7 +142,7 @@ class DockerRunner:
         self._logs: dict[int, str] = {}
         self._checked: dict[int, float] = {}
 
-    def start(self, inst: Any) -> None:
+    def start(self, inst: EmuInstance) -> None:
         import docker.errors
 
         argv = container_argv(inst)
@@ -144,28 +166,29 @@ class DockerRunner:
             self._logs[inst.id] = f"cannot start the container: {exc}\n"
             inst.handle = None
 
-    def exit_code(self, inst: Any) -> int | None:
+    def exit_code(self, inst: EmuInstance) -> int | None:
         """As ProcessRunner's, asking the daemon at most every ``CHECK_S`` per instance."""
         import docker.errors
 
-        if inst.handle is None:
+        container = _container(inst)
+        if container is None:
             return 1
         now = time.monotonic()
         if now - self._checked.get(inst.id, -1e9) < CHECK_S:
             return None
         self._checked[inst.id] = now
         try:
-            inst.handle.reload()
+            container.reload()
         except docker.errors.DockerException:
             return 1
-        if inst.handle.status in ("exited", "dead"):
-            return int(inst.handle.attrs["State"]["ExitCode"])
+        if container.status in ("exited", "dead"):
+            return int(container.attrs["State"]["ExitCode"])
         return None
 
-    def stop(self, inst: Any, grace_s: float = 3.0) -> None:
+    def stop(self, inst: EmuInstance, grace_s: float = 3.0) -> None:
         import docker.errors
 
-        container, inst.handle = inst.handle, None
+        container, inst.handle = _container(inst), None
         if container is None:
             return
         try:
@@ -174,12 +197,13 @@ class DockerRunner:
         except docker.errors.DockerException:
             pass
 
-    def log(self, inst: Any) -> str:
+    def log(self, inst: EmuInstance) -> str:
         import docker.errors
 
-        if inst.handle is not None:
+        container = _container(inst)
+        if container is not None:
             try:
-                return inst.handle.logs().decode(errors="replace")
+                return container.logs().decode(errors="replace")
             except docker.errors.DockerException:
                 return ""
         return self._logs.get(inst.id, "")

@@ -24,8 +24,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import FrameType
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -46,7 +48,7 @@ ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("DELETE", re.compile(r"^/api/v0/instances/(\d+)/$"), "destroy"),
     ("GET", re.compile(r"^/api/v1/instances/$"), "list"),
 ]
-STORM_BODIES: tuple[Any, ...] = (
+STORM_BODIES: tuple[object, ...] = (
     "API requests too frequent",
     {"detail": "API requests too frequent"},
     {"success": False, "error": "rate_limit_exceeded", "msg": "API requests too frequent"},
@@ -103,6 +105,8 @@ class Emulator:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
+        if not isinstance(host, str):  # typeshed allows bytes here; a bound AF_INET socket names its host as str
+            host = bytes(host).decode()
         return f"http://{host}:{port}"
 
     def start(self) -> Emulator:
@@ -184,7 +188,7 @@ class Emulator:
         self.consumed.add(offer["id"])
         return inst
 
-    def dispatch(self, method: str, path: str, query: dict[str, str], headers: Any, body: Any, peer: str) -> Reply:
+    def dispatch(self, method: str, path: str, query: dict[str, str], headers: Message, body: Any, peer: str) -> Reply:
         route = next(((name, m) for verb, rx, name in ROUTES if verb == method and (m := rx.match(path))), None)
         if route is None:
             return Reply(404, {"success": False, "error": "not_found", "msg": f"no route for {method} {path}"})
@@ -388,13 +392,13 @@ def parse_faults(specs: list[str]) -> Faults:
                     }
                     switches[name].add(k)
             elif name == "fail-as":
-                k, status = value.split(":")
+                which, status = value.split(":")
                 if status not in ("exited", "unknown", "offline"):
                     raise ValueError(status)
-                f.fail_as[int(k)] = status
+                f.fail_as[int(which)] = status
             elif name == "exit-after":
-                k, seconds = value.split(":")
-                f.exit_after_s[int(k)] = float(seconds)
+                which, seconds = value.split(":")
+                f.exit_after_s[int(which)] = float(seconds)
             elif name in ("storm-429", "resets", "destroy-fail"):
                 setattr(
                     f, {"storm-429": "storm_429", "resets": "resets", "destroy-fail": "destroy_fail"}[name], int(value)
@@ -427,7 +431,7 @@ def serve_forever(
 
     faults = parse_faults(fault_specs or [])
 
-    def stop(signum: int, frame: Any) -> None:
+    def stop(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)

@@ -11,7 +11,14 @@ import random
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from docker.models.containers import Container
+
+    from backends.vastai.emulator.runners import DockerRunner, ProcessRunner
 
 OPS = ("eq", "neq", "gt", "gte", "lt", "lte", "in", "notin")
 _PORT_FLAG = re.compile(r"^-p\s+(\d+):(\d+)(/(tcp|udp))?$")
@@ -114,7 +121,7 @@ def _holds(op: str, have: Any, want: Any) -> bool:
             return have not in want
         if have is None or want is None:
             return False
-        return {"gt": have > want, "gte": have >= want, "lt": have < want, "lte": have <= want}[op]
+        return bool({"gt": have > want, "gte": have >= want, "lt": have < want, "lte": have <= want}[op])
     except (TypeError, KeyError):
         return False
 
@@ -175,7 +182,7 @@ class EmuInstance:
     next_state: str = "running"
     status_msg: str | None = "Scheduling"
     running_at: float | None = None
-    handle: Any = None
+    handle: subprocess.Popen[bytes] | Container | None = None  # the runner's: a process group or a container
     exit_code: int | None = None
     label: str | None = None
     destroy_attempts: int = 0
@@ -198,8 +205,8 @@ class EmuInstance:
         """The instance as the API shows it."""
         o, running = self.offer, self.actual_status == "running"
         start = 40_000 + (self.id % 500) * 20
-        ports: Any = self.ports() if running else None
-        if running and self.ordinal in faults.null_ssh_port:
+        ports = self.ports() if running else None
+        if ports is not None and self.ordinal in faults.null_ssh_port:
             ports = {**ports, "22/tcp": None}
         return {
             "id": self.id,
@@ -249,7 +256,7 @@ class Timeline:
     """Advances instances through the status sequence and watches their commands (called on a ticker thread);
     ``runner`` runs the commands (``vastai_emulator_runners``)."""
 
-    def __init__(self, delays: tuple[float, float, float], faults: Faults, runner: Any):
+    def __init__(self, delays: tuple[float, float, float], faults: Faults, runner: ProcessRunner | DockerRunner):
         self.delays, self.faults, self.runner = delays, faults, runner
         self.lock = threading.RLock()
 

@@ -1,0 +1,135 @@
+"""``ppharness bench``: the chain, one hop, the GPU and failover, measured."""
+
+from __future__ import annotations
+
+import click
+
+from ppharness.cli.common import exit_1_on_failure, fail, split_csv
+
+
+@click.group(invoke_without_command=True)
+@click.option("--num-stages", "-n", type=int, default=5, show_default=True)
+@click.option(
+    "--transport",
+    "transports",
+    default="zmq",
+    show_default=True,
+    help="Transports to run the chain over, comma-separated (e.g. zmq,iroh).",
+)
+@click.option("--tokens", type=int, default=32, show_default=True, help="Tokens generated per request.")
+@click.option("--repeats", type=int, default=5, show_default=True, help="Interleaved repeats of every contender.")
+@click.option("--preset", default="small", show_default=True, help="Synthetic model preset (at least 8 blocks).")
+@click.option(
+    "--out",
+    "out_dir",
+    default="bench-results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where bench.json and bench.png go.",
+)
+@click.option("--sweep/--no-sweep", default=True, show_default=True, help="Also measure tokens/s for N = 1..5.")
+@click.pass_context
+def bench(
+    ctx: click.Context,
+    num_stages: int,
+    transports: str,
+    tokens: int,
+    repeats: int,
+    preset: str,
+    out_dir: str,
+    sweep: bool,
+) -> None:
+    """Benchmarks: medians and ratios against a baseline measured in the same run.
+
+    Without a subcommand: the N-stage chain against single-process decode and the raw transport, interleaved.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from ppharness.benchmarks.chain import report, run_chain_bench
+    from ppharness.run.orchestrator import Progress
+
+    with exit_1_on_failure():
+        res = run_chain_bench(preset, num_stages, split_csv(transports), tokens, repeats, out_dir, sweep, Progress())
+    click.echo(report(res))
+    click.echo(f"\nwritten: {out_dir}/bench.json, {out_dir}/bench.png")
+    if any(res.mismatch.values()):
+        fail("a chain's answer differs from the unsplit model's (MISMATCH above)")
+
+
+@bench.command("transport")
+@click.option("--sizes", default="64,4096,131072", show_default=True, help="Payload sizes in bytes, comma-separated.")
+@click.option("--repeats", type=int, default=200, show_default=True, help="Round trips per size and transport.")
+@click.option("--transports", "kinds", default="zmq,iroh", show_default=True, help="ppharness transports to measure.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
+def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) -> None:
+    """Round-trip latency p50/p99 per payload size: raw libraries vs ppharness transports, with ratios."""
+    from ppharness.benchmarks.transport import run_transport_bench
+
+    with exit_1_on_failure():
+        run_transport_bench([int(x) for x in sizes.split(",")], repeats, split_csv(kinds), json_out)
+
+
+@bench.command("gpu")
+@click.option("--device", default="cuda", show_default=True, help="tinygrad device for every process (cuda, nv, cpu).")
+@click.option("--preset", default="llama-3.2-1b", show_default=True)
+@click.option("--stages", default="2,5", show_default=True, help="Chain sizes, comma-separated.")
+@click.option("--transport", "transports", default="zmq,iroh", show_default=True)
+@click.option("--tokens", type=int, default=128, show_default=True)
+@click.option("--prompt-tokens", type=int, default=32, show_default=True)
+@click.option("--repeats", type=int, default=3, show_default=True)
+@click.option("--hf/--no-hf", default=True, show_default=True, help="Also run HF transformers where installed.")
+@click.option("--out", "out_dir", default="bench-results", show_default=True, type=click.Path(file_okay=False))
+def bench_gpu(
+    device: str,
+    preset: str,
+    stages: str,
+    transports: str,
+    tokens: int,
+    prompt_tokens: int,
+    repeats: int,
+    hf: bool,
+    out_dir: str,
+) -> None:
+    """The chain on an accelerator vs single-process tinygrad and HF transformers (docs/gpu-bench.md)."""
+    from ppharness.benchmarks.gpu import report, run_gpu_bench
+    from ppharness.run.orchestrator import Progress
+
+    with exit_1_on_failure():
+        res = run_gpu_bench(
+            device,
+            preset,
+            [int(x) for x in stages.split(",")],
+            split_csv(transports),
+            tokens,
+            prompt_tokens,
+            repeats,
+            out_dir,
+            hf,
+            Progress(),
+        )
+    click.echo(report(res))
+    click.echo(f"\nwritten: {out_dir}/gpu-bench.json, {out_dir}/gpu-bench.png")
+    if any(c.tokens_match_oracle is False for c in res.contenders):
+        fail("a chain's answer differs from the single-process oracle's (MISMATCH above)")
+
+
+@bench.command("failover")
+@click.option("--num-stages", "-n", type=int, default=5, show_default=True)
+@click.option("--runs", type=int, default=5, show_default=True)
+@click.option(
+    "--signal",
+    "sig",
+    type=click.Choice(["KILL", "STOP"]),
+    default="KILL",
+    show_default=True,
+    help="KILL: the process is gone; STOP: it stays but goes silent (only membership can notice).",
+)
+@click.option("--engine", type=click.Choice(["auto", "kinship", "heartbeat"]), default="auto", show_default=True)
+def bench_failover(num_stages: int, runs: int, sig: str, engine: str) -> None:
+    """Time from a stage's death mid-decode to pp-smoke-run's exit 1 (median over runs)."""
+    from ppharness.benchmarks.failover import report, run_failover_bench
+    from ppharness.run.orchestrator import Progress
+
+    with exit_1_on_failure():
+        results = run_failover_bench(num_stages, runs, sig, engine, Progress())
+    click.echo(report(results, num_stages, sig, engine))

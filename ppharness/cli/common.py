@@ -1,0 +1,165 @@
+"""What every command shares: one-line failures with exit 1, signals that take the clean path, loading a scenario,
+running it and printing its summary."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+
+from ppharness.errors import HarnessError
+from ppharness.run.locks import RunLabelInUse
+from ppharness.seams.provider import Reaped
+
+if TYPE_CHECKING:
+    from ppharness.run.orchestrator import RunResult
+    from ppharness.scenario.schema import Scenario
+
+SCENARIO_HELP = "Scenario YAML file (see scenarios/); flags given here override its values."
+
+
+def fail(reason: str, exc: BaseException | None = None) -> NoReturn:
+    click.echo(f"FAILED: {reason}", err=True)
+    for note in getattr(exc, "__notes__", []) or []:
+        click.echo(note, err=True)
+    sys.exit(1)
+
+
+@contextlib.contextmanager
+def exit_1_on_failure(before_exit: Callable[[], object] = lambda: None) -> Iterator[None]:
+    """Around long work: SIGTERM behaves like Ctrl-C, and a HarnessError or an interrupt ends the command with exit 1
+    and one line, after ``before_exit`` (e.g. the run's last sweep)."""
+    _sigterm_as_interrupt()
+    try:
+        yield
+    except RunLabelInUse as exc:  # nothing was created, and what the label names is another run's
+        fail(str(exc), exc)
+    except HarnessError as exc:
+        before_exit()
+        fail(str(exc), exc)
+    except KeyboardInterrupt:
+        before_exit()
+        fail("interrupted; every node was stopped")
+
+
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM and SIGHUP (a closed terminal, a dropped SSH session) take the same clean path as Ctrl-C: unwind,
+    destroy every node, exit 1. After a hang-up the terminal is gone, so output goes to /dev/null from then on (a
+    write to a hung-up terminal fails, and must not break the clean-up)."""
+
+    def handler(signum: int, frame: FrameType | None) -> NoReturn:
+        raise KeyboardInterrupt
+
+    def hangup(signum: int, frame: FrameType | None) -> NoReturn:
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, hangup)
+
+
+def split_csv(csv: str) -> list[str]:
+    """``"zmq, iroh"`` -> ``["zmq", "iroh"]``."""
+    return [t.strip() for t in csv.split(",") if t.strip()]
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def print_summary(result: RunResult) -> None:
+    """The run's answer and figures on stdout."""
+    r = result.response
+    click.echo(f"\ntext: {r.text!r}")
+    click.echo(f"tokens ({len(r.token_ids)}, {r.finish_reason}): {r.token_ids}")
+    click.echo(
+        f"chain: {len(result.plan.ranges)} stages, time to first token {result.ttft_s * 1000:.0f} ms, "
+        f"decode {result.decode_tok_s:.1f} tok/s"
+    )
+    if result.oracle is not None:
+        o = result.oracle
+        click.echo(
+            f"oracle (unsplit, one process): first token {o.ttft_s * 1000:.0f} ms, decode {o.decode_tok_s:.1f} "
+            f"tok/s; chain/single decode ratio {result.decode_tok_s / o.decode_tok_s:.2f}"
+            if o.decode_tok_s
+            else ""
+        )
+    click.echo(f"\n{'stage':>5} {'blocks':>9} {'params':>12} {'tied':>10} {'load+compile':>13} {'peak RSS':>9}")
+    for s in result.stages:
+        click.echo(
+            f"{s.index:>5} {f'[{s.lo},{s.hi})':>9} {s.params:>12,} {s.tied_params:>10,} {s.load_s:>12.1f}s "
+            f"{human_bytes(s.peak_rss_bytes):>9}"
+        )
+    total = sum(s.params for s in result.stages)
+    model = f"   (model: {result.oracle.n_params:,})" if result.oracle else ""
+    click.echo(f"{'sum':>5} {'':>9} {total:>12,}{model}")
+    if result.matches_oracle is True and result.verdict is not None:
+        click.echo(
+            f"\nMATCH: the {len(result.plan.ranges)}-stage chain's {len(r.token_ids)} tokens equal the unsplit "
+            f"model's, token for token, and all {result.verdict.boundaries_compared} stage-boundary hidden "
+            "states byte for byte"
+        )
+
+
+def reap_own(kind: str, run_label: str) -> list[Reaped]:
+    """The last sweep of every run: destroy whatever still carries its label; say what that was."""
+    from ppharness.registry import provider_class
+
+    try:
+        found = provider_class(kind).reap(run_label)
+    except HarnessError as exc:
+        click.echo(f"warning: reaping run {run_label} failed: {exc}", err=True)
+        return []
+    for what in found:
+        click.echo(f"warning: reaped leftover of run {run_label}: {what}", err=True)
+    return found
+
+
+def run_and_report(
+    scenario: Scenario,
+    quiet: bool = False,
+    run_label: str | None = None,
+    trace_path: str | None = None,
+    trace: bool | None = None,
+) -> None:
+    """Run ``scenario``; print the summary; exit 1 on failure or mismatch."""
+    import uuid
+
+    from ppharness.run.orchestrator import Progress, run_scenario
+
+    run_label = run_label or f"pp-{uuid.uuid4().hex[:8]}"
+    trace_path = trace_path or scenario.trace.path
+    trace_on = bool(trace_path) or (scenario.trace.enabled if trace is None else trace)
+    with exit_1_on_failure(lambda: reap_own(scenario.provider.kind, run_label)):
+        result = run_scenario(scenario, progress=Progress(quiet=quiet), run_label=run_label, trace=trace_on)
+    if reap_own(scenario.provider.kind, run_label):
+        fail(f"resources of run {run_label} outlived it and were reaped")
+    print_summary(result)
+    if result.trace is not None:
+        click.echo("\n" + result.trace.summary())
+        if trace_path:
+            written = ", ".join(result.trace.write(trace_path))
+            click.echo(f"trace written: {written} (open the .json in ui.perfetto.dev)")
+    if result.matches_oracle is False:
+        assert result.oracle is not None and result.verdict is not None, "a verdict needs the oracle's answer"
+        o, c = result.oracle.token_ids, result.response.token_ids
+        fail(f"MISMATCH: {result.verdict.describe(c, o)}; chain {c}, oracle {o}")
+
+
+def load_scenario_or_fail(scenario_file: str | None, **overrides: Any) -> Scenario:
+    from ppharness.scenario.schema import load_scenario, scenario_from_args
+
+    try:
+        base = load_scenario(scenario_file) if scenario_file else None
+        return scenario_from_args(base=base, **overrides)
+    except HarnessError as exc:
+        fail(str(exc))

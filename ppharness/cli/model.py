@@ -1,0 +1,143 @@
+"""``ppharness model``, ``split-check`` and ``oracle``: synthetic models, their facts, and the unsplit model's
+answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ppharness.cli.common import SCENARIO_HELP, exit_1_on_failure, fail, load_scenario_or_fail, split_csv
+from ppharness.errors import HarnessError
+
+
+@click.group()
+def model() -> None:
+    """Model files."""
+
+
+@model.command("make")
+@click.option("--preset", default="tiny", show_default=True, help="Dimensions preset (tiny, small, llama-3.2-1b).")
+@click.option("--blocks", type=int)
+@click.option("--dim", type=int)
+@click.option("--ffn", type=int)
+@click.option("--heads", type=int)
+@click.option("--kv-heads", type=int)
+@click.option("--vocab", type=int)
+@click.option("--context", type=int)
+@click.option("--tied/--untied", "tied_embeddings", default=None, help="Tie the output head to the embedding.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--type",
+    "type",
+    default="f16",
+    show_default=True,
+    help="How the weight matrices are stored: f16, or quantised q8_0 or q4_0 (norms stay f32).",
+)
+@click.option("--output", "-o", type=click.Path(dir_okay=False), required=True)
+def model_make(preset: str, output: str, **overrides: Any) -> None:
+    """Write a deterministic synthetic llama GGUF (same arguments, same bytes)."""
+    from ppharness.model.files import make_synthetic, preset_spec, sha256_file
+
+    try:
+        spec = preset_spec(preset, **overrides)
+        click.echo(
+            f"writing {spec.n_params:,} parameters ({spec.blocks} blocks, dim {spec.dim}, {spec.type}) to {output}",
+            err=True,
+        )
+        path = make_synthetic(spec, output)
+    except HarnessError as exc:
+        fail(str(exc))
+    click.echo(f"{path}  sha256 {sha256_file(path)}")
+
+
+@model.command("info")
+@click.argument("source")
+def model_info(source: str) -> None:
+    """Show a GGUF's (path, URL or synthetic:...) dimensions and parameter count."""
+    from ppharness.model.files import resolve_model
+    from ppharness.model.slicing import GGUFFile
+
+    try:
+        f = GGUFFile(resolve_model(source))
+    except HarnessError as exc:
+        fail(str(exc))
+    for k, v in vars(f.config).items():
+        click.echo(f"{k:>12}: {v}")
+    click.echo(f"{'path':>12}: {f.path}")
+
+
+@click.command("split-check")
+@click.option(
+    "--model", "source", default="synthetic:tiny", show_default=True, help="A GGUF path, URL or synthetic: spec."
+)
+@click.option(
+    "--stages",
+    default="2,3,5",
+    show_default=True,
+    help="Even splits to check, comma-separated stage counts; or explicit cut points: 1/3/6 (several "
+    "splits separated by commas: 1/3/6,4).",
+)
+@click.option("--prompt", default="The quick brown fox", show_default=True)
+@click.option("--max-tokens", type=int, default=200, show_default=True)
+@click.option("--max-context", type=int, default=256, show_default=True)
+def split_check(source: str, stages: str, prompt: str, max_tokens: int, max_context: int) -> None:
+    """Check, in one process on this machine's device (DEV=CUDA for a GPU), that splits equal the unsplit model bit
+    for bit: tokens, every stage-boundary hidden state, and the compiled kernels. Exits 1 on any difference."""
+    from ppharness.model.exactness import check_splits
+    from ppharness.model.files import resolve_model
+    from ppharness.model.slicing import GGUFFile
+    from ppharness.plan.stages import make_plan
+
+    with exit_1_on_failure():
+        path = str(resolve_model(source))
+        blocks = GGUFFile(path).config.blocks
+        splits = []
+        for item in split_csv(stages):
+            try:  # a stage count ("3") or cut points ("1/3/6")
+                plan = (
+                    make_plan(blocks, num_stages=int(item))
+                    if item.isdigit()
+                    else make_plan(blocks, splits=[int(c) for c in item.split("/")])
+                )
+            except ValueError:
+                fail(f"--stages: {item!r} is neither a stage count nor cut points like 1/3/6")
+            splits.append(list(plan.ranges))
+        if max_tokens >= max_context:
+            fail(f"--max-tokens {max_tokens} does not fit --max-context {max_context}")
+        oracle_result, checks = check_splits(path, prompt, max_tokens, splits, max_context)
+    click.echo(
+        f"unsplit model: {len(oracle_result.token_ids)} tokens ({oracle_result.finish_reason}), "
+        f"decode {oracle_result.decode_tok_s:.1f} tok/s"
+    )
+    for c in checks:
+        spans = ", ".join(f"[{lo},{hi})" for lo, hi in c.ranges)
+        kernels = "same kernels" if c.same_kernels else "OTHER KERNELS than the unsplit model"
+        click.echo(
+            f"{'MATCH' if c.exact else 'MISMATCH'} {spans}: {len(c.token_ids)} tokens; "
+            f"{c.verdict.describe(c.token_ids, oracle_result.token_ids)}; {kernels}"
+        )
+    if not all(c.exact for c in checks):
+        fail("a split differs from the unsplit model")
+
+
+@click.command()
+@click.option("--scenario", "scenario_file", type=click.Path(dir_okay=False), help=SCENARIO_HELP)
+@click.option("--prompt")
+@click.option("--max-tokens", type=int)
+def oracle(scenario_file: str | None, prompt: str | None, max_tokens: int | None) -> None:
+    """Greedy decode with the unsplit model in this process: the reference every split must equal."""
+    from ppharness.model.files import resolve_model
+    from ppharness.model.oracle import oracle_decode
+    from ppharness.run.orchestrator import model_source
+
+    sc = load_scenario_or_fail(scenario_file, prompt=prompt, max_tokens=max_tokens)
+    try:
+        path = resolve_model(*model_source(sc))
+        res = oracle_decode(path, sc.request.prompt, sc.request.max_tokens, sc.model.max_context)
+    except HarnessError as exc:
+        fail(str(exc))
+    click.echo(
+        f"text: {res.text!r}\ntokens: {res.token_ids}\nloaded and compiled in {res.load_s:.1f} s, first token "
+        f"{res.ttft_s * 1000:.0f} ms, decode {res.decode_tok_s:.1f} tok/s, {res.n_params:,} parameters"
+    )

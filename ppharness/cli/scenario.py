@@ -1,0 +1,45 @@
+"""``ppharness scenario``: the scenario schema, and checking files without running them."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from ppharness.errors import HarnessError
+
+
+@click.group()
+def scenario() -> None:
+    """Scenario files."""
+
+
+@scenario.command("schema")
+def scenario_schema_cmd() -> None:
+    """Print the scenario JSON Schema (for editors: yaml-language-server's $schema)."""
+    from ppharness.scenario.schema import scenario_schema
+
+    click.echo(json.dumps(scenario_schema(), indent=2))
+
+
+@scenario.command("check")
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+def scenario_check(files: tuple[str, ...]) -> None:
+    """Validate scenario files without running them: every file is checked and every bad one reported; exit 1 if
+    any is bad."""
+    from ppharness.scenario.schema import load_scenario
+
+    bad = 0
+    for f in files:
+        try:
+            load_scenario(f)
+        except HarnessError as exc:
+            bad += 1
+            click.echo(f"FAILED: {exc}", err=True)
+            continue
+        click.echo(f"ok: {f}")
+    if bad:
+        if len(files) > 1:
+            click.echo(f"FAILED: {bad} of {len(files)} scenario files", err=True)
+        sys.exit(1)

@@ -1,0 +1,98 @@
+"""The house rules the code's layout keeps: the core is written against its seams and reaches implementations only
+through the registry; every registered implementation is a complete subclass of its seam."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ppharness import registry
+from ppharness.seams import Provider, Transport
+
+ROOT = Path(__file__).resolve().parent.parent
+IMPLEMENTATIONS = ("transports", "backends")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import ``path`` makes when it runs, function-level imports included (those under
+    ``if TYPE_CHECKING:`` are for the type checker only)."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_the_core_never_imports_an_implementation_by_name() -> None:
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted((ROOT / "ppharness").rglob("*.py"))
+        for line, module in _imports(path)
+        if module.split(".")[0] in IMPLEMENTATIONS
+    ]
+    assert not offenders, "the core reaches transports and backends only through ppharness.registry:\n" + "\n".join(
+        offenders
+    )
+
+
+def test_implementations_depend_on_the_core_not_on_each_other() -> None:
+    """A transport never imports a backend and the other way round (both import the seams from the core)."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for package, other in (("transports", "backends"), ("backends", "transports"))
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for line, module in _imports(path)
+        if module.split(".")[0] == other
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("kind", sorted(registry.TRANSPORTS))
+def test_every_registered_transport_is_a_complete_transport(kind: str) -> None:
+    cls = registry.transport_class(kind)
+    assert issubclass(cls, Transport) and not inspect.isabstract(cls), f"{kind}: {cls} leaves abstract methods"
+    assert cls.kind == kind, f"registry kind {kind!r} names a class whose kind is {cls.kind!r}"
+
+
+@pytest.mark.parametrize("kind", sorted(registry.PROVIDERS))
+def test_every_registered_provider_is_a_complete_provider(kind: str) -> None:
+    cls = registry.provider_class(kind)
+    assert issubclass(cls, Provider) and not inspect.isabstract(cls), f"{kind}: {cls} leaves abstract methods"
+    assert cls.kind == kind, f"registry kind {kind!r} names a class whose kind is {cls.kind!r}"
+
+
+@pytest.mark.parametrize("name", sorted(registry.TOOLS))
+def test_every_registered_tool_is_callable(name: str) -> None:
+    assert callable(registry.tool(name))
+
+
+def test_an_unknown_kind_names_the_known_ones() -> None:
+    with pytest.raises(registry.HarnessError, match="unknown transport kind 'carrier-pigeon': expected one of"):
+        registry.transport_class("carrier-pigeon")
+
+
+def test_the_orchestrator_and_cli_start_without_loading_the_model_code() -> None:
+    """Starting a command (or the orchestrator) costs no tinygrad import: only the nodes and the oracle load it."""
+    code = (
+        "import sys, ppharness.cli, ppharness.run.orchestrator, ppharness.scenario.schema; "
+        "print(sorted(m for m in ('tinygrad', 'gguf') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", f"importing the CLI and the orchestrator loaded {out}"
