@@ -17,13 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ppharness.errors import ProvisionFailed
-from ppharness.seams.provider import Instance, NodeSpec, Provider, Reaped
+from ppharness.seams.provider import Instance, NodeAction, NodeSpec, Provider, Reaped
 
 if TYPE_CHECKING:
     from ppharness.scenario.schema import LocalSettings
 
 LABEL_VAR = "PP_RUN_LABEL"
 STOP_GRACE_S = 5.0
+# a node with a network of its own: a new user namespace (this user as its root, so it may configure its network)
+# and a new network namespace with only a loopback, from util-linux's unshare; no privilege is needed
+NETNS_PREFIX = ["unshare", "--user", "--map-root-user", "--net", "--"]
 
 
 def node_command() -> list[str]:
@@ -51,7 +54,7 @@ class LocalProvider(Provider["LocalSettings | None"]):
             try:
                 with open(log_path, "wb") as log:
                     proc = subprocess.Popen(
-                        node_command(),
+                        (NETNS_PREFIX if spec.own_network else []) + node_command(),
                         env=env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -84,6 +87,12 @@ class LocalProvider(Provider["LocalSettings | None"]):
     def wait_exited(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for every node to exit on its own; True when all did."""
         return self._wait_until(lambda: all(p.poll() is not None for p in self._procs.values()), timeout)
+
+    def signal_node(self, instance: Instance, action: NodeAction) -> None:
+        proc = self._procs.get(instance.id)
+        if proc is None or proc.poll() is not None:
+            return
+        _kill_group(proc.pid, {"pause": signal.SIGSTOP, "resume": signal.SIGCONT, "kill": signal.SIGKILL}[action])
 
     def destroy(self, instance: Instance) -> None:
         if self._fails_destroy(instance):

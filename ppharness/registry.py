@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ppharness.errors import HarnessError
 from ppharness.seams import Provider, Transport
+
+if TYPE_CHECKING:
+    from ppharness.network.clock import EventClock
+    from ppharness.network.spec import Network
 
 TRANSPORTS: dict[str, str] = {
     "memory": "transports.memory:MemoryTransport",
@@ -25,6 +29,11 @@ PROVIDERS: dict[str, str] = {
     "vastai": "backends.vastai.provider:VastaiProvider",
 }
 
+
+# wrappers that apply a run-wide concern to any transport
+WRAPPERS: dict[str, str] = {
+    "network": "transports.faults:ImpairedTransport",  # message-level WAN emulation
+}
 
 TOOLS: dict[str, str] = {
     # ``ppharness vastai-emulator``: serve the API-compatible vast.ai emulator until interrupted
@@ -58,3 +67,14 @@ def tool(name: str) -> Callable[..., object]:
     fn = _load(TOOLS, name, "tool")
     assert callable(fn), f"{name}: {fn!r} is not callable"
     return fn
+
+
+def impaired_transport(
+    inner: Transport, network: Network, node: str, clock: EventClock, known: dict[str, str] | None = None
+) -> Transport:
+    """``inner`` with the network's impairments applied to what ``node`` sends (message-level WAN emulation);
+    ``known``: addresses whose node is known up front (address -> ``seed`` or ``stage-<i>``)."""
+    cls = _load(WRAPPERS, "network", "wrapper")
+    assert isinstance(cls, type) and issubclass(cls, Transport), f"network: {cls!r} is not a Transport"
+    wrapped = cls(inner, network, node, clock, known)  # type: ignore[call-arg]  # a wrapper's constructor, not a seam's
+    return wrapped

@@ -46,7 +46,7 @@ from docker.types import EndpointConfig, IPAMConfig, IPAMPool
 from backends.docker.image import ensure_node_image
 from backends.docker.network import client, daemon_problem, free_subnet, parse_subnet, remove_labelled
 from ppharness.errors import NotReady, ProviderError, ProvisionFailed
-from ppharness.seams.provider import Instance, NodeSpec, Provider, Reaped
+from ppharness.seams.provider import Instance, NodeAction, NodeSpec, Provider, Reaped
 
 if TYPE_CHECKING:
     from ppharness.scenario.schema import DockerSettings
@@ -293,6 +293,20 @@ class DockerProvider(Provider["DockerSettings | None"]):
             err.add_note(f"last lines of {inst.name}:\n{tail}")
 
     # --- teardown -------------------------------------------------------------------------------------------------
+
+    def signal_node(self, instance: Instance, action: NodeAction) -> None:
+        """pause / unpause (the cgroup freezer: every process of the container stops) or kill the container."""
+        try:
+            if action == "pause":
+                self.docker.api.pause(instance.id)
+            elif action == "resume":
+                self.docker.api.unpause(instance.id)
+            else:
+                self.docker.api.kill(instance.id)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            raise ProviderError(f"{action} of {instance.name} ({instance.id}) failed: {_explain(exc)}") from exc
 
     def destroy(self, instance: Instance) -> None:
         """Save the container's output to its log file, then remove it (killing it if it runs). Idempotent."""

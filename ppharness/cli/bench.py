@@ -1,6 +1,8 @@
-"""``ppharness bench``: the chain, one hop, the GPU and failover, measured."""
+"""``ppharness bench``: the chain, one hop, the GPU, failover and the WAN emulator, measured."""
 
 from __future__ import annotations
+
+import sys
 
 import click
 
@@ -133,3 +135,24 @@ def bench_failover(num_stages: int, runs: int, sig: str, engine: str) -> None:
     with exit_1_on_failure():
         results = run_failover_bench(num_stages, runs, sig, engine, Progress())
     click.echo(report(results, num_stages, sig, engine))
+
+
+@bench.command("wan")
+@click.option(
+    "--calibrate",
+    is_flag=True,
+    help="Measure the WAN emulator itself on loopback: configured against measured delay, loss and bandwidth.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="The emulated network's seed.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
+def bench_wan(calibrate: bool, seed: int, json_out: str | None) -> None:
+    """The WAN emulator: with --calibrate, how faithfully it applies delay, loss and rate caps (about a minute)."""
+    if calibrate:
+        from ppharness.benchmarks.wan import run_calibration
+
+        with exit_1_on_failure():
+            run_calibration(json_out, seed)
+        return
+    # The chain over emulated WAN links (scenarios' network: sections) goes here.
+    click.echo("the chain benchmark is not built yet", err=True)
+    sys.exit(1)

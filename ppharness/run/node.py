@@ -22,8 +22,12 @@ import msgspec
 
 from ppharness.errors import CodecError, HarnessError, TransportTimeout
 from ppharness.model.decoding import warm_up
+from ppharness.network.bridge import Bridge
+from ppharness.network.clock import EventClock
+from ppharness.network.packet import decode_ports, loopback_up, start_bridge
+from ppharness.network.spec import SEED_NODE, Network, stage_node
 from ppharness.plan.stages import StagePlan, names_of
-from ppharness.registry import transport_class
+from ppharness.registry import impaired_transport, transport_class
 from ppharness.run.cluster import resolve_members
 from ppharness.run.membership import NodeMembership
 from ppharness.seams.transport import JsonObject, Received, Transport
@@ -37,6 +41,7 @@ from ppharness.wire.messages import (
     Error,
     Join,
     Message,
+    NetworkStart,
     Ready,
     Shutdown,
     Stopped,
@@ -84,9 +89,35 @@ def read_env(env: dict[str, str]) -> tuple[StagePlan, dict[str, str]]:
     return plan, env
 
 
-def make_transport(kind: str, env: dict[str, str]) -> Transport:
+def read_network(env: dict[str, str]) -> Network | None:
+    """The run's network emulation (``PP_NETWORK``: the scenario's ``network`` section as JSON), if any."""
+    text = env.get("PP_NETWORK")
+    if not text:
+        return None
+    try:
+        return msgspec.json.decode(text, type=Network)
+    except msgspec.DecodeError as exc:
+        raise HarnessError(f"PP_NETWORK is not a network section: {exc}") from exc
+
+
+def make_transport(
+    kind: str,
+    env: dict[str, str],
+    network: Network | None = None,
+    clock: EventClock | None = None,
+    extra: JsonObject | None = None,
+) -> Transport:
     """The node's transport: options from ``PP_TRANSPORT_OPTS`` (JSON, made by the transport's ``plan_endpoints``)
-    plus the bind/advertise hosts of providers that set them."""
+    plus the bind/advertise hosts of providers that set them and ``extra``; with a message-level ``network``,
+    impaired."""
+    transport = _plain_transport(kind, env, extra or {})
+    if network is None or network.layer != "message":
+        return transport
+    node = stage_node(int(env["STAGE"]))
+    return impaired_transport(transport, network, node, clock or EventClock(), {env["SEED_ADDR"]: SEED_NODE})
+
+
+def _plain_transport(kind: str, env: dict[str, str], extra: JsonObject) -> Transport:
     cls = transport_class(kind)
     try:
         opts = msgspec.json.decode(env.get("PP_TRANSPORT_OPTS") or "{}", type=JsonObject)
@@ -96,7 +127,17 @@ def make_transport(kind: str, env: dict[str, str]) -> Transport:
         opts["host"] = env["PP_BIND_HOST"]
     if env.get("PP_ADVERTISE_HOST"):
         opts["advertise_host"] = env["PP_ADVERTISE_HOST"]
-    return cls(**opts)
+    return cls(**(opts | extra))
+
+
+def start_packet_bridge(network: Network, env: dict[str, str], clock: EventClock) -> tuple[Bridge, JsonObject]:
+    """The packet layer: this node, in a network namespace of its own, reaches its peers through its bridge only;
+    the transport options that go with it."""
+    loopback_up()
+    node = stage_node(int(env["STAGE"]))
+    table = decode_ports(env.get("PP_NETWORK_PORTS", ""))
+    bridge, options = start_bridge(network, node, table, env.get("PP_NETWORK_DIR", ""), clock)
+    return bridge, dict(options)
 
 
 def load_stage_model(model_source: str, plan: StagePlan) -> tuple[ModelSlice, SimpleTokenizer | None, float]:
@@ -120,7 +161,7 @@ def _idle_until_orphaned(parent: int) -> int:
 
 
 # what only the orchestrator may send a node; replies go to the orchestrator, never to an address a frame names
-CONTROL = (Shutdown, ClockProbe, TraceRequest, DigestRequest)
+CONTROL = (Shutdown, ClockProbe, TraceRequest, DigestRequest, NetworkStart)
 
 
 def _reply(transport: Transport, seed: str, msg: Message, log: Callable[[str], None]) -> None:
@@ -140,11 +181,19 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
         _log(plan.stage, text)
 
     parent = os.getppid()
+    proxy: Bridge | None = None
     try:
-        transport = make_transport(env["TRANSPORT"], env)
+        network = read_network(env)
+        clock = EventClock()
+        extra: JsonObject = {}
+        if network is not None and network.layer == "packet":
+            proxy, extra = start_packet_bridge(network, env, clock)
+        transport = make_transport(env["TRANSPORT"], env, network, clock, extra)
         address = transport.start()
     except HarnessError as exc:
         log(f"failed: could not start the {env['TRANSPORT']} transport: {exc}")
+        if proxy is not None:
+            proxy.close()
         return 1
     fault = env.get("PP_FAULT", "")
     membership: NodeMembership | None = None
@@ -241,6 +290,8 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
                     )
                     log(f"shutting down after {stage.served} request(s)")
                     return 0
+                case NetworkStart():
+                    clock.start(msg.t0_unix_ns)
                 case ClockProbe():
                     _reply(
                         transport, seed, ClockReply(stage=plan.stage, t_seed_ns=msg.t_seed_ns, t_node_ns=now_ns()), log
@@ -270,6 +321,8 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
         if membership is not None:
             membership.close()
         transport.close()
+        if proxy is not None:
+            proxy.close()
 
 
 def main() -> None:

@@ -8,7 +8,9 @@ died and no node reported an Error. The provider is a context manager, so every 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -19,8 +21,13 @@ from typing import TYPE_CHECKING, TextIO, TypeVar
 import msgspec
 
 from ppharness.errors import ClusterError, CodecError, HarnessError, StageError, TransportTimeout, WaitTimedOut
+from ppharness.network.bridge import Bridge
+from ppharness.network.clock import EventClock
+from ppharness.network.nemesis import Nemesis
+from ppharness.network.packet import PortTable, encode_ports, plan_ports, start_bridge
+from ppharness.network.spec import SEED_NODE, describe_network, stage_node
 from ppharness.plan.stages import ENTRY, EXIT, Plan, StagePlan, make_plan, stage_name
-from ppharness.registry import provider_class, transport_class
+from ppharness.registry import impaired_transport, provider_class, transport_class
 from ppharness.run.cluster import Directory, wait_for
 from ppharness.run.locks import RunLock
 from ppharness.trace.tracer import now_ns
@@ -35,6 +42,7 @@ from ppharness.wire.messages import (
     Join,
     Members,
     Message,
+    NetworkStart,
     Ready,
     Shutdown,
     Stopped,
@@ -163,6 +171,11 @@ class Chain:
         self._lock: RunLock | None = None
         self.transport: Transport | None = None
         self.detector: Detector | None = None
+        self.clock = EventClock()  # the network's timed events count from the request (NetworkStart)
+        self.nemesis: Nemesis | None = None
+        self.ports: PortTable = {}  # the packet layer's ports: node -> (QUIC socket, its proxy)
+        self.proxy: Bridge | None = None  # the packet layer's bridge of this endpoint
+        self.bridge_dir: str | None = None  # where the bridges' Unix sockets live
 
     def _left(self, phase_s: float, what: str) -> float:
         remaining = self.deadline - time.monotonic()
@@ -181,6 +194,8 @@ class Chain:
         watchdog = _watchdog(self._provider, phase, self.detector)
 
         def check() -> None:
+            if self.nemesis is not None:
+                self.nemesis.tick()
             try:
                 watchdog()
             except ClusterError:
@@ -235,11 +250,20 @@ class Chain:
             self.node_model = self._provider.node_model(self.model_source, self.model_path)
             transport_cls = transport_class(sc.transport.kind)
             endpoint_opts = transport_cls.plan_endpoints(n + 1, transport_settings(sc.transport))
-            self.transport = transport_cls(
-                **endpoint_opts[0], **self._provider.seed_transport_options(sc.transport.kind)
-            )
+            seed_opts = endpoint_opts[0] | self._provider.seed_transport_options(sc.transport.kind)
+            if sc.network is not None and sc.network.layer == "packet":
+                self.ports = plan_ports([SEED_NODE] + [stage_node(i) for i in range(n)])
+                self.bridge_dir = tempfile.mkdtemp(prefix=f"ppharness-{self.run_label}-net-")
+                self.proxy, extra = start_bridge(sc.network, SEED_NODE, self.ports, self.bridge_dir, self.clock)
+                seed_opts |= extra
+            self.transport = transport_cls(**seed_opts)
+            if sc.network is not None:
+                if sc.network.layer == "message":
+                    self.transport = impaired_transport(self.transport, sc.network, SEED_NODE, self.clock)
+                self.nemesis = Nemesis(sc.network, self._provider, self.clock, progress)
+                progress(f"network emulation ({sc.network.layer} level): {describe_network(sc.network)}")
             self.seed = self.transport.start()
-            self.detector = _make_detector(sc.cluster, self._provider, n, self.run_label)
+            self.detector = _make_detector(sc.cluster, self._provider, n, self.run_label, bool(self.ports))
             progress(f"membership: {self.detector.name}")
             self._provider.__enter__()
             self._start(endpoint_opts)
@@ -267,9 +291,14 @@ class Chain:
             for fault in sc.faults:
                 if fault.stage == i:
                     env["PP_FAULT"] = fault.mode
+            if sc.network is not None:
+                env["PP_NETWORK"] = msgspec.json.encode(sc.network).decode()
+            if self.ports:
+                env["PP_NETWORK_PORTS"] = encode_ports(self.ports)
+                env["PP_NETWORK_DIR"] = self.bridge_dir or ""
             if endpoint_opts[i + 1]:
                 env["PP_TRANSPORT_OPTS"] = json.dumps(endpoint_opts[i + 1])
-            specs.append(provider.spec(stage_name(i), env))
+            specs.append(provider.spec(stage_name(i), env, own_network=bool(self.ports)))
         progress(f"starting {n} {sc.provider.kind} node(s) over {sc.transport.kind} (run {self.run_label})")
         provider.provision(specs)
 
@@ -391,6 +420,11 @@ class Chain:
         """Send one request to pp-entry; return the response and its round trip in seconds on our clock."""
         request_id = uuid.uuid4().hex[:12]
         assert self.transport is not None, "the chain is not started"
+        if self.nemesis is not None:  # the network's events count from here, in every process of the run
+            t0_unix_ns = time.time_ns()
+            self.clock.start(t0_unix_ns)
+            for j in self.directory.joins.values():
+                self.transport.send(j.address, NetworkStart(t0_unix_ns=t0_unix_ns))
         t0 = time.monotonic()
         self.transport.send(
             self.directory.resolve(ENTRY),
@@ -403,7 +437,18 @@ class Chain:
                 got.append(msg)
             return bool(got)
 
-        self._wait(on_response, self.scenario.budget.total_s, "the InferenceResponse from the last stage", "decoding")
+        try:
+            self._wait(
+                on_response, self.scenario.budget.total_s, "the InferenceResponse from the last stage", "decoding"
+            )
+        except WaitTimedOut as exc:
+            network = self.scenario.network
+            if network is not None and (network.loses or network.events):
+                exc.add_note(
+                    "the scenario's network loses or cuts off messages, and this run does not retry them: "
+                    "one lost activation or token ends the run"
+                )
+            raise
         return got[0], time.monotonic() - t0
 
     def trace_of(self, response: InferenceResponse) -> Trace:
@@ -468,6 +513,11 @@ class Chain:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         destroyed = False
+        if self.nemesis is not None:
+            try:
+                self.nemesis.heal()  # a paused node cannot shut down
+            except HarnessError as heal_error:
+                self.progress(f"warning: resuming paused nodes failed: {heal_error}")
         try:
             if exc_type is None and self._provider is not None and self.transport is not None:
                 _shutdown(self.transport, self.directory, self.reports, self._provider, self.progress)
@@ -483,6 +533,10 @@ class Chain:
                 try:
                     if self.transport is not None:
                         self.transport.close()
+                    if self.proxy is not None:
+                        self.proxy.close()
+                    if self.bridge_dir is not None:
+                        shutil.rmtree(self.bridge_dir, ignore_errors=True)
                 finally:
                     if self._lock is not None:
                         # everything gone: forget the run; otherwise it stays registered, dead, for `ppharness reap`
@@ -561,11 +615,16 @@ def _raise_on_error(msg: Message) -> None:
 
 
 def _make_detector(
-    section: ClusterSection, provider: Provider[ProviderSettings | None], n: int, run_label: str
+    section: ClusterSection,
+    provider: Provider[ProviderSettings | None],
+    n: int,
+    run_label: str,
+    own_networks: bool = False,
 ) -> Detector:
     from ppharness.run.membership import HeartbeatDetector, KinshipDetector, choose_engine
 
-    engine = choose_engine(section.engine, provider.gossip_reachable)
+    # nodes in network namespaces of their own (the packet layer) reach the seed only over the transport
+    engine = choose_engine(section.engine, provider.gossip_reachable and not own_networks)
     if engine == "kinship":
         return KinshipDetector(run_label)
     return HeartbeatDetector(n, section.heartbeat_s, section.suspect_after, section.dead_after_s)

@@ -25,6 +25,7 @@ from msgspec import UNSET, Meta, UnsetType
 
 from ppharness import registry
 from ppharness.errors import ModelError, ScenarioError
+from ppharness.network.spec import SEED_NODE, Network
 from ppharness.scenario.explain import FieldError, explain, explain_yaml, show, untyped
 from ppharness.scenario.yaml_limits import MAX_FILE_BYTES, MAX_SCALAR_BYTES, YamlLimit, screen
 
@@ -34,6 +35,10 @@ MAX_SECONDS = 86_400.0  # a day: the longest any budget, timeout or interval may
 # transports whose endpoints live in one process; every provider in registry.PROVIDERS runs each stage as a process
 # (or a container, or a machine) of its own, so a scenario cannot use these
 ONE_PROCESS_TRANSPORTS = ("memory",)
+# providers that can stop, resume and kill a node on a network event's orders
+NODE_SIGNAL_PROVIDERS = ("local", "docker")
+# providers that run a node in a network namespace of its own (NodeSpec.own_network): the packet layer
+PACKET_LAYER_PROVIDERS = ("local",)
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(gt=0, le=MAX_SECONDS, description="seconds, more than 0 and at most 86400 (a day)")]
@@ -362,6 +367,7 @@ class Scenario(_Section, frozen=True):
     trace: TraceSection = TraceSection()
     cluster: ClusterSection = ClusterSection()
     faults: tuple[FaultSection, ...] = ()
+    network: Network | None = None
 
     def __post_init__(self) -> None:
         if self.transport.kind in ONE_PROCESS_TRANSPORTS:
@@ -383,6 +389,44 @@ class Scenario(_Section, frozen=True):
                 "request.max_tokens",
                 f"{self.request.max_tokens} tokens do not fit max_context {self.model.max_context} — "
                 "lower max_tokens or raise model.max_context",
+            )
+        if self.network is not None:
+            self._check_network(self.network)
+
+    def _check_network(self, network: Network) -> None:
+        n = self.stages.num_stages
+        for where, nodes in [(f"links[{i}]", (link.src, link.dst)) for i, link in enumerate(network.links)] + [
+            (f"events[{i}].nodes", e.nodes) for i, e in enumerate(network.events)
+        ]:
+            for node in nodes:
+                if node != SEED_NODE and int(node.removeprefix("stage-")) >= n:
+                    raise FieldError(
+                        f"network.{where}", f"{node} does not exist in a {n}-stage run — use stage-0..stage-{n - 1}"
+                    )
+        if network.layer == "packet" and self.transport.kind != "iroh":
+            raise FieldError(
+                "network.layer",
+                f"the packet layer impairs iroh's QUIC packets, and this run's transport is {self.transport.kind} — "
+                "use transport kind iroh, or layer: message",
+            )
+        if network.layer == "packet" and self.provider.kind not in PACKET_LAYER_PROVIDERS:
+            raise FieldError(
+                "network.layer",
+                f"the packet layer puts every node in a network namespace of its own, which the {self.provider.kind} "
+                f"provider does not do yet — use provider {' or '.join(PACKET_LAYER_PROVIDERS)}, or layer: message",
+            )
+        if network.layer == "packet" and self.cluster.engine == "kinship":
+            raise FieldError(
+                "cluster.engine",
+                "kinship gossips over UDP of its own, which cannot leave a node's network namespace under the packet "
+                "layer — use engine: heartbeat (or auto, which picks it)",
+            )
+        stops = [i for i, e in enumerate(network.events) if e.kind in ("pause", "kill")]
+        if stops and self.provider.kind not in NODE_SIGNAL_PROVIDERS:
+            raise FieldError(
+                f"network.events[{stops[0]}].kind",
+                f"the {self.provider.kind} provider cannot pause or kill a node — use provider "
+                f"{' or '.join(NODE_SIGNAL_PROVIDERS)}, or a partition",
             )
 
     def with_stages(self, n: int) -> Scenario:

@@ -18,13 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, ClassVar, Generic, Self, TypedDict, TypeVar, Unpack, cast
+from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Self, TypedDict, TypeVar, Unpack, cast
 
 from ppharness.errors import ProviderError
 
 if TYPE_CHECKING:
     from ppharness.scenario.schema import ProviderSettings
     from ppharness.seams.transport import JsonObject
+
+NodeAction = Literal["pause", "resume", "kill"]
 
 # the scenario's settings section for a provider kind (``provider.<kind>``), or None when the scenario has none
 SettingsT = TypeVar("SettingsT", bound="ProviderSettings | None")
@@ -38,6 +40,8 @@ class NodeSpec:
     env: dict[str, str]
     image: str = ""
     gpus: int = 0
+    # in a network namespace of its own, reachable only through the packet layer's bridges (ppharness.network)
+    own_network: bool = False
 
 
 class NodeOptions(TypedDict, total=False):
@@ -45,6 +49,7 @@ class NodeOptions(TypedDict, total=False):
 
     image: str
     gpus: int
+    own_network: bool
 
 
 @dataclass
@@ -125,6 +130,12 @@ class Provider(abc.ABC, Generic[SettingsT]):
     @abc.abstractmethod
     def logs(self, instance: Instance, lines: int = 20) -> str:
         """The last ``lines`` lines of the instance's output."""
+
+    def signal_node(self, instance: Instance, action: NodeAction) -> None:
+        """A network event's orders: ``pause`` stops the node where it is (SIGSTOP), ``resume`` lets it go on
+        (SIGCONT), ``kill`` ends it at once (SIGKILL). A provider that cannot raises ProviderError (a scenario asks
+        only providers that can: ``ppharness.scenario.schema.NODE_SIGNAL_PROVIDERS``)."""
+        raise ProviderError(f"the {self.kind} provider cannot {action} a node")
 
     @abc.abstractmethod
     def destroy(self, instance: Instance) -> None:

@@ -188,6 +188,12 @@ class ClockReply(_Msg, frozen=True):
     t_node_ns: int
 
 
+class NetworkStart(_Msg, frozen=True):
+    """Seed -> node, just before the request: the wall-clock time (Unix, ns) the network's timed events count from."""
+
+    t0_unix_ns: int
+
+
 class Error(_Msg, frozen=True):
     """Anyone -> seed / reply_to: a failure that ends the request or the run, in one line."""
 
@@ -214,6 +220,7 @@ Message: TypeAlias = (
     | DigestReport
     | ClockProbe
     | ClockReply
+    | NetworkStart
     | Error
 )
 

@@ -110,7 +110,8 @@ class IrohTransport(Transport):
     """One iroh endpoint. ``secret_key`` (hex, 32 bytes) fixes its identity (default: a fresh one); ``allowed`` is
     the list of endpoint ids (hex) that may connect; ``relay`` is ``disabled`` or ``default``; ``host``/``port`` the
     bind address (default loopback without relays, every interface with them); ``advertise_host`` replaces the
-    direct addresses in the ticket (a container's reachable IP)."""
+    direct addresses in the ticket (a container's reachable IP), ``advertise_port`` their port (a proxy in front of
+    the socket: the packet-level network emulation)."""
 
     kind = "iroh"
 
@@ -145,6 +146,7 @@ class IrohTransport(Transport):
         host: str | None = None,
         port: int = 0,
         advertise_host: str | None = None,
+        advertise_port: int | None = None,
         send_timeout: float | None = 30.0,
         connect_timeout: float = 10.0,
     ) -> None:
@@ -160,6 +162,7 @@ class IrohTransport(Transport):
         self._relay = relay
         self._bind = _bind_addrs(host or ("127.0.0.1" if relay == "disabled" else "0.0.0.0"), port)
         self._advertise_host = advertise_host
+        self._advertise_port = advertise_port
         self._send_timeout = send_timeout
         self._connect_timeout = connect_timeout
         self._iroh = load_iroh()
@@ -229,10 +232,12 @@ class IrohTransport(Transport):
             except (TimeoutError, iroh.IrohError):
                 log(f"no home relay within {ONLINE_TIMEOUT_S:g} s; the ticket carries direct addresses only")
         addr = endpoint.addr()
-        if self._advertise_host is not None:
-            host = self._advertise_host
+        if self._advertise_host is not None or self._advertise_port is not None:
+            host = self._advertise_host or self._bind[0].rsplit(":", 1)[0].strip("[]")
             v6 = ":" in host
-            port = next(s.rsplit(":", 1)[1] for s in endpoint.bound_sockets() if s.startswith("[") == v6)
+            port = self._advertise_port or next(
+                s.rsplit(":", 1)[1] for s in endpoint.bound_sockets() if s.startswith("[") == v6
+            )
             addr = iroh.EndpointAddr(endpoint.id(), addr.relay_url(), [f"[{host}]:{port}" if v6 else f"{host}:{port}"])
         address = SCHEME + str(iroh.EndpointTicket.from_addr(addr))
         session = Session(iroh, endpoint, address, self._allowed, self._incoming, self._run_blocking)
