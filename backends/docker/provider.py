@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import docker
 import docker.errors
@@ -182,6 +182,17 @@ class DockerProvider(Provider["DockerSettings | None"]):
         if self._model:
             volumes[self._model[0]] = {"bind": self._model[1], "mode": "ro"}
         env["CACHEDB"] = f"{KERNEL_CACHE_DIR}/cache.db"
+        network: dict[str, Any] = {  # the SDK takes either a network with its config, or a network mode
+            "network": self.network_name,
+            "networking_config": {self.network_name: EndpointConfig(version="1.41", ipv4_address=address)},
+        }
+        if spec.own_network:  # no network but a loopback: the packet layer's bridges are the only way out
+            network = {"network_mode": "none"}
+            for key in ("PP_BIND_HOST", "PP_ADVERTISE_HOST"):
+                env.pop(key)
+            bridges = spec.env.get("PP_NETWORK_DIR", "")
+            if bridges:
+                volumes[bridges] = {"bind": bridges, "mode": "rw"}
         cpus, memory = (self.settings.cpus, self.settings.memory) if self.settings is not None else (None, None)
         image = spec.image or self.image
         assert image is not None, "provision() chooses the node image before it starts containers"
@@ -195,8 +206,7 @@ class DockerProvider(Provider["DockerSettings | None"]):
                 labels={RUN_LABEL: self.run_label, STAGE_LABEL: spec.env.get("STAGE", str(index))},
                 volumes=volumes,
                 init=True,
-                network=self.network_name,
-                networking_config={self.network_name: EndpointConfig(version="1.41", ipv4_address=address)},
+                **network,
                 nano_cpus=int(cpus * 1e9) if cpus else None,
                 mem_limit=memory,
             )

@@ -252,6 +252,8 @@ class Chain:
             endpoint_opts = transport_cls.plan_endpoints(n + 1, transport_settings(sc.transport))
             seed_opts = endpoint_opts[0] | self._provider.seed_transport_options(sc.transport.kind)
             if sc.network is not None and sc.network.layer == "packet":
+                # every endpoint reaches the others through the bridges alone, the seed included (on loopback)
+                seed_opts = dict(endpoint_opts[0])
                 self.ports = plan_ports([SEED_NODE] + [stage_node(i) for i in range(n)])
                 self.bridge_dir = tempfile.mkdtemp(prefix=f"ppharness-{self.run_label}-net-")
                 self.proxy, extra = start_bridge(sc.network, SEED_NODE, self.ports, self.bridge_dir, self.clock)

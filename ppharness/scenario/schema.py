@@ -38,7 +38,7 @@ ONE_PROCESS_TRANSPORTS = ("memory",)
 # providers that can stop, resume and kill a node on a network event's orders
 NODE_SIGNAL_PROVIDERS = ("local", "docker")
 # providers that run a node in a network namespace of its own (NodeSpec.own_network): the packet layer
-PACKET_LAYER_PROVIDERS = ("local",)
+PACKET_LAYER_PROVIDERS = ("local", "docker")
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(gt=0, le=MAX_SECONDS, description="seconds, more than 0 and at most 86400 (a day)")]

@@ -42,6 +42,7 @@ import atexit
 import concurrent.futures
 import ipaddress
 import queue
+import socket
 import threading
 import weakref
 from collections.abc import Coroutine
@@ -96,14 +97,27 @@ def load_iroh() -> ModuleType:
 
 
 def _bind_addrs(host: str, port: int) -> list[str]:
-    """Socket addresses to bind: ``host`` and, for the other IP family, its loopback (or wildcard for a wildcard)."""
+    """Socket addresses to bind: ``host`` and, for the other IP family, its loopback (or wildcard for a wildcard)
+    where this machine has one."""
     try:
         ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError as exc:
         raise TransportError(f"iroh bind host {host!r} is not an IP address") from exc
     if ip.version == 4:
-        return [f"{ip}:{port}", "[::]:0" if ip.is_unspecified else "[::1]:0"]
-    return [f"[{ip}]:{port}", "0.0.0.0:0" if ip.is_unspecified else "127.0.0.1:0"]
+        other = "::" if ip.is_unspecified else "::1"
+        return [f"{ip}:{port}"] + ([f"[{other}]:0"] if _can_bind(socket.AF_INET6, other) else [])
+    other = "0.0.0.0" if ip.is_unspecified else "127.0.0.1"
+    return [f"[{ip}]:{port}"] + ([f"{other}:0"] if _can_bind(socket.AF_INET, other) else [])
+
+
+def _can_bind(family: socket.AddressFamily, host: str) -> bool:
+    """Whether this machine has ``host`` (a container without IPv6, or with no network but its loopback, lacks ::1)."""
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((host, 0))
+        return True
+    except OSError:
+        return False
 
 
 class IrohTransport(Transport):
