@@ -17,7 +17,8 @@ MARKERS = {
     "docker": "needs a Docker daemon (one container per stage): pytest -m docker --num-stages 5",
     "vastai": "vast.ai provider (emulator by default, real cloud with --vastai-real): pytest -m vastai --num-stages 5",
     "gpu": "needs a GPU that tinygrad can use: pytest -m gpu",
-    "slow": "left out of the default run (5-stage chains, the benchmark): pytest -m slow; .ci/run runs them",
+    "slow": "left out of the default run (5-stage chains, benchmarks, runs that wait out a failure): pytest -m slow; "
+    ".ci/run runs them",
 }
 SLOW_STAGES = 5  # chain tests with this many stages or more are marked slow unless --num-stages asks for them
 MAX_WORKERS = 4  # pytest -n auto: one worker per core, at most this many (each runs multi-process chains)
