@@ -312,6 +312,7 @@ def test_a_delayed_chain_gives_the_oracles_tokens_and_its_hops_take_the_delay(tm
 
 
 @pytest.mark.local
+@pytest.mark.slow  # two runs, one waiting for a kill to be noticed: .ci/run runs it with -m slow
 def test_a_short_pause_is_survived_and_a_kill_ends_the_run_cleanly(tmp_path: Path) -> None:
     pause = Network(events=(Event(at_s=0.3, kind="pause", nodes=("stage-1",), for_s=1.0),))
     rc, out, _, _ = _smoke(_scenario(tmp_path, pause, max_tokens=48), "--no-trace")
@@ -332,6 +333,7 @@ def test_a_partitioned_stage_is_declared_dead_by_membership_within_its_timeout(t
 
 
 @pytest.mark.local
+@pytest.mark.slow  # a run that waits out its budget: .ci/run runs it with -m slow
 def test_a_lost_message_without_retries_ends_the_run_with_a_reason_not_a_hang(tmp_path: Path) -> None:
     net = Network(links=(Link(src="stage-1", dst="stage-2", loss=1.0),))
     rc, out, took, _ = _smoke(_scenario(tmp_path, net, total_s=45.0), "--no-trace", timeout=200)

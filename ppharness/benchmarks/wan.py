@@ -1,10 +1,13 @@
 """``ppharness bench wan --calibrate``: how faithfully the packet-level emulator does what a scenario tells it.
 
-Each case puts one ``UdpImpairer`` on loopback between a client socket (node ``stage-0``) and a sink socket (node
-``stage-1``), with the case's impairment as the network's ``default``, and sends it timestamped datagrams: every
-payload starts with a sequence number and the send time (``time.monotonic()``), padded to a size drawn from the case's
-range. The sink asks the kernel to stamp each arrival (``recv_stamped``), so the figures are the emulator's and not
-the measuring loop's lateness. Per case, configured against measured:
+Each case sets up the packet layer of a run for two nodes, ``stage-0`` and ``stage-1``, on loopback: their ports
+from ``plan_ports``, a bridge each (``ppharness.network.bridge``) with the case's impairment as the network's
+``default``, and their Unix sockets in a temporary folder. A client socket bound on stage-0's quic port sends to
+127.0.0.1:<stage-1's virtual port>, where stage-0's bridge stands for stage-1; the datagrams cross the link
+stage-0 -> stage-1 and stage-1's bridge hands them to a sink socket bound on stage-1's quic port. Every payload starts
+with a sequence number and the send time (``time.monotonic()``), padded to a size drawn from the case's range. The
+sink asks the kernel to stamp each arrival (``recv_stamped``), so the figures are the emulator's and not the
+measuring loop's lateness. Per case, configured against measured:
 
 - delay (5, 25 and 50 ms, no jitter), at the chain's packet rates (hundreds of datagrams a second, 100 B to 1200 B):
   one-way delay p50 within 1 ms and p99 within 2 ms of the configured delay;
@@ -13,11 +16,13 @@ the measuring loop's lateness. Per case, configured against measured:
 - bandwidth (10 and 50 Mbit/s caps, offered 25 % above the cap in full-size datagrams): the sink's throughput from
   its first arrival to its last, within 5 % of the cap.
 
-The sender, the sink and the emulator's thread share one process, as the emulator shares a node's process in a run.
+The client, the sink and both bridges' threads share one process (in a run, each bridge shares its node's process);
+both nodes share this network namespace, which the bridges allow when every node has ports of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -25,17 +30,21 @@ import select
 import socket
 import struct
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Literal, TextIO
 
 from ppharness.errors import HarnessError
+from ppharness.network.bridge import Bridge
+from ppharness.network.datagram import LinkStats, enable_timestamps, recv_stamped, set_buffers
+from ppharness.network.packet import plan_ports
 from ppharness.network.spec import Bursty, Impairment, Network
-from ppharness.network.udp import LinkStats, UdpImpairer, enable_timestamps, recv_stamped
 from ppharness.trace.report import percentile
 
 CLIENT_NODE, SINK_NODE = "stage-0", "stage-1"
+HOST = "127.0.0.1"
 HEADER = struct.Struct("!Qd")  # sequence number, send time (time.monotonic(), seconds)
 SOCKET_BUFFER = 4 * 2**20
 SEND_BURST = 64  # datagrams sent in one go before the loop reads the sink again
@@ -52,8 +61,8 @@ DELAY_PACKETS = 600
 # the tolerance about 95 times in 100, and one off by 10 % lands outside it about 98 times in 100 (a tolerance smaller
 # than the count's own noise would decide nothing). For 1 % loss that is 158,400 datagrams. A datagram's fate is
 # drawn from the link's generator in order and does not depend on when it is sent, so the loss cases send faster than
-# the chain does, to stay within a minute in all; a window of datagrams in flight keeps them from outrunning the proxy
-# on a busy machine (a socket buffer overflowing would add losses that are not the link's).
+# the chain does, to stay within a minute in all; a window of datagrams in flight keeps them from outrunning the
+# bridges on a busy machine (a socket buffer overflowing would add losses that are not the link's).
 LOSS_SE_SHARE = 0.5
 LOSS_PPS = 10_000.0
 LOSS_WINDOW = 256
@@ -98,7 +107,7 @@ class CaseResult:
     received: int
     seconds: float
     checks: list[Check]
-    link: dict[str, int] = field(default_factory=dict)  # the emulator's counters for the link stage-0 -> stage-1
+    link: dict[str, int] = field(default_factory=dict)  # stage-0's bridge's counters for the link stage-0 -> stage-1
     extra: dict[str, float] = field(default_factory=dict)  # further figures (min delay, loss as drawn, offered rate)
 
 
@@ -192,37 +201,43 @@ class _Traffic:
     link: LinkStats
 
 
-def _udp_socket() -> socket.socket:
+def _udp_socket(port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
-        except OSError:
-            pass
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
+    try:
+        set_buffers(sock, SOCKET_BUFFER)
+        sock.bind((HOST, port))
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
 def _drive(case: Case, seed: int) -> _Traffic:
-    """Send the case's datagrams through an emulator to a sink; what arrived, when."""
+    """Send the case's datagrams through two bridges to a sink; what arrived, when."""
     lo, hi = case.sizes
     if lo < HEADER.size or hi < lo or case.packets < 1 or case.rate_pps <= 0:
         raise HarnessError(f"bench wan: case {case.name!r} needs sizes of at least {HEADER.size} B and some datagrams")
     rng = random.Random(seed)
     sizes = [rng.randint(lo, hi) for _ in range(case.packets)]
     padding = bytes(hi)
-    sink, client = _udp_socket(), _udp_socket()
-    enable_timestamps(sink)
     network = Network(seed=seed, default=case.impairment)
-    proxy = UdpImpairer(network, SINK_NODE, sink.getsockname(), {client.getsockname()[1]: CLIENT_NODE})
+    table = plan_ports([CLIENT_NODE, SINK_NODE], HOST)
     seqs: list[int] = []
     one_way: list[float] = []
     got_sizes: list[int] = []
     arrived: list[float] = []
     quiet_s = QUIET_S + case.impairment.delay_ms / 1000.0
-    try:
-        address = proxy.start()
+    with tempfile.TemporaryDirectory(prefix="ppharness-wan-") as directory, contextlib.ExitStack() as stack:
+        try:
+            client = stack.enter_context(_udp_socket(table[CLIENT_NODE][0]))
+            sink = stack.enter_context(_udp_socket(table[SINK_NODE][0]))
+            enable_timestamps(sink)
+            sender = stack.enter_context(Bridge(network, CLIENT_NODE, table, directory))
+            receiver = stack.enter_context(Bridge(network, SINK_NODE, table, directory))
+        except OSError as exc:
+            raise HarnessError(f"bench wan: cannot set up two bridges on loopback: {exc}") from exc
+        address = (HOST, table[SINK_NODE][1])  # the sender's bridge stands there for the sink's node
         interval = 1.0 / case.rate_pps
         t0 = time.monotonic()
         k = 0
@@ -232,8 +247,9 @@ def _drive(case: Case, seed: int) -> _Traffic:
             burst = 0
             room = SEND_BURST
             if case.window is not None:
-                link = proxy.stats().get((CLIENT_NODE, SINK_NODE), LinkStats())
-                in_flight = (k - link.sent) + (link.delivered - len(seqs))  # in the proxy's socket, in the sink's
+                link = sender.stats().get((CLIENT_NODE, SINK_NODE), LinkStats())
+                gone = link.lost + link.dropped_by_queue + link.cut + link.overflow + link.send_errors + receiver.errors
+                in_flight = k + link.duplicated - gone - len(seqs)  # anywhere between the client and the sink
                 room = min(room, case.window - in_flight)
             while k < case.packets and t0 + k * interval <= now and burst < room:
                 payload = HEADER.pack(k, time.monotonic()) + padding[: sizes[k] - HEADER.size]
@@ -270,11 +286,7 @@ def _drive(case: Case, seed: int) -> _Traffic:
                 arrived.append(at)
                 last = max(last, time.monotonic())
         seconds = time.monotonic() - t0
-    finally:
-        proxy.close()
-        sink.close()
-        client.close()
-    link = proxy.stats().get((CLIENT_NODE, SINK_NODE), LinkStats())
+        link = sender.stats().get((CLIENT_NODE, SINK_NODE), LinkStats())
     return _Traffic(k, seconds, seqs, one_way, got_sizes, arrived, link)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+from pathlib import Path
 
 import click
 
@@ -143,16 +143,86 @@ def bench_failover(num_stages: int, runs: int, sig: str, engine: str) -> None:
     is_flag=True,
     help="Measure the WAN emulator itself on loopback: configured against measured delay, loss and bandwidth.",
 )
+@click.option("--presets", default="tiny,small", show_default=True, help="Synthetic model presets, comma-separated.")
+@click.option(
+    "--transports",
+    default="zmq,iroh",
+    show_default=True,
+    help="zmq (impaired at the message layer) and/or iroh (at the packet layer), comma-separated.",
+)
+@click.option(
+    "--delays",
+    default="0,5,25,50",
+    show_default=True,
+    help="One-way delay in ms on every stage->stage link (links to the seed stay perfect), comma-separated.",
+)
+@click.option(
+    "--loss",
+    "losses",
+    default="1,5",
+    show_default=True,
+    help="Packet loss in percent, iroh only, each run at 25 ms delay, comma-separated (empty: none).",
+)
+@click.option("--tokens", type=int, default=16, show_default=True, help="Tokens generated per request.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Requests per case (medians).")
+@click.option("--num-stages", "-n", type=int, default=5, show_default=True)
+@click.option(
+    "--out",
+    "out_dir",
+    default="bench-results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where bench-wan.json and bench-wan.png go.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="The emulated network's seed.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
-def bench_wan(calibrate: bool, seed: int, json_out: str | None) -> None:
-    """The WAN emulator: with --calibrate, how faithfully it applies delay, loss and rate caps (about a minute)."""
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="With --calibrate: write the results here.")
+def bench_wan(
+    calibrate: bool,
+    presets: str,
+    transports: str,
+    delays: str,
+    losses: str,
+    tokens: int,
+    repeats: int,
+    num_stages: int,
+    out_dir: str,
+    seed: int,
+    json_out: str | None,
+) -> None:
+    """The chain over emulated WAN links: decode tokens/s against the bound the network and the compute set.
+
+    With --calibrate: how faithfully the emulator applies delay, loss and rate caps (about a minute).
+    """
     if calibrate:
         from ppharness.benchmarks.wan import run_calibration
 
         with exit_1_on_failure():
             run_calibration(json_out, seed)
         return
-    # The chain over emulated WAN links (scenarios' network: sections) goes here.
-    click.echo("the chain benchmark is not built yet", err=True)
-    sys.exit(1)
+    from ppharness.benchmarks.wan_chain import plot, report, run_wan_bench
+    from ppharness.run.orchestrator import Progress
+
+    try:
+        delay_ms = [float(x) for x in split_csv(delays)]
+        loss_pct = [float(x) for x in split_csv(losses)]
+    except ValueError as exc:
+        raise click.BadParameter(f"not a number: {exc}") from None
+    with exit_1_on_failure():
+        res = run_wan_bench(
+            split_csv(presets),
+            split_csv(transports),
+            delay_ms,
+            loss_pct,
+            tokens,
+            repeats,
+            num_stages,
+            out_dir,
+            seed,
+            Progress(),
+        )
+    click.echo(report(res))
+    png = Path(out_dir) / "bench-wan.png"
+    if plot(res, png):
+        click.echo(f"\nwritten: {out_dir}/bench-wan.json, {png}")
+    else:
+        click.echo(f"\nwritten: {out_dir}/bench-wan.json (no PNG: matplotlib is not installed)")

@@ -15,11 +15,23 @@ socket (``<dir>/<node>.sock``: a file, reachable across namespaces). The peer's 
 QUIC socket from the socket that stands for the sender. Each endpoint impairs what it sends, as the message layer
 does.
 
-One daemon thread per bridge: ``select.select`` over the UDP sockets, the Unix socket and a wake-up pipe
+A link's delay counts from the datagram's arrival as the kernel stamped it (``ppharness.network.datagram``), and a
+partition is judged at that arrival, with the time from the run's ``EventClock`` (before it starts, or without one,
+no event holds). The link's shaper is seeded with the run's seed and the link's name, so the k-th datagram on a link
+meets the same fate in every run with that seed. ``ppharness bench wan --calibrate`` measures how faithfully two
+bridges apply delay, loss and rate caps.
+
+A Unix datagram socket queues only a few datagrams for its reader (``net.unix.max_dgram_qlen``, 10 by default), so a
+burst outruns a peer's bridge however quickly it reads. What its socket cannot take yet waits, in order, in a backlog
+per peer (a socket connected to the peer's, which the kernel says is writable again once the peer has read) of at
+most ``SOCKET_BUFFER`` bytes, as it would in a socket buffer; beyond that, or when the peer's bridge is not there, a
+datagram is lost and counted as ``send_errors``.
+
+One daemon thread per bridge: ``select.select`` over the UDP sockets, the Unix sockets and a wake-up pipe
 (microsecond timeouts), and a heap of datagrams due. Memory is bounded (``max_queued`` datagrams, ``max_queued_bytes``
-bytes; beyond that a datagram is dropped and counted as ``overflow``). A datagram from a port other than the
-endpoint's own, or a frame from the Unix socket that names no peer, is dropped and counted: nothing a stranger sends
-goes anywhere.
+bytes waiting for their time; beyond that a datagram is dropped and counted as ``overflow``). A datagram from a port
+other than the endpoint's own, or a frame from the Unix socket that names no peer, is dropped and counted
+(``foreign``): nothing a stranger sends goes anywhere.
 """
 
 from __future__ import annotations
@@ -30,22 +42,25 @@ import select
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 
 from ppharness.network.clock import EventClock
-from ppharness.network.spec import Network
-from ppharness.network.udp import (
+from ppharness.network.datagram import (
     FD_SETSIZE,
     MAX_DATAGRAM,
     MAX_QUEUED,
     MAX_QUEUED_BYTES,
     RECV_BURST,
+    SOCKET_BUFFER,
     LinkStats,
-    _Link,
-    _tune,
+    ShapedLink,
     recv_stamped,
+    set_buffers,
+    tune,
 )
+from ppharness.network.spec import Network
 
 NAME_BYTES = 32  # a frame on the Unix socket: the sender's name, NUL-padded to this, then the datagram
 JOIN_TIMEOUT_S = 5.0
@@ -87,9 +102,13 @@ class Bridge:
         self._peers = [name for name in self.table if name != node]
         self._udp: dict[str, socket.socket] = {}  # peer -> the socket standing for it here
         self._by_sock: dict[socket.socket, str] = {}
-        self._unix: socket.socket | None = None
-        self._links: dict[str, _Link] = {}  # peer -> the link node -> peer
-        self._heap: list[tuple[float, int, bytes, str, _Link]] = []
+        self._unix: socket.socket | None = None  # where the other bridges' frames arrive
+        self._out: dict[str, socket.socket] = {}  # peer -> a socket connected to its bridge's
+        self._backlog: dict[str, deque[tuple[bytes, ShapedLink]]] = {peer: deque() for peer in self._peers}
+        self._backlog_bytes = dict.fromkeys(self._peers, 0)
+        self._header = node.encode().ljust(NAME_BYTES, b"\0")
+        self._links: dict[str, ShapedLink] = {}  # peer -> the link node -> peer
+        self._heap: list[tuple[float, int, bytes, str, ShapedLink]] = []
         self._queued_bytes = 0
         self._seq = 0
         self._partitions = any(e.kind == "partition" for e in network.events)
@@ -110,17 +129,13 @@ class Bridge:
                 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
                 self._udp[peer] = s
                 self._by_sock[s] = peer
-                _tune(s)
+                tune(s)
                 s.bind((self.host, self.table[peer][1]))
                 s.setblocking(False)
             if os.path.exists(path):
                 os.unlink(path)
             unix = self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-                try:
-                    unix.setsockopt(socket.SOL_SOCKET, option, 4 * 2**20)
-                except OSError:
-                    pass
+            set_buffers(unix)
             unix.bind(path)
             unix.setblocking(False)
             self._wake_r, self._wake_w = os.pipe()
@@ -132,7 +147,7 @@ class Bridge:
             self._close_sockets()
             raise
         for peer in self._peers:
-            self._links[peer] = _Link(self.network, self.node, peer)
+            self._links[peer] = ShapedLink(self.network, self.node, peer)
         self._thread = threading.Thread(target=self._run, name=f"bridge-{self.node}", daemon=True)
         self._thread.start()
 
@@ -161,6 +176,12 @@ class Bridge:
             except OSError:
                 pass
             self._unix = None
+        for s in self._out.values():
+            s.close()
+        self._out.clear()
+        for backlog in self._backlog.values():
+            backlog.clear()
+        self._backlog_bytes = dict.fromkeys(self._peers, 0)
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0:
                 os.close(fd)
@@ -185,9 +206,10 @@ class Bridge:
         assert unix is not None
         while not self._stop:
             timeout = max(0.0, self._heap[0][0] - time.monotonic()) if self._heap else None
+            waiting = [self._out[peer] for peer, backlog in self._backlog.items() if backlog and peer in self._out]
             try:
                 readable: list[int | socket.socket] = [self._wake_r, unix, *self._by_sock]
-                ready, _, _ = select.select(readable, [], [], timeout)
+                ready, writable, _ = select.select(readable, waiting, [], timeout)
             except (OSError, ValueError):
                 if self._stop:
                     return
@@ -202,7 +224,10 @@ class Bridge:
                         self._from_endpoint(r)
                     else:
                         os.read(self._wake_r, 64)
-                self._send_due(unix)
+                for peer, backlog in self._backlog.items():
+                    if backlog and self._out.get(peer) in writable:
+                        self._flush(peer)
+                self._send_due()
             except Exception:  # the bridge outlives whatever one datagram brings
                 self.errors += 1
 
@@ -223,7 +248,7 @@ class Bridge:
                 continue
             self._offer(link, peer, payload, arrived)
 
-    def _offer(self, link: _Link, peer: str, payload: bytes, now: float) -> None:
+    def _offer(self, link: ShapedLink, peer: str, payload: bytes, now: float) -> None:
         with self._lock:
             link.stats.sent += 1
             if self._partitions and self.clock is not None:
@@ -239,24 +264,70 @@ class Bridge:
                 heapq.heappush(self._heap, (due, self._seq, payload, peer, link))
                 self._queued_bytes += len(payload)
 
-    def _send_due(self, unix: socket.socket) -> None:
-        header = self.node.encode().ljust(NAME_BYTES, b"\0")
+    def _send_due(self) -> None:
         now = time.monotonic()
         while self._heap and self._heap[0][0] <= now:
             _, _, payload, peer, link = heapq.heappop(self._heap)
             self._queued_bytes -= len(payload)
-            try:
-                unix.sendto(header + payload, socket_path(self.directory, peer))
-                ok = True
-            except OSError:  # the peer's bridge is gone or its buffer full: the datagram is lost, as on a wire
-                ok = False
-            with self._lock:
-                if ok:
-                    link.stats.delivered += 1
-                else:
-                    link.stats.send_errors += 1
+            if self._backlog[peer] or not self._pass(peer, payload, link):
+                self._hold(peer, payload, link)
             if self._heap and self._heap[0][0] > now:
                 now = time.monotonic()
+
+    def _hold(self, peer: str, payload: bytes, link: ShapedLink) -> None:
+        """Keep a datagram until ``peer``'s bridge can take it, behind those already waiting."""
+        if self._backlog_bytes[peer] + len(payload) > SOCKET_BUFFER:
+            with self._lock:  # the peer's bridge has not read for a while: lost, as from a full socket buffer
+                link.stats.send_errors += 1
+            return
+        self._backlog[peer].append((payload, link))
+        self._backlog_bytes[peer] += len(payload)
+
+    def _flush(self, peer: str) -> None:
+        """What waits for ``peer``'s bridge, in order, until its socket is full again."""
+        backlog = self._backlog[peer]
+        while backlog:
+            payload, link = backlog[0]
+            if not self._pass(peer, payload, link):
+                return
+            backlog.popleft()
+            self._backlog_bytes[peer] -= len(payload)
+
+    def _pass(self, peer: str, payload: bytes, link: ShapedLink) -> bool:
+        """Pass one datagram to ``peer``'s bridge: True when done with it (passed on, or lost), False when the peer's
+        socket is full for now (it has not read the datagrams before)."""
+        try:
+            sock = self._out.get(peer) or self._connect(peer)
+            sock.send(self._header + payload)
+            ok = True
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:  # the peer's bridge is not there (yet, or any more): the datagram is lost, as on a wire
+            dead = self._out.pop(peer, None)
+            if dead is not None:
+                dead.close()
+            ok = False
+        with self._lock:
+            if ok:
+                link.stats.delivered += 1
+            else:
+                link.stats.send_errors += 1
+        return True
+
+    def _connect(self, peer: str) -> socket.socket:
+        """A socket connected to ``peer``'s bridge: the kernel then says when a full one can take more."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            if sock.fileno() >= FD_SETSIZE:
+                raise OSError(f"a descriptor beyond {FD_SETSIZE}: select() cannot watch it")
+            set_buffers(sock)
+            sock.setblocking(False)
+            sock.connect(socket_path(self.directory, peer))
+        except BaseException:
+            sock.close()
+            raise
+        self._out[peer] = sock
+        return sock
 
     def _from_peers(self, unix: socket.socket) -> None:
         """Frames from the other bridges: hand each datagram to this endpoint from the socket standing for its

@@ -1,7 +1,7 @@
 """One directed link's behaviour over time: for each message (or packet) sent on it, when it arrives, if at all.
 
 Both emulation layers use this one model: the message-level transport wrapper (``transports/faults.py``) and the
-packet-level UDP proxy in front of iroh's sockets (``ppharness.network.udp``). A ``LinkShaper`` is deterministic given
+packet-level bridges between iroh's sockets (``ppharness.network.bridge``). A ``LinkShaper`` is deterministic given
 its seed and the sizes and send times of what crosses it.
 """
 

@@ -116,8 +116,9 @@ class Event(_Spec, frozen=True):
 
 class Network(_Spec, frozen=True):
     """A scenario's ``network:`` section: link impairments and timed events, seeded. ``layer``: ``message`` applies
-    them to whole messages on any transport; ``packet`` to the UDP packets of iroh's QUIC (a proxy in front of every
-    endpoint's socket), so that QUIC's own loss recovery and congestion control are what gets exercised."""
+    them to whole messages on any transport; ``packet`` to the UDP packets of iroh's QUIC (a bridge between
+    endpoints, each in a network namespace of its own), so that QUIC's own loss recovery and congestion control are
+    what gets exercised."""
 
     seed: Annotated[int, Meta(ge=0)] = 0
     layer: Literal["message", "packet"] = "message"

@@ -181,19 +181,19 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
         _log(plan.stage, text)
 
     parent = os.getppid()
-    proxy: Bridge | None = None
+    bridge: Bridge | None = None
     try:
         network = read_network(env)
         clock = EventClock()
         extra: JsonObject = {}
         if network is not None and network.layer == "packet":
-            proxy, extra = start_packet_bridge(network, env, clock)
+            bridge, extra = start_packet_bridge(network, env, clock)
         transport = make_transport(env["TRANSPORT"], env, network, clock, extra)
         address = transport.start()
     except HarnessError as exc:
         log(f"failed: could not start the {env['TRANSPORT']} transport: {exc}")
-        if proxy is not None:
-            proxy.close()
+        if bridge is not None:
+            bridge.close()
         return 1
     fault = env.get("PP_FAULT", "")
     membership: NodeMembership | None = None
@@ -321,8 +321,8 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
         if membership is not None:
             membership.close()
         transport.close()
-        if proxy is not None:
-            proxy.close()
+        if bridge is not None:
+            bridge.close()
 
 
 def main() -> None:

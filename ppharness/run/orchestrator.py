@@ -173,8 +173,8 @@ class Chain:
         self.detector: Detector | None = None
         self.clock = EventClock()  # the network's timed events count from the request (NetworkStart)
         self.nemesis: Nemesis | None = None
-        self.ports: PortTable = {}  # the packet layer's ports: node -> (QUIC socket, its proxy)
-        self.proxy: Bridge | None = None  # the packet layer's bridge of this endpoint
+        self.ports: PortTable = {}  # the packet layer's ports: node -> (QUIC port, virtual port)
+        self.bridge: Bridge | None = None  # the packet layer's bridge of this endpoint
         self.bridge_dir: str | None = None  # where the bridges' Unix sockets live
 
     def _left(self, phase_s: float, what: str) -> float:
@@ -256,7 +256,7 @@ class Chain:
                 seed_opts = dict(endpoint_opts[0])
                 self.ports = plan_ports([SEED_NODE] + [stage_node(i) for i in range(n)])
                 self.bridge_dir = tempfile.mkdtemp(prefix=f"ppharness-{self.run_label}-net-")
-                self.proxy, extra = start_bridge(sc.network, SEED_NODE, self.ports, self.bridge_dir, self.clock)
+                self.bridge, extra = start_bridge(sc.network, SEED_NODE, self.ports, self.bridge_dir, self.clock)
                 seed_opts |= extra
             self.transport = transport_cls(**seed_opts)
             if sc.network is not None:
@@ -535,8 +535,8 @@ class Chain:
                 try:
                     if self.transport is not None:
                         self.transport.close()
-                    if self.proxy is not None:
-                        self.proxy.close()
+                    if self.bridge is not None:
+                        self.bridge.close()
                     if self.bridge_dir is not None:
                         shutil.rmtree(self.bridge_dir, ignore_errors=True)
                 finally:
