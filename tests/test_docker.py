@@ -94,7 +94,12 @@ def test_chain_matches_oracle(num_stages, node_image, docker_client):
 test_chain_matches_oracle.default_num_stages = (3,)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+@pytest.mark.parametrize(
+    "path",
+    # the WAN scenarios spend most of their time in emulated delays: pytest -m slow (and .ci/run) runs them
+    [pytest.param(p, marks=[pytest.mark.slow] if p.stem.startswith("wan-") else []) for p in SCENARIOS],
+    ids=[p.stem for p in SCENARIOS],
+)
 def test_shipped_scenario_runs(path, node_image, docker_client):
     scenario = load_scenario(path)
     label = _label()

@@ -43,7 +43,12 @@ def test_chain_matches_oracle(num_stages, transport):
     _assert_chain_ok(result, num_stages)
 
 
-@pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+@pytest.mark.parametrize(
+    "path",
+    # the WAN scenarios spend most of their time in emulated delays: pytest -m slow (and .ci/run) runs them
+    [pytest.param(p, marks=[pytest.mark.slow] if p.stem.startswith("wan-") else []) for p in SCENARIOS],
+    ids=[p.stem for p in SCENARIOS],
+)
 def test_shipped_scenario_runs(path):
     scenario = load_scenario(path)
     result = run_scenario(scenario, progress=Progress(quiet=True), run_label=_label())

@@ -325,6 +325,7 @@ def test_a_short_pause_is_survived_and_a_kill_ends_the_run_cleanly(tmp_path: Pat
 
 
 @pytest.mark.local
+@pytest.mark.slow  # a run that waits for membership to give up on a stage: .ci/run runs it with -m slow
 def test_a_partitioned_stage_is_declared_dead_by_membership_within_its_timeout(tmp_path: Path) -> None:
     net = Network(events=(Event(at_s=0.2, kind="partition", nodes=("stage-1",), for_s=60.0),))
     rc, out, took, _ = _smoke(_scenario(tmp_path, net, max_tokens=200, total_s=200.0), "--no-trace")

@@ -31,6 +31,7 @@ from ppharness.wire.messages import (
     Join,
     Members,
     Message,
+    NetworkStart,
     NextToken,
     Ready,
     RequestOpen,
@@ -143,6 +144,7 @@ def realistic_messages() -> list[Message]:
         DigestReport(stage=1, request_id="req-0001", digests=[bytes(range(8)), b"\xff" * 8]),
         ClockProbe(t_seed_ns=123_456_789),
         ClockReply(stage=1, t_seed_ns=123_456_789, t_node_ns=987_654_321),
+        NetworkStart(t0_unix_ns=1_764_554_400_000_000_000),
         Error(stage=1, reason="activation for req-0001 has unknown wire dtype 'f8'", request_id="req-0001"),
     ]
 
