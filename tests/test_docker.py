@@ -96,8 +96,8 @@ test_chain_matches_oracle.default_num_stages = (3,)  # type: ignore[attr-defined
 
 @pytest.mark.parametrize(
     "path",
-    # the WAN scenarios spend most of their time in emulated delays: pytest -m slow (and .ci/run) runs them
-    [pytest.param(p, marks=[pytest.mark.slow] if p.stem.startswith("wan-") else []) for p in SCENARIOS],
+    # 5-stage chains (the WAN ones included) are slow tests, as in conftest.py: pytest -m slow (and .ci/run) runs them
+    [pytest.param(p, marks=[pytest.mark.slow] if load_scenario(p).stages.count >= 5 else []) for p in SCENARIOS],
     ids=[p.stem for p in SCENARIOS],
 )
 def test_shipped_scenario_runs(path, node_image, docker_client):
