@@ -26,26 +26,12 @@ from dataclasses import dataclass, field
 
 from ppharness.errors import HarnessError, TransportClosed
 from ppharness.network.clock import EventClock
-from ppharness.network.shaper import LinkShaper, link_rng
+from ppharness.network.shaper import LinkStats, ShapedLink
 from ppharness.network.spec import Network, stage_node
 from ppharness.seams.transport import JsonObject, Received, Transport
 from ppharness.wire.messages import Join, Members
 
 STAGE_PREFIX = "pp-stage-"
-
-
-@dataclass
-class LinkCounters:
-    """What one outgoing link did so far: messages given to it, copies handed to the inner transport, messages
-    dropped by a partition; and, from the link's shaper, those lost (randomly or by the rate cap's full queue),
-    duplicated and held back."""
-
-    sent: int = 0
-    delivered: int = 0
-    cut: int = 0
-    lost: int = 0
-    duplicated: int = 0
-    reordered: int = 0
 
 
 @dataclass(order=True)
@@ -54,6 +40,7 @@ class _Due:
     seq: int
     address: str = field(compare=False)
     frame: bytes = field(compare=False)
+    link: ShapedLink = field(compare=False)
 
 
 class ImpairedTransport(Transport):
@@ -72,8 +59,7 @@ class ImpairedTransport(Transport):
         self.inner, self.network, self.node = inner, network, node
         self.clock = clock or EventClock()
         self._names: dict[str, str] = dict(known or {})  # address -> node name
-        self._shapers: dict[str, LinkShaper] = {}
-        self.counters: dict[str, LinkCounters] = {}
+        self._links: dict[str, ShapedLink] = {}  # destination node -> the link this node -> it
         self._heap: list[_Due] = []
         self._seq = itertools.count()
         self._failed: dict[str, HarnessError] = {}
@@ -122,25 +108,27 @@ class ImpairedTransport(Transport):
         if dst is None:  # not a node of the run (a client's reply_to): not impaired
             self.inner.send_frame(address, frame)
             return
-        counters = self.counters.setdefault(dst, LinkCounters())
-        counters.sent += 1
+        link = self._link(dst)
+        link.stats.sent += 1
         elapsed = self.clock.elapsed()
         if elapsed is not None and self.network.cut(self.node, dst, elapsed):
-            counters.cut += 1
+            link.stats.cut += 1
             return
-        shaper = self._shaper(dst)
         now = time.monotonic()
-        arrivals = shaper.fate(len(frame), now)
-        counters.lost = shaper.lost + shaper.dropped_by_queue
-        counters.duplicated, counters.reordered = shaper.duplicated, shaper.reordered
+        arrivals = link.shaper.fate(len(frame), now)
         with self._cond:
             for at in arrivals:
                 if at <= now and not self._heap:
                     self.inner.send_frame(address, frame)
-                    counters.delivered += 1
+                    link.stats.delivered += 1
                 else:
-                    heapq.heappush(self._heap, _Due(at, next(self._seq), address, frame))
+                    heapq.heappush(self._heap, _Due(at, next(self._seq), address, frame, link))
                     self._cond.notify()
+
+    @property
+    def counters(self) -> dict[str, LinkStats]:
+        """What each outgoing link did so far, by destination node."""
+        return {dst: link.snapshot() for dst, link in self._links.items()}
 
     def recv_frame(self, timeout: float | None = None) -> tuple[str, bytes]:
         return self.inner.recv_frame(timeout)
@@ -161,12 +149,11 @@ class ImpairedTransport(Transport):
 
     # --- delivery ----------------------------------------------------------------------------------------------------
 
-    def _shaper(self, dst: str) -> LinkShaper:
-        shaper = self._shapers.get(dst)
-        if shaper is None:
-            impairment = self.network.impairment(self.node, dst)
-            shaper = self._shapers[dst] = LinkShaper(impairment, link_rng(self.network.seed, self.node, dst))
-        return shaper
+    def _link(self, dst: str) -> ShapedLink:
+        link = self._links.get(dst)
+        if link is None:
+            link = self._links[dst] = ShapedLink(self.network, self.node, dst)
+        return link
 
     def _deliver(self) -> None:
         while True:
@@ -179,9 +166,9 @@ class ImpairedTransport(Transport):
                 due = heapq.heappop(self._heap)
             try:
                 self.inner.send_frame(due.address, due.frame)
-                node = self._names.get(due.address, "?")
-                self.counters.setdefault(node, LinkCounters()).delivered += 1
+                due.link.stats.delivered += 1
             except HarnessError as exc:
+                due.link.stats.send_errors += 1
                 if not self._closed:
                     print(f"[{self.node}] a delayed message to {due.address[:120]} failed: {exc}", file=sys.stderr)
                     self._failed[due.address] = exc

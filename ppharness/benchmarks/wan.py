@@ -38,8 +38,9 @@ from typing import Literal, TextIO
 
 from ppharness.errors import HarnessError
 from ppharness.network.bridge import Bridge
-from ppharness.network.datagram import LinkStats, enable_timestamps, recv_stamped, set_buffers
+from ppharness.network.datagram import enable_timestamps, recv_stamped, set_buffers
 from ppharness.network.packet import plan_ports
+from ppharness.network.shaper import LinkStats
 from ppharness.network.spec import Bursty, Impairment, Network
 from ppharness.trace.report import percentile
 

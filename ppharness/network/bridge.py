@@ -54,12 +54,11 @@ from ppharness.network.datagram import (
     MAX_QUEUED_BYTES,
     RECV_BURST,
     SOCKET_BUFFER,
-    LinkStats,
-    ShapedLink,
     recv_stamped,
     set_buffers,
     tune,
 )
+from ppharness.network.shaper import LinkStats, ShapedLink
 from ppharness.network.spec import Network
 
 NAME_BYTES = 32  # a frame on the Unix socket: the sender's name, NUL-padded to this, then the datagram
@@ -147,7 +146,7 @@ class Bridge:
             self._close_sockets()
             raise
         for peer in self._peers:
-            self._links[peer] = ShapedLink(self.network, self.node, peer)
+            self._links[peer] = ShapedLink(self.network, self.node, peer, "packet")
         self._thread = threading.Thread(target=self._run, name=f"bridge-{self.node}", daemon=True)
         self._thread.start()
 

@@ -15,11 +15,7 @@ import socket
 import struct
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
-
-from ppharness.network.shaper import LinkShaper, link_rng
-from ppharness.network.spec import Network
 
 MAX_DATAGRAM = 65_535
 MAX_QUEUED = 65_536  # datagrams waiting for their due time
@@ -29,51 +25,6 @@ RECV_BURST = 256  # datagrams read from one socket per wake-up before due sends 
 FD_SETSIZE = 1024  # select() takes descriptors below this only
 
 Address = tuple[Any, ...]  # a socket address: (host, port), or (host, port, flowinfo, scope_id) for IPv6
-
-
-@dataclass
-class LinkStats:
-    """What one directed link did to the datagrams its sender's bridge took.
-
-    ``sent``: datagrams taken for this link (cut ones included); ``lost``, ``duplicated``, ``reordered``,
-    ``dropped_by_queue``: the link's shaper's counts (random or bursty loss, an extra copy, held back, tail drop
-    behind the rate cap); ``cut``: dropped by a partition; ``overflow``: dropped because the bridge's queue was full;
-    ``delivered``: copies passed on towards the receiver when due; ``send_errors``: copies that could not be.
-    """
-
-    sent: int = 0
-    lost: int = 0
-    duplicated: int = 0
-    reordered: int = 0
-    dropped_by_queue: int = 0
-    cut: int = 0
-    overflow: int = 0
-    delivered: int = 0
-    send_errors: int = 0
-
-
-class ShapedLink:
-    """One directed link ``src -> dst``: its shaper, seeded with ``link_rng(network.seed, src, dst, "packet")`` so the
-    k-th datagram on it meets the same fate in every run with that seed, and its counters."""
-
-    def __init__(self, network: Network, src: str, dst: str) -> None:
-        self.src, self.dst = src, dst
-        self.shaper = LinkShaper(network.impairment(src, dst), link_rng(network.seed, src, dst, "packet"))
-        self.stats = LinkStats()
-
-    def snapshot(self) -> LinkStats:
-        s, sh = self.stats, self.shaper
-        return LinkStats(
-            sent=s.sent,
-            lost=sh.lost,
-            duplicated=sh.duplicated,
-            reordered=sh.reordered,
-            dropped_by_queue=sh.dropped_by_queue,
-            cut=s.cut,
-            overflow=s.overflow,
-            delivered=s.delivered,
-            send_errors=s.send_errors,
-        )
 
 
 def tune(sock: socket.socket) -> None:

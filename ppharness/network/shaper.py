@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+from dataclasses import dataclass
 
-from ppharness.network.spec import Impairment
+from ppharness.network.spec import Impairment, Network
 
 PARETO_ALPHA = 3.0  # the pareto jitter's shape; its scale is chosen so that its mean is jitter_ms
 
@@ -88,3 +89,50 @@ class LinkShaper:
             self.duplicated += 1
             return [arrival, arrival + 0.0001]
         return [arrival]
+
+
+@dataclass
+class LinkStats:
+    """What one directed link did to the messages (or datagrams) its sender gave it.
+
+    ``sent``: messages taken for this link (cut ones included); ``lost``, ``duplicated``, ``reordered``,
+    ``dropped_by_queue``: the link's shaper's counts (random or bursty loss, an extra copy, held back, tail drop
+    behind the rate cap); ``cut``: dropped by a partition; ``overflow``: dropped because the sender's queue was full
+    (packet layer); ``delivered``: copies passed on towards the receiver when due; ``send_errors``: copies that could
+    not be.
+    """
+
+    sent: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    reordered: int = 0
+    dropped_by_queue: int = 0
+    cut: int = 0
+    overflow: int = 0
+    delivered: int = 0
+    send_errors: int = 0
+
+
+class ShapedLink:
+    """One directed link ``src -> dst`` of a layer: its shaper, seeded with ``link_rng(network.seed, src, dst,
+    stream)`` so the k-th message or datagram on it meets the same fate in every run with that seed, and its counters.
+    ``stream`` keeps the layers' draws apart (the packet layer's is ``packet``)."""
+
+    def __init__(self, network: Network, src: str, dst: str, stream: str = "") -> None:
+        self.src, self.dst = src, dst
+        self.shaper = LinkShaper(network.impairment(src, dst), link_rng(network.seed, src, dst, stream))
+        self.stats = LinkStats()
+
+    def snapshot(self) -> LinkStats:
+        s, sh = self.stats, self.shaper
+        return LinkStats(
+            sent=s.sent,
+            lost=sh.lost,
+            duplicated=sh.duplicated,
+            reordered=sh.reordered,
+            dropped_by_queue=sh.dropped_by_queue,
+            cut=s.cut,
+            overflow=s.overflow,
+            delivered=s.delivered,
+            send_errors=s.send_errors,
+        )
