@@ -80,3 +80,7 @@ class ScenarioError(HarnessError):
 
 class StageError(HarnessError):
     pass
+
+
+class StageBusy(StageError):
+    """Stage 0 refused a request because it still serves another (its last token may still be on the way)."""

@@ -204,3 +204,35 @@ def test_first_stage_rejects_impossible_max_tokens(tiny_gguf):
     _, msg = client.recv(0)
     assert isinstance(msg, Error) and "max_tokens 10000" in msg.reason
     t0.close(), client.close()
+
+
+def test_a_request_while_stage_0_serves_another_is_refused_as_busy_and_the_orchestrator_sends_it_again(tiny_gguf):
+    """The refusal is told apart by type (Error.busy -> StageBusy), which Chain.request retries; other errors fail."""
+    from ppharness.errors import StageBusy, StageError
+    from ppharness.run.orchestrator import _raise_on_error
+
+    memory = transport_class("memory")
+    t0, t1, client = memory(), memory(), memory()
+    addrs = [t0.start(), t1.start()]
+    client.start()
+    names = {name: addrs[i] for i in range(2) for name in names_of(i, 2)}
+    slices = load_slices(tiny_gguf, [(0, 4), (4, 8)], cache=_cache)
+    stage = Stage(0, 2, slices[0], t0, names, "plan-a", tokenizer=tiny_gguf.tokenizer, seed=client.address)
+    try:
+        stage.handle(
+            client.address, InferenceRequest(reply_to=client.address, prompt="hi", max_tokens=3, request_id="a")
+        )
+        stage.handle(
+            client.address, InferenceRequest(reply_to=client.address, prompt="hi", max_tokens=3, request_id="b")
+        )
+        _, refusal = client.recv(0)
+        assert isinstance(refusal, Error) and refusal.busy and refusal.request_id == "b"
+        assert stage.req is not None and stage.req.request_id == "a", "the refusal left the request in flight alone"
+        with pytest.raises(StageBusy):
+            _raise_on_error(refusal)
+        with pytest.raises(StageError) as failed:
+            _raise_on_error(Error(stage=1, reason="compute failed"))
+        assert not isinstance(failed.value, StageBusy)
+    finally:
+        for t in (t0, t1, client):
+            t.close()

@@ -30,16 +30,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from ppharness.errors import HarnessError, StageError
+from ppharness.errors import HarnessError
 from ppharness.network.spec import Impairment, Network, stage_node
 from ppharness.trace.report import STAGE_PARTS, percentile
 
 if TYPE_CHECKING:
     from ppharness.model.oracle import OracleResult
-    from ppharness.run.orchestrator import Chain
     from ppharness.scenario.schema import Scenario
     from ppharness.trace.report import TokenRecord
-    from ppharness.wire.messages import InferenceResponse
 
 PROMPT = "Pipeline parallel inference over the wide area network"
 TARGET_RATIO = 0.90
@@ -47,8 +45,6 @@ LOSS_DELAY_MS = 25.0
 LAYERS: dict[str, Literal["message", "packet"]] = {"zmq": "message", "iroh": "packet"}
 LOSS_TRANSPORTS = ("iroh",)  # QUIC recovers lost packets; a message lost at the message layer would end the run
 SETTLE_S, SETTLE_LOSSY_S = 0.2, 1.0  # after a response, beyond the last hop's delay (more: QUIC retransmits a loss)
-BUSY = "is busy with request"  # stage 0's refusal of a request while it serves another
-BUSY_RETRIES, BUSY_WAIT_S = 10, 0.5
 WARM_UP_TOKENS = 2  # the warm-up request compiles the prefill for the prompt's length; decode is compiled at Ready
 
 # For the estimate printed at the start, measured on a 2-core machine, per preset: seconds per stage to start a chain
@@ -244,11 +240,11 @@ def run_case(
     with Chain(scenario, progress=lambda _: None, trace=True) as chain:
         t_up = time.monotonic()
         progress(f"{case.name}: chain up in {t_up - t0:.1f} s; warm-up request (compiles the prefill)")
-        _request(chain, WARM_UP_TOKENS)
+        chain.request(PROMPT, WARM_UP_TOKENS)
         time.sleep(settle_s)
         progress(f"{case.name}: warm in {time.monotonic() - t_up:.1f} s")
         for r in range(1, repeats + 1):
-            response = _request(chain, tokens)
+            response, _ = chain.request(PROMPT, tokens)
             time.sleep(settle_s)
             verdict = chain.verdict(response, oracle)
             if not verdict.exact:
@@ -266,18 +262,6 @@ def run_case(
     _absorb(res, rows, scenario.network, num_stages)
     res.elapsed_s = time.monotonic() - t0
     return res
-
-
-def _request(chain: Chain, tokens: int) -> InferenceResponse:
-    """One request; refused while stage 0 still waits for the previous request's last token, it is sent again."""
-    for _ in range(BUSY_RETRIES):
-        try:
-            return chain.request(PROMPT, tokens)[0]
-        except StageError as exc:
-            if BUSY not in str(exc):
-                raise
-            time.sleep(BUSY_WAIT_S)
-    return chain.request(PROMPT, tokens)[0]
 
 
 def run_wan_bench(

@@ -7,6 +7,7 @@ died and no node reported an Error. The provider is a context manager, so every 
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import sys
@@ -20,7 +21,15 @@ from typing import TYPE_CHECKING, TextIO, TypeVar
 
 import msgspec
 
-from ppharness.errors import ClusterError, CodecError, HarnessError, StageError, TransportTimeout, WaitTimedOut
+from ppharness.errors import (
+    ClusterError,
+    CodecError,
+    HarnessError,
+    StageBusy,
+    StageError,
+    TransportTimeout,
+    WaitTimedOut,
+)
 from ppharness.network.bridge import Bridge
 from ppharness.network.clock import EventClock
 from ppharness.network.nemesis import Nemesis
@@ -60,6 +69,7 @@ if TYPE_CHECKING:
     from ppharness.trace.report import Trace
 
 # what a stage reports for one request when asked (``Chain._ask_every_stage``)
+BUSY_RETRY_S = 0.1  # the first wait before a request stage 0 refused as busy is sent again (then longer, up to 1 s)
 _Report = TypeVar("_Report", TraceReport, DigestReport)
 
 
@@ -419,7 +429,19 @@ class Chain:
         self.offsets_ns = {stage: off if abs(off) > rtt // 2 else 0 for stage, (rtt, off) in best.items()}
 
     def request(self, prompt: str, max_tokens: int) -> tuple[InferenceResponse, float]:
-        """Send one request to pp-entry; return the response and its round trip in seconds on our clock."""
+        """Send one request to pp-entry; return the response and its round trip in seconds on our clock.
+
+        A request sent right after another may find stage 0 still waiting for that one's last token (over a slow
+        link it arrives after the response reached us): stage 0 refuses it as busy, and it is sent again, within the
+        run's budget."""
+        for attempt in itertools.count():
+            try:
+                return self._request_once(prompt, max_tokens)
+            except StageBusy:
+                time.sleep(self._left(min(BUSY_RETRY_S * (attempt + 1), 1.0), "stage 0 was free for the request"))
+        raise AssertionError("unreachable")
+
+    def _request_once(self, prompt: str, max_tokens: int) -> tuple[InferenceResponse, float]:
         request_id = uuid.uuid4().hex[:12]
         assert self.transport is not None, "the chain is not started"
         if self.nemesis is not None:  # the network's events count from here, in every process of the run
@@ -613,7 +635,7 @@ def _node_env(i: int, n: int, seed: str, model_path: str, transport_kind: str, s
 
 def _raise_on_error(msg: Message) -> None:
     if isinstance(msg, Error):
-        raise StageError(f"stage {msg.stage}: {msg.reason}")
+        raise (StageBusy if msg.busy else StageError)(f"stage {msg.stage}: {msg.reason}")
 
 
 def _make_detector(

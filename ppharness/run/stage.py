@@ -151,6 +151,7 @@ class Stage:
                     stage=self.index,
                     request_id=request_id,
                     reason=f"stage 0 is busy with request {self.req.request_id}",
+                    busy=True,
                 ),
             )
             return

@@ -200,6 +200,7 @@ class Error(_Msg, frozen=True):
     stage: int
     reason: str
     request_id: str = ""
+    busy: bool = False  # the request was refused, not failed: stage 0 still serves another; sending it again may work
 
 
 Message: TypeAlias = (
