@@ -353,5 +353,7 @@ def test_iroh_under_packet_loss_gives_the_oracles_tokens_and_no_path_goes_around
     assert rc == 0 and "MATCH" in out, out
     records = [msgspec.json.decode(line) for line in trace.with_suffix(".jsonl").read_bytes().splitlines()]
     for hop in ("hop 0->1", "hop 1->2", "hop 2->0"):
-        fastest = min(r["parts_ms"][hop] for r in records if r["step"] > 0)
-        assert fastest >= 9.5, f"{hop} took {fastest:.2f} ms under a 10 ms link: a path bypassed the emulation"
+        # the last token's way back to stage 0 may still be crossing its link when the trace is collected
+        times = [r["parts_ms"][hop] for r in records if r["step"] > 0 and hop in r["parts_ms"]]
+        assert len(times) >= len(records) - 2, f"{hop} is missing from the trace of most tokens"
+        assert min(times) >= 9.5, f"{hop} took {min(times):.2f} ms under a 10 ms link: a path bypassed the emulation"
