@@ -13,6 +13,7 @@
     ├── ClusterError          a member never joined, a name never resolved, a member died
     ├── ModelError            a model file is missing, malformed or unsupported
     ├── ScenarioError         a scenario file is invalid (names the file, the field and the fix)
+    │   └── PlanError         a plan or cluster file is invalid, or no plan fits (names the path and the fix)
     └── StageError            a stage reported a failure while serving a request
 
 Messages name the stage, the peer and the value involved. Implementations translate their library's exceptions into
@@ -75,6 +76,10 @@ class ModelError(HarnessError):
 
 
 class ScenarioError(HarnessError):
+    pass
+
+
+class PlanError(ScenarioError):
     pass
 
 

@@ -24,7 +24,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from ppharness import registry
-from ppharness.errors import ModelError, ScenarioError
+from ppharness.errors import HarnessError, ModelError, ScenarioError
 from ppharness.network.spec import SEED_NODE, Network
 from ppharness.scenario.explain import FieldError, explain, explain_yaml, show, untyped
 from ppharness.scenario.yaml_limits import MAX_FILE_BYTES, MAX_SCALAR_BYTES, YamlLimit, screen
@@ -602,30 +602,36 @@ def _gguf_header_facts(path: str, size: int, mtime_ns: int) -> ModelFacts:
 
 
 def _read(path: Path) -> str:
+    return read_text_file(path, "scenario", "*.yaml", ScenarioError)
+
+
+def read_text_file(path: Path, what: str, pattern: str, error: type[HarnessError]) -> str:
+    """A small UTF-8 text file's contents, read only up to ``MAX_FILE_BYTES``; every problem is ``error`` naming the
+    file and the fix (``what``: "scenario", "plan"; ``pattern``: the siblings to suggest when it is missing)."""
     if not path.is_file():
-        hint = "pass the path of a scenario YAML file"
-        siblings = sorted(p.name for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
+        hint = f"pass the path of a {what} file"
+        siblings = sorted(p.name for p in path.parent.glob(pattern)) if path.parent.is_dir() else []
         if siblings:
             more = ", ..." if len(siblings) > 8 else ""
             hint += f" (in {path.parent}/: {', '.join(siblings[:8])}{more})"
-        what = "is a directory" if path.is_dir() else "no such file"
-        raise ScenarioError(f"{path}: {what} — {hint}")
+        kind = "is a directory" if path.is_dir() else "no such file"
+        raise error(f"{path}: {kind} — {hint}")
     too_big = (
-        f"{path}: $: the file is over the limit of {MAX_FILE_BYTES:,} bytes (1 MiB) — a scenario is a few "
-        "KiB; check that this is the scenario file"
+        f"{path}: $: the file is over the limit of {MAX_FILE_BYTES:,} bytes (1 MiB) — a {what} is a few "
+        f"KiB; check that this is the {what} file"
     )
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
-            raise ScenarioError(too_big)
+            raise error(too_big)
         with path.open("rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)  # the file may have grown since stat
         if len(data) > MAX_FILE_BYTES:
-            raise ScenarioError(too_big)
+            raise error(too_big)
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ScenarioError(f"{path}: not UTF-8 text (byte {exc.start}) — save the file as UTF-8") from None
+        raise error(f"{path}: not UTF-8 text (byte {exc.start}) — save the file as UTF-8") from None
     except OSError as exc:
-        raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
+        raise error(f"{path}: cannot read: {exc.strerror}") from None
 
 
 # --- building in code ---------------------------------------------------------------------------------------------

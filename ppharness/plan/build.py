@@ -1,0 +1,100 @@
+"""Building plans in code: a chain over an ordered list of devices with given cut points, and the named split
+policies (``even``: the SPEC's k = blocks // N; ``memory``: blocks in proportion to each device's memory, as exo
+splits)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ppharness.errors import PlanError
+from ppharness.plan.doc import (
+    Blocks,
+    Cluster,
+    Device,
+    Edge,
+    Embed,
+    Head,
+    ModelGraph,
+    Node,
+    Objective,
+    Op,
+    Placement,
+    PlanDoc,
+    with_id,
+)
+from ppharness.plan.stages import even_splits
+
+
+def chain(
+    model: ModelGraph,
+    cluster: Cluster,
+    devices: Sequence[str],
+    cuts: Sequence[int],
+    objective: Objective = Objective(),
+    policy: str = "",
+    spares: Sequence[str] = (),
+) -> PlanDoc:
+    """The plan whose loop visits ``devices`` in order, device i running blocks [cuts[i-1], cuts[i]) (cuts: the
+    N - 1 inner cut points), the first embedding and the last applying the head."""
+    n = len(devices)
+    bounds = [0, *cuts, len(model.blocks)]
+    if len(bounds) != n + 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise PlanError(
+            f"cut points {list(cuts)} do not make {n} non-empty block ranges of the model's {len(model.blocks)} blocks"
+        )
+    nodes = []
+    for i, dev in enumerate(devices):
+        ops: list[Op] = [Embed()] if i == 0 else []
+        ops.append(Blocks(lo=bounds[i], hi=bounds[i + 1]))
+        if i == n - 1:
+            ops.append(Head())
+        nodes.append(Node(device=dev, ops=tuple(ops)))
+    edges = [Edge(src=a, dst=b) for a, b in zip(devices, devices[1:])]
+    edges.append(Edge(src=devices[-1], dst=devices[0], kind="token"))
+    placement = Placement(
+        nodes=tuple(nodes), edges=tuple(edges), spares=tuple(spares), objective=objective, policy=policy
+    )
+    return with_id(PlanDoc(version=1, model=model, cluster=cluster, placement=placement))
+
+
+def even_cuts(blocks: int, n: int) -> list[int]:
+    return even_splits(blocks, n)
+
+
+def memory_cuts(blocks: int, devices: Sequence[Device]) -> list[int]:
+    """Cut points giving each device a share of the blocks proportional to its memory (at least one block each,
+    rounded so the shares add up), in the order given."""
+    n = len(devices)
+    if n > blocks:
+        raise PlanError(f"{n} devices but the model has {blocks} blocks; use at most {blocks} devices")
+    total = sum(d.memory for d in devices)
+    cuts, acc = [], 0.0
+    for i, d in enumerate(devices[:-1]):
+        acc += d.memory / total * blocks
+        lo = (cuts[-1] if cuts else 0) + 1
+        hi = blocks - (n - 1 - i)
+        cuts.append(min(max(round(acc), lo), hi))
+    return cuts
+
+
+def policy_plan(
+    policy: str, model: ModelGraph, cluster: Cluster, objective: Objective = Objective(), num_devices: int | None = None
+) -> PlanDoc:
+    """A plan by one of the named policies over the cluster's devices in the file's order (``even``, ``memory``);
+    ``optimal`` is the planner's search (``ppharness.plan.search``)."""
+    if policy == "optimal":
+        from ppharness.plan.search import plan_optimal
+
+        return plan_optimal(model, cluster, objective)
+    devices = list(cluster.devices[: num_devices or len(cluster.devices)])
+    blocks = len(model.blocks)
+    if len(devices) > blocks:
+        devices = devices[:blocks]
+    if policy == "even":
+        cuts = even_cuts(blocks, len(devices))
+    elif policy == "memory":
+        cuts = memory_cuts(blocks, devices)
+    else:
+        raise PlanError(f"unknown policy {policy!r} — use even, memory or optimal")
+    ids = [d.id for d in devices]
+    return chain(model, cluster, ids, cuts, objective, policy)

@@ -1,0 +1,53 @@
+"""The cost model: what one token costs on a node and on an edge, in milliseconds.
+
+A node's time per token is its device's fixed cost per token plus, for each block, the larger of its FLOPs over the
+device's speed and its weight bytes over the device's memory bandwidth (decode reads every weight once per token),
+plus the head on the exit. An edge's time is the link's one-way latency, the bytes over its bandwidth, and the
+cluster's fixed cost per hop (what the trace measures for the transport). The planner and the simulator both use
+these functions, so that what is searched is what is predicted.
+"""
+
+from __future__ import annotations
+
+from ppharness.plan.doc import Cluster, Device, ModelGraph
+
+
+def blocks_ms(model: ModelGraph, device: Device, lo: int, hi: int) -> float:
+    """Decode time of blocks [lo, hi) on ``device`` (without the fixed cost per token)."""
+    total = 0.0
+    for b in model.blocks[lo:hi]:
+        t = b.flops / (device.gflops * 1e9)
+        if device.bandwidth_gbs is not None:
+            t = max(t, b.weight_bytes / (device.bandwidth_gbs * 1e9))
+        total += t
+    return total * 1e3
+
+
+def head_ms(model: ModelGraph, device: Device) -> float:
+    """The final norm, output matrix and argmax on ``device``."""
+    t = model.head_flops / (device.gflops * 1e9)
+    if device.bandwidth_gbs is not None:
+        t = max(t, model.head_bytes / (device.bandwidth_gbs * 1e9))
+    return t * 1e3
+
+
+def node_ms(model: ModelGraph, device: Device, lo: int, hi: int, head: bool) -> float:
+    """One token through a node on ``device`` running blocks [lo, hi) (and the head when ``head``)."""
+    return device.overhead_ms + blocks_ms(model, device, lo, hi) + (head_ms(model, device) if head else 0.0)
+
+
+def edge_ms(cluster: Cluster, src: str, dst: str, nbytes: int) -> float:
+    """One message of ``nbytes`` from device ``src`` to device ``dst``; nothing when they are one device."""
+    if src == dst:
+        return 0.0
+    link = cluster.link(src, dst)
+    wire = nbytes * 8 / (link.rate_mbit * 1e6) * 1e3 if link.rate_mbit is not None else 0.0
+    return link.delay_ms + wire + cluster.hop_ms
+
+
+def serialization_ms(cluster: Cluster, src: str, dst: str, nbytes: int) -> float:
+    """How long ``nbytes`` occupy the link from ``src`` to ``dst`` (what limits throughput on it)."""
+    if src == dst:
+        return 0.0
+    link = cluster.link(src, dst)
+    return nbytes * 8 / (link.rate_mbit * 1e6) * 1e3 if link.rate_mbit is not None else 0.0

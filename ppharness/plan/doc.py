@@ -1,0 +1,425 @@
+"""The plan language: one typed document saying what runs where.
+
+A plan has three parts:
+
+- ``model``: the computation graph read from the GGUF file: the embedding, every block (its weight bytes, FLOPs and
+  KV-cache bytes per token), the final norm and head, and the bytes each edge carries per token. Each block has an
+  ``experts`` field reserved for mixture-of-experts models (experts per block, active experts, shared experts, bytes
+  per expert), zero for a dense model.
+- ``cluster``: the devices (where each comes from: a local process, a docker container with CPU and memory limits,
+  a vast.ai offer; its memory, speed, memory bandwidth, fixed cost per token and price) and the links between them
+  (one-way latency, bandwidth, loss: per pair, per pair of regions, or a default), in the WAN emulation's
+  ``Impairment`` vocabulary.
+- ``placement``: the graph itself: nodes (a device running an ordered list of ops: ``embed``, ``blocks [a, b)``,
+  ``head``), edges (``activation`` from node to node, ``token`` from the exit back to the entry), spare devices and
+  the objective.
+
+The canonical form is JSON with its keys sorted and no spaces; the plan id is the first 16 hex digits of the sha256
+of that form with ``id`` left empty, so that two equal plans have one id and an edited plan is noticed. People write
+YAML (or JSON) with a few conveniences that load into the same document: sizes such as ``2g`` and ``512MiB``, block
+ranges as ``0..6`` or ``blk[0:6]``, and the ops ``embed`` and ``head`` as bare words.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from ppharness.errors import PlanError
+from ppharness.network.spec import Impairment
+from ppharness.scenario.explain import FieldError, explain, explain_yaml
+from ppharness.scenario.yaml_limits import YamlLimit, screen
+
+PLAN_VERSION = 1
+ID_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+Name = Annotated[str, Meta(pattern=ID_NAME.pattern, description="lower-case letters, digits, - and _, 1 to 63")]
+Bytes = Annotated[int, Meta(ge=0, description="bytes (a YAML file may write 512m, 2g, 24GiB)")]
+Count = Annotated[int, Meta(ge=0)]
+# what the node runtime keeps besides weights and KV cache: Python, tinygrad and their buffers (measured: a node
+# serving the tiny model peaks at about 300 MB of RSS); a device entry may set its own
+DEFAULT_RESERVE = 512 << 20
+
+
+class _Doc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of the plan's structs (frozen, unknown keys refused)."""
+
+
+# --- model ------------------------------------------------------------------------------------------------------
+
+
+class Experts(_Doc, frozen=True):
+    """A mixture-of-experts block's experts (all zero for a dense block)."""
+
+    count: Count = 0  # routed experts in the block
+    active: Count = 0  # experts each token is routed to
+    shared: Count = 0  # experts every token goes through
+    bytes_per_expert: Bytes = 0
+
+
+class Block(_Doc, frozen=True):
+    """One transformer block: what it weighs and what one token costs in it."""
+
+    weight_bytes: Bytes
+    flops: Count  # per token, decode (two per multiply-add)
+    kv_bytes: Bytes  # KV cache per token of context
+    experts: Experts = Experts()
+
+
+class ModelGraph(_Doc, frozen=True):
+    """The computation graph: embed -> blocks[0] -> ... -> blocks[-1] -> norm + head -> token."""
+
+    source: str  # what resolve_model takes: a path, a URL or a synthetic: spec
+    sha256: str  # of the GGUF file; a plan runs only on the model it was made for
+    arch: str
+    dim: Annotated[int, Meta(ge=1)]
+    vocab: Annotated[int, Meta(ge=1)]
+    max_context: Annotated[int, Meta(ge=1)]
+    embed_bytes: Bytes
+    head_bytes: Bytes  # final norm and output matrix (the embedding again when tied)
+    head_flops: Count
+    activation_bytes: Bytes  # one token's hidden state on an activation edge
+    token_bytes: Bytes  # one token on the feedback edge
+    blocks: Annotated[tuple[Block, ...], Meta(min_length=1)]
+
+
+# --- cluster ----------------------------------------------------------------------------------------------------
+
+
+class Source(_Doc, frozen=True):
+    """Where a device comes from: a process here, a docker container (with limits), or a vast.ai offer."""
+
+    kind: Literal["local", "docker", "vastai"] = "local"
+    cpus: Annotated[float, Meta(gt=0, le=1024)] | None = None  # docker: the container's CPU quota
+    memory_limit: Bytes | None = None  # docker: the container's memory limit (default: the device's memory)
+    offer: dict[str, str] | None = None  # vastai: the offer filter, e.g. {gpu_name: RTX_4090, num_gpus: "1"}
+
+
+class Device(_Doc, frozen=True):
+    """One machine (or a share of one) that can run a node."""
+
+    id: Name
+    memory: Bytes
+    gflops: Annotated[float, Meta(gt=0)]  # effective decode speed: FLOPs per token / seconds per token
+    bandwidth_gbs: Annotated[float, Meta(gt=0)] | None = None  # memory bandwidth, GB/s; None: not the bound
+    overhead_ms: Annotated[float, Meta(ge=0)] = 0.0  # fixed cost per token of a node on this device
+    reserve: Bytes = DEFAULT_RESERVE  # memory the runtime needs besides weights and KV cache
+    usd_per_hour: Annotated[float, Meta(ge=0)] = 0.0
+    region: Name | None = None
+    source: Source = Source()
+
+
+class Link(Impairment, frozen=True, rename={"src": "from", "dst": "to"}):
+    """One directed link between two devices (or regions): ``{from: a, to: b, delay_ms: 25, rate_mbit: 100}``.
+    Given one way only, it holds both ways."""
+
+    src: str = ""
+    dst: str = ""
+
+    def impairment(self) -> Impairment:
+        return Impairment(**{f: getattr(self, f) for f in Impairment.__struct_fields__})
+
+
+class Cluster(_Doc, frozen=True):
+    """Devices and links. A pair's link is its own entry in ``links``, else its regions' entry in
+    ``region_links``, else ``default``."""
+
+    devices: Annotated[tuple[Device, ...], Meta(min_length=1)]
+    default: Impairment = Impairment()
+    region_links: tuple[Link, ...] = ()
+    links: tuple[Link, ...] = ()
+    hop_ms: Annotated[float, Meta(ge=0)] = 0.0  # fixed cost of one message hop (transport), as traces measure it
+    name: str = ""
+
+    def device(self, device_id: str) -> Device:
+        for d in self.devices:
+            if d.id == device_id:
+                return d
+        raise KeyError(device_id)
+
+    def link(self, src: str, dst: str) -> Impairment:
+        """What the link from device ``src`` to device ``dst`` does."""
+        found = _find_link(self.links, src, dst)
+        if found is not None:
+            return found
+        a, b = self.device(src).region, self.device(dst).region
+        if a is not None and b is not None and a != b:
+            found = _find_link(self.region_links, a, b)
+            if found is not None:
+                return found
+        return self.default
+
+
+def _find_link(links: tuple[Link, ...], src: str, dst: str) -> Impairment | None:
+    back = None
+    for link in links:
+        if (link.src, link.dst) == (src, dst):
+            return link.impairment()
+        if (link.src, link.dst) == (dst, src):
+            back = link.impairment()
+    return back
+
+
+# --- placement --------------------------------------------------------------------------------------------------
+
+
+class Embed(_Doc, frozen=True, tag="embed", tag_field="op"):
+    """Token ids -> hidden states (the entry node's first op)."""
+
+
+class Blocks(_Doc, frozen=True, tag="blocks", tag_field="op"):
+    """Blocks ``lo`` to ``hi - 1``."""
+
+    lo: Count
+    hi: Count
+
+    def __post_init__(self) -> None:
+        if self.hi <= self.lo:
+            raise FieldError("hi", f"the range {self.lo}..{self.hi} is empty — hi must be more than lo")
+
+
+class Head(_Doc, frozen=True, tag="head", tag_field="op"):
+    """Final norm, output matrix and argmax: hidden state -> next token (the exit node's last op)."""
+
+
+Op = Embed | Blocks | Head
+
+
+class Node(_Doc, frozen=True):
+    """A device running an ordered list of ops. ``name`` defaults to the device's id."""
+
+    device: Name
+    ops: Annotated[tuple[Op, ...], Meta(min_length=1)]
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.name and not ID_NAME.match(self.name):
+            raise FieldError("name", f"{self.name[:70]!r} is not a node name — use lower-case letters, digits, - and _")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.device
+
+    @property
+    def blocks(self) -> tuple[int, int] | None:
+        """The block range this node runs, or None."""
+        ranges = [(op.lo, op.hi) for op in self.ops if isinstance(op, Blocks)]
+        return (ranges[0][0], ranges[-1][1]) if ranges else None
+
+    @property
+    def embeds(self) -> bool:
+        return any(isinstance(op, Embed) for op in self.ops)
+
+    @property
+    def heads(self) -> bool:
+        return any(isinstance(op, Head) for op in self.ops)
+
+
+class Edge(_Doc, frozen=True, rename={"src": "from", "dst": "to"}):
+    """What flows from node to node: ``activation`` (hidden states) or ``token`` (the exit's token, to the entry)."""
+
+    src: Name
+    dst: Name
+    kind: Literal["activation", "token"] = "activation"
+
+
+class Objective(_Doc, frozen=True):
+    """What the plan is best at: per-token ``latency`` of one request, ``throughput`` with ``requests`` in flight,
+    or ``cost`` in $ per token."""
+
+    kind: Literal["latency", "throughput", "cost"] = "latency"
+    requests: Annotated[int, Meta(ge=1, le=4096)] = 1
+
+
+class Placement(_Doc, frozen=True):
+    nodes: Annotated[tuple[Node, ...], Meta(min_length=1)]
+    edges: tuple[Edge, ...] = ()
+    spares: tuple[Name, ...] = ()
+    objective: Objective = Objective()
+    policy: str = ""  # what made it: optimal, even, memory, or "" for a hand-written plan
+
+
+class PlanDoc(_Doc, frozen=True):
+    """A whole plan. ``id`` is the hash of the canonical form (empty in a hand-written file)."""
+
+    version: Literal[1]
+    model: ModelGraph
+    cluster: Cluster
+    placement: Placement
+    id: str = ""
+
+
+# --- canonical form and id --------------------------------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder(order="sorted")
+
+
+def canonical(doc: PlanDoc) -> bytes:
+    """The plan's canonical JSON (keys sorted, no spaces), with its id."""
+    typed = msgspec.json.decode(_encoder.encode(with_id(doc)), type=PlanDoc)
+    return _encoder.encode(typed)
+
+
+def plan_id(doc: PlanDoc) -> str:
+    """The content hash of the plan with ``id`` left empty (after a round trip through the typed form, so that a
+    whole number given for a float field hashes as the float it becomes)."""
+    typed = msgspec.json.decode(_encoder.encode(msgspec.structs.replace(doc, id="")), type=PlanDoc)
+    body = _encoder.encode(typed)
+    return hashlib.sha256(body).hexdigest()[:16]
+
+
+def with_id(doc: PlanDoc) -> PlanDoc:
+    return msgspec.structs.replace(doc, id=plan_id(doc))
+
+
+def pretty(doc: PlanDoc) -> str:
+    """The canonical form, indented for people (``json.dumps`` of the same sorted keys)."""
+    import json
+
+    return json.dumps(msgspec.json.decode(canonical(doc)), indent=1) + "\n"
+
+
+# --- reading ----------------------------------------------------------------------------------------------------
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
+_RANGE = re.compile(r"^\s*(?:blk\s*\[\s*(\d+)\s*:\s*(\d+)\s*\]|(\d+)\s*\.\.\s*(\d+))\s*$")
+_SIZE_KEYS = {"memory", "memory_limit", "reserve"}
+
+
+def parse_size(text: str) -> int | None:
+    """``2g``, ``512MiB``, ``1.5GB``, ``4096`` -> bytes (powers of 1024); None if it is not a size."""
+    m = _SIZE.match(text)
+    if m is None:
+        return None
+    unit = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m[2].lower()]
+    return int(float(m[1]) * unit)
+
+
+def parse_range(text: str) -> tuple[int, int] | None:
+    """``0..6`` or ``blk[0:6]`` -> (0, 6); None if it is neither."""
+    m = _RANGE.match(text)
+    if m is None:
+        return None
+    lo, hi = (m[1], m[2]) if m[1] is not None else (m[3], m[4])
+    return int(lo), int(hi)
+
+
+def _surface(raw: object, key: str = "") -> object:
+    """The people's conveniences turned into the document's plain form (sizes, ranges, bare op words)."""
+    if isinstance(raw, dict):
+        return {k: _surface(v, k if isinstance(k, str) else "") for k, v in raw.items()}
+    if isinstance(raw, list):
+        if key == "ops":
+            return [_op(item) for item in raw]
+        return [_surface(v) for v in raw]
+    if isinstance(raw, str) and key in _SIZE_KEYS:
+        size = parse_size(raw)
+        return raw if size is None else size
+    return raw
+
+
+def _op(item: object) -> object:
+    if isinstance(item, str):
+        if item.strip() in ("embed", "head"):
+            return {"op": item.strip()}
+        r = parse_range(item)
+        return {"op": "blocks", "lo": r[0], "hi": r[1]} if r is not None else item
+    if isinstance(item, dict) and set(item) == {"blocks"}:
+        value = item["blocks"]
+        r = parse_range(value) if isinstance(value, str) else None
+        if isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value):
+            r = (value[0], value[1])
+        return {"op": "blocks", "lo": r[0], "hi": r[1]} if r is not None else item
+    return item
+
+
+def decode_text(text: str, source: str, kind: type[PlanDoc] | type[Cluster] = PlanDoc) -> Any:
+    """A plan (or cluster) from YAML or JSON text: screened for hostile YAML, conveniences applied, typed, checked
+    field by field. Every problem is a PlanError naming ``source``, the ``$.path`` and the fix."""
+    try:
+        screen(text)
+    except YamlLimit as exc:
+        raise PlanError(f"{source}: {exc.path}: {exc}") from None
+    try:
+        raw = msgspec.yaml.decode(text)
+    except msgspec.DecodeError as exc:
+        raise PlanError(f"{source}: {explain_yaml(exc)}") from None
+    if raw is None:
+        what = "a plan needs version, model, cluster and placement" if kind is PlanDoc else "a cluster needs devices"
+        raise PlanError(f"{source}: $: the file is empty — {what}")
+    plain = _surface(raw)
+    try:
+        return msgspec.convert(plain, type=kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise PlanError(f"{source}: {explain(exc, plain, kind, PLAN_VERSION)}") from None
+
+
+def load_plan(path: str | Path, check: bool = True) -> PlanDoc:
+    """Read a plan file (JSON or YAML); its id, when it has one, must be the hash of what it says; with ``check``
+    every invariant (``ppharness.plan.check``) must hold."""
+    from ppharness.plan.check import check_plan
+    from ppharness.scenario.schema import read_text_file
+
+    path = Path(path)
+    doc: PlanDoc = decode_text(read_text_file(path, "plan", "*.json", PlanError), str(path))
+    if doc.id and doc.id != plan_id(doc):
+        raise PlanError(
+            f"{path}: $.id: the plan says id {doc.id!r} but its content hashes to {plan_id(doc)!r} — it was edited "
+            "after it was made; remove the id line (or run `ppharness plan fmt`) to take the edit"
+        )
+    if check:
+        check_plan(doc, str(path))
+    return with_id(doc)
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read a cluster file (YAML or JSON) and check its devices and links."""
+    from ppharness.plan.check import check_cluster
+    from ppharness.scenario.schema import read_text_file
+
+    path = Path(path)
+    cluster: Cluster = decode_text(read_text_file(path, "cluster", "*cluster*.yaml", PlanError), str(path), Cluster)
+    check_cluster(cluster, str(path), "$")
+    if not cluster.name:
+        cluster = msgspec.structs.replace(cluster, name=path.stem)
+    return cluster
+
+
+def plan_schema() -> dict[str, Any]:
+    """The JSON Schema of the plan document (``ppharness plan schema``)."""
+    schema: dict[str, Any] = msgspec.json.schema(PlanDoc)
+    schema["title"] = "ppharness plan"
+    return schema
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One edge of the loop, in order: from node ``src`` to node ``dst``, carrying ``kind``."""
+
+    src: Node
+    dst: Node
+    kind: Literal["activation", "token"]
+
+
+def loop(doc: PlanDoc) -> list[Node]:
+    """The nodes in the order the activations visit them, entry first (the plan must have passed ``check_plan``)."""
+    by_label = {n.label: n for n in doc.placement.nodes}
+    entry = next(n for n in doc.placement.nodes if n.embeds)
+    nxt = {e.src: e.dst for e in doc.placement.edges if e.kind == "activation"}
+    order = [entry]
+    while order[-1].label in nxt and len(order) <= len(by_label):
+        order.append(by_label[nxt[order[-1].label]])
+    return order
+
+
+def hops(doc: PlanDoc) -> list[Hop]:
+    """The loop's edges in order: activations along the chain, then the token back to the entry."""
+    order = loop(doc)
+    out = [Hop(a, b, "activation") for a, b in zip(order, order[1:])]
+    out.append(Hop(order[-1], order[0], "token"))
+    return out

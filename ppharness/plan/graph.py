@@ -1,0 +1,68 @@
+"""The plan's ``model`` part, read from a GGUF file: what each block weighs and costs per token.
+
+Weights count as the node runtime holds them (float16, two bytes per parameter, whatever the file's quantisation);
+a block's FLOPs per token are two per weight (one multiply-add) plus attention over half the context; its KV cache per
+token is keys and values for every KV head.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+from pathlib import Path
+
+from ppharness.plan.doc import Block, ModelGraph
+
+WIRE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+RUNTIME_BYTES = 2  # float16 weights and KV cache in the node runtime
+TOKEN_MESSAGE_BYTES = 64  # a NextToken message on the wire (ids, position, request id, header)
+_BLK = re.compile(r"^blk\.(\d+)\.")
+
+
+@functools.cache
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a file, computed once per (path, size, mtime) in this process."""
+    st = Path(path).stat()
+    return _sha256(str(path), st.st_size, st.st_mtime_ns)
+
+
+def model_graph(path: str | os.PathLike[str], source: str, max_context: int, wire_dtype: str = "f16") -> ModelGraph:
+    """The ``model`` part of a plan for the GGUF file at ``path`` (``source``: how a run finds it again)."""
+    from ppharness.model.slicing import GGUFFile
+
+    f = GGUFFile(path)
+    cfg = f.config
+    params = {t.name: int(t.n_elements) for t in f._reader.tensors}
+    per_block = [0] * cfg.blocks
+    for name, n in params.items():
+        if m := _BLK.match(name):
+            per_block[int(m[1])] += n
+    kv = 2 * cfg.kv_heads * cfg.head_dim * RUNTIME_BYTES
+    attention_flops = 2 * 2 * cfg.heads * cfg.head_dim * (max_context // 2)  # q.k and p.v over half the context
+    blocks = tuple(Block(weight_bytes=n * RUNTIME_BYTES, flops=2 * n + attention_flops, kv_bytes=kv) for n in per_block)
+    embed = params.get("token_embd.weight", cfg.vocab * cfg.dim)
+    out = params.get("output.weight", embed)
+    return ModelGraph(
+        source=source,
+        sha256=file_sha256(path),
+        arch=cfg.arch,
+        dim=cfg.dim,
+        vocab=cfg.vocab,
+        max_context=max_context,
+        embed_bytes=embed * RUNTIME_BYTES,
+        head_bytes=(out + params.get("output_norm.weight", cfg.dim)) * RUNTIME_BYTES,
+        head_flops=2 * out,
+        activation_bytes=cfg.dim * WIRE_BYTES[wire_dtype],
+        token_bytes=TOKEN_MESSAGE_BYTES,
+        blocks=blocks,
+    )
