@@ -24,13 +24,15 @@ from ppharness.plan.doc import (
 )
 from ppharness.plan.stages import even_splits
 
+LATENCY = Objective()
+
 
 def chain(
     model: ModelGraph,
     cluster: Cluster,
     devices: Sequence[str],
     cuts: Sequence[int],
-    objective: Objective = Objective(),
+    objective: Objective = LATENCY,
     policy: str = "",
     spares: Sequence[str] = (),
 ) -> PlanDoc:
@@ -78,7 +80,7 @@ def memory_cuts(blocks: int, devices: Sequence[Device]) -> list[int]:
 
 
 def policy_plan(
-    policy: str, model: ModelGraph, cluster: Cluster, objective: Objective = Objective(), num_devices: int | None = None
+    policy: str, model: ModelGraph, cluster: Cluster, objective: Objective = LATENCY, num_devices: int | None = None
 ) -> PlanDoc:
     """A plan by one of the named policies over the cluster's devices in the file's order (``even``, ``memory``);
     ``optimal`` is the planner's search (``ppharness.plan.search``)."""

@@ -51,7 +51,7 @@ def node_memory(doc: PlanDoc, node: Node) -> int:
 
 def check_cluster(cluster: Cluster, source: str, at: str = "$.cluster") -> None:
     ids = [d.id for d in cluster.devices]
-    for i, (device_id, count) in enumerate(Counter(ids).items()):
+    for device_id, count in Counter(ids).items():
         if count > 1:
             where = ids.index(device_id, ids.index(device_id) + 1)
             raise PlanError(
