@@ -194,6 +194,8 @@ class DockerProvider(Provider["DockerSettings | None"]):
             if bridges:
                 volumes[bridges] = {"bind": bridges, "mode": "rw"}
         cpus, memory = (self.settings.cpus, self.settings.memory) if self.settings is not None else (None, None)
+        cpus = spec.cpus or cpus  # the plan's device limits, else the run's
+        mem_limit: int | str | None = spec.memory or memory
         image = spec.image or self.image
         assert image is not None, "provision() chooses the node image before it starts containers"
         try:
@@ -208,7 +210,7 @@ class DockerProvider(Provider["DockerSettings | None"]):
                 init=True,
                 **network,
                 nano_cpus=int(cpus * 1e9) if cpus else None,
-                mem_limit=memory,
+                mem_limit=mem_limit,
             )
         except docker.errors.DockerException as exc:
             raise ProvisionFailed(f"creating the container of {spec.name} failed: {_explain(exc)}") from exc

@@ -14,6 +14,13 @@ from ppharness.cli.common import SCENARIO_HELP, fail, load_scenario_or_fail, run
 @click.command(name="pp-smoke-run")
 @click.option("--num-stages", "-n", type=int, help="Number of pipeline stages (default: the scenario's, else 2).")
 @click.option("--scenario", "scenario_file", type=click.Path(dir_okay=False), help=SCENARIO_HELP)
+@click.option(
+    "--plan",
+    "plan_file",
+    type=click.Path(dir_okay=False),
+    help="Run a plan file (JSON or YAML, e.g. from `ppharness plan make`): the model, devices and placement "
+    "come from it.",
+)
 @click.option("--transport", help="Transport kind between processes: zmq or iroh.")
 @click.option("--provider", help="Provider kind (local, ...).")
 @click.option("--prompt", help="Prompt text.")
@@ -46,6 +53,7 @@ from ppharness.cli.common import SCENARIO_HELP, fail, load_scenario_or_fail, run
 def smoke_run(
     num_stages: int | None,
     scenario_file: str | None,
+    plan_file: str | None,
     transport: str | None,
     provider: str | None,
     prompt: str | None,
@@ -71,6 +79,7 @@ def smoke_run(
             provider=provider,
             prompt=prompt,
             max_tokens=max_tokens,
+            plan=plan_file,
         ),
         quiet=quiet,
         run_label=run_label,

@@ -70,7 +70,8 @@ def memory_cuts(blocks: int, devices: Sequence[Device]) -> list[int]:
     if n > blocks:
         raise PlanError(f"{n} devices but the model has {blocks} blocks; use at most {blocks} devices")
     total = sum(d.memory for d in devices)
-    cuts, acc = [], 0.0
+    cuts: list[int] = []
+    acc = 0.0
     for i, d in enumerate(devices[:-1]):
         acc += d.memory / total * blocks
         lo = (cuts[-1] if cuts else 0) + 1

@@ -36,8 +36,11 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return _sha256(str(path), st.st_size, st.st_mtime_ns)
 
 
-def model_graph(path: str | os.PathLike[str], source: str, max_context: int, wire_dtype: str = "f16") -> ModelGraph:
-    """The ``model`` part of a plan for the GGUF file at ``path`` (``source``: how a run finds it again)."""
+def model_graph(
+    path: str | os.PathLike[str], source: str, max_context: int, wire_dtype: str = "f16", digest: bool = True
+) -> ModelGraph:
+    """The ``model`` part of a plan for the GGUF file at ``path`` (``source``: how a run finds it again). Without
+    ``digest`` the file's sha256 is left empty (a plan made for one run, not saved)."""
     from ppharness.model.slicing import GGUFFile
 
     f = GGUFFile(path)
@@ -54,7 +57,7 @@ def model_graph(path: str | os.PathLike[str], source: str, max_context: int, wir
     out = params.get("output.weight", embed)
     return ModelGraph(
         source=source,
-        sha256=file_sha256(path),
+        sha256=file_sha256(path) if digest else "",
         arch=cfg.arch,
         dim=cfg.dim,
         vocab=cfg.vocab,

@@ -46,6 +46,18 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     join_s: float = 120.0
     resolve_s: float = 60.0
     trace: bool = False
+    # the compiled plan's program for this node: its node and device in the plan, the names it registers, and the
+    # names its activations come from and go to ("" before the first and after the last stage)
+    node: str = ""
+    device: str = ""
+    names: tuple[str, ...] = ()
+    prev: str = ""
+    next: str = ""
+
+    @property
+    def registers(self) -> list[str]:
+        """The names this node registers: the program's, else the SPEC's for its index."""
+        return list(self.names) if self.names else names_of(self.stage, self.num_stages)
 
     @property
     def first(self) -> bool:

@@ -26,7 +26,7 @@ from ppharness.network.bridge import Bridge
 from ppharness.network.clock import EventClock
 from ppharness.network.packet import decode_ports, loopback_up, start_bridge
 from ppharness.network.spec import SEED_NODE, Network, stage_node
-from ppharness.plan.stages import StagePlan, names_of
+from ppharness.plan.stages import StagePlan
 from ppharness.registry import impaired_transport, transport_class
 from ppharness.run.cluster import resolve_members
 from ppharness.run.membership import NodeMembership
@@ -201,7 +201,7 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
         if fault == "never-join":
             log("fault never-join: not joining the cluster")
             return _idle_until_orphaned(parent)
-        names = [] if fault == "no-names" else names_of(plan.stage, plan.num_stages)
+        names = [] if fault == "no-names" else plan.registers
         transport.send(
             seed,
             Join(
@@ -245,6 +245,7 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
             log=log,
             tracer=tracer,
             seed=seed,
+            route=(plan.prev, plan.next),
         )
         transport.send(
             seed,

@@ -34,8 +34,10 @@ from ppharness.network.bridge import Bridge
 from ppharness.network.clock import EventClock
 from ppharness.network.nemesis import Nemesis
 from ppharness.network.packet import PortTable, encode_ports, plan_ports, start_bridge
-from ppharness.network.spec import SEED_NODE, describe_network, stage_node
-from ppharness.plan.stages import ENTRY, EXIT, Plan, StagePlan, make_plan, stage_name
+from ppharness.network.spec import SEED_NODE, Network, describe_network, stage_node
+from ppharness.plan.compile import Compiled, compile_plan, plan_network, scenario_plan
+from ppharness.plan.compile import programs as compiled_programs
+from ppharness.plan.stages import ENTRY, EXIT, Plan, StagePlan, StageSettings, stage_name
 from ppharness.registry import impaired_transport, provider_class, transport_class
 from ppharness.run.cluster import Directory, wait_for
 from ppharness.run.locks import RunLock
@@ -62,6 +64,7 @@ from ppharness.wire.messages import (
 if TYPE_CHECKING:
     from ppharness.model.exactness import Verdict
     from ppharness.model.oracle import OracleResult
+    from ppharness.plan.doc import PlanDoc
     from ppharness.run.membership import Detector
     from ppharness.scenario.schema import ClusterSection, ProviderSettings, Scenario, TransportSection
     from ppharness.seams import Provider, Transport
@@ -186,6 +189,7 @@ class Chain:
         self.ports: PortTable = {}  # the packet layer's ports: node -> (QUIC port, virtual port)
         self.bridge: Bridge | None = None  # the packet layer's bridge of this endpoint
         self.bridge_dir: str | None = None  # where the bridges' Unix sockets live
+        self.network: Network | None = None  # the scenario's network with the plan's links
 
     def _left(self, phase_s: float, what: str) -> float:
         remaining = self.deadline - time.monotonic()
@@ -233,26 +237,33 @@ class Chain:
         sc, progress = self.scenario, self.progress
         self._lock = RunLock(self.run_label).acquire()  # a label a live run holds is refused before anything exists
         try:  # from here on, whatever fails releases the lock and closes what was opened
-            source, sha = model_source(sc)
+            if sc.plan is not None:
+                from ppharness.plan.doc import load_plan
+
+                plan_doc = load_plan(sc.plan)
+                source, sha = plan_doc.model.source, None
+            else:
+                source, sha = model_source(sc)
             self.model_source = source
             synthetic = sc.model.synthetic
             shown = (
-                source if not source.startswith("synthetic:") or synthetic is None else "synthetic " + synthetic.preset
+                source
+                if not source.startswith("synthetic:") or synthetic is None or sc.plan is not None
+                else "synthetic " + synthetic.preset
             )
             progress(f"model: {shown} (building or fetching once, then cached)")
             self.model_path = str(resolve_model(source, sha))
             cfg = GGUFFile(self.model_path).config
-            self.plan = plan = make_plan(
-                cfg.blocks,
-                sc.stages.num_stages,
-                list(sc.stages.splits) if sc.stages.splits else None,
-                model_id=self.model_path,
-            )
-            n = plan.num_stages
+            self.plan_doc, self.compiled = realise_plan(sc, source, self.model_path)
+            self.plan = plan = self.compiled.runtime
             progress(
                 f"model {self.model_path}: {cfg.blocks} blocks, dim {cfg.dim}, vocab {cfg.vocab}; "
-                f"plan {plan.plan_id}: {', '.join(f'[{lo},{hi})' for lo, hi in plan.ranges)}"
+                f"plan {plan.plan_id} ({self.plan_doc.placement.policy or 'hand-written'}): "
+                + ", ".join(
+                    f"{d.id} [{lo},{hi})" for d, (lo, hi) in zip(self.compiled.devices, plan.ranges, strict=True)
+                )
             )
+            n = plan.num_stages
             self.reports = [StageReport(i, lo, hi) for i, (lo, hi) in enumerate(plan.ranges)]
             provider_cls = provider_class(sc.provider.kind)
             settings: ProviderSettings | None = getattr(sc.provider, sc.provider.kind, None)
@@ -261,19 +272,20 @@ class Chain:
             transport_cls = transport_class(sc.transport.kind)
             endpoint_opts = transport_cls.plan_endpoints(n + 1, transport_settings(sc.transport))
             seed_opts = endpoint_opts[0] | self._provider.seed_transport_options(sc.transport.kind)
-            if sc.network is not None and sc.network.layer == "packet":
+            self.network = network = plan_network(self.compiled, sc.network)
+            if network is not None and network.layer == "packet":
                 # every endpoint reaches the others through the bridges alone, the seed included (on loopback)
                 seed_opts = dict(endpoint_opts[0])
                 self.ports = plan_ports([SEED_NODE] + [stage_node(i) for i in range(n)])
                 self.bridge_dir = tempfile.mkdtemp(prefix=f"ppharness-{self.run_label}-net-")
-                self.bridge, extra = start_bridge(sc.network, SEED_NODE, self.ports, self.bridge_dir, self.clock)
+                self.bridge, extra = start_bridge(network, SEED_NODE, self.ports, self.bridge_dir, self.clock)
                 seed_opts |= extra
             self.transport = transport_cls(**seed_opts)
-            if sc.network is not None:
-                if sc.network.layer == "message":
-                    self.transport = impaired_transport(self.transport, sc.network, SEED_NODE, self.clock)
-                self.nemesis = Nemesis(sc.network, self._provider, self.clock, progress)
-                progress(f"network emulation ({sc.network.layer} level): {describe_network(sc.network)}")
+            if network is not None:
+                if network.layer == "message":
+                    self.transport = impaired_transport(self.transport, network, SEED_NODE, self.clock)
+                self.nemesis = Nemesis(network, self._provider, self.clock, progress)
+                progress(f"network emulation ({network.layer} level): {describe_network(network)}")
             self.seed = self.transport.start()
             self.detector = _make_detector(sc.cluster, self._provider, n, self.run_label, bool(self.ports))
             progress(f"membership: {self.detector.name}")
@@ -285,32 +297,43 @@ class Chain:
         return self
 
     def _start(self, endpoint_opts: list[JsonObject]) -> None:
-        sc, plan, progress, n = self.scenario, self.plan, self.progress, self.plan.num_stages
+        sc, progress, n = self.scenario, self.progress, self.plan.num_stages
         provider, transport, detector = self._provider, self.transport, self.detector
         assert provider is not None and transport is not None and detector is not None, "the chain is not started"
         budget = sc.budget
         specs = []
-        for i in range(n):
-            sp = plan.stage(
-                i,
+        programs = compiled_programs(
+            self.compiled,
+            StageSettings(
                 wire_dtype=sc.transport.wire_dtype,
                 max_context=sc.model.max_context,
                 join_s=budget.join_s,
                 resolve_s=budget.resolve_s,
                 trace=self.trace_on,
-            )
+            ),
+        )
+        for i, sp in enumerate(programs):
             env = _node_env(i, n, self.seed, self.node_model, sc.transport.kind, sp) | detector.node_env()
             for fault in sc.faults:
                 if fault.stage == i:
                     env["PP_FAULT"] = fault.mode
-            if sc.network is not None:
-                env["PP_NETWORK"] = msgspec.json.encode(sc.network).decode()
+            if self.network is not None:
+                env["PP_NETWORK"] = msgspec.json.encode(self.network).decode()
             if self.ports:
                 env["PP_NETWORK_PORTS"] = encode_ports(self.ports)
                 env["PP_NETWORK_DIR"] = self.bridge_dir or ""
             if endpoint_opts[i + 1]:
                 env["PP_TRANSPORT_OPTS"] = json.dumps(endpoint_opts[i + 1])
-            specs.append(provider.spec(stage_name(i), env, own_network=bool(self.ports)))
+            device = self.compiled.devices[i].source
+            specs.append(
+                provider.spec(
+                    stage_name(i),
+                    env,
+                    own_network=bool(self.ports),
+                    cpus=device.cpus,
+                    memory=device.memory_limit or (self.compiled.devices[i].memory if device.cpus else None),
+                )
+            )
         progress(f"starting {n} {sc.provider.kind} node(s) over {sc.transport.kind} (run {self.run_label})")
         provider.provision(specs)
 
@@ -466,7 +489,7 @@ class Chain:
                 on_response, self.scenario.budget.total_s, "the InferenceResponse from the last stage", "decoding"
             )
         except WaitTimedOut as exc:
-            network = self.scenario.network
+            network = self.network
             if network is not None and (network.loses or network.events):
                 exc.add_note(
                     "the scenario's network loses or cuts off messages, and this run does not retry them: "
@@ -614,6 +637,25 @@ def run_scenario(
             result.oracle.prompt_tokens,
         )
     return result
+
+
+def realise_plan(scenario: Scenario, source: str, model_path: str) -> tuple[PlanDoc, Compiled]:
+    """The plan a run of ``scenario`` realises, compiled: its plan file (checked against the model file the run
+    resolved), else the chain its stages section describes."""
+    from ppharness.plan.compile import check_model
+    from ppharness.plan.doc import load_plan
+    from ppharness.plan.graph import file_sha256, model_graph
+
+    if scenario.plan is not None:
+        doc = load_plan(scenario.plan)
+        check_model(doc, file_sha256(model_path), model_path, scenario.plan)
+    else:
+        graph = model_graph(
+            model_path, source, scenario.model.max_context, scenario.transport.wire_dtype, digest=False
+        )
+        st = scenario.stages
+        doc = scenario_plan(graph, st.num_stages, list(st.splits) if st.splits else None, scenario.provider.kind)
+    return doc, compile_plan(doc)
 
 
 def transport_settings(section: TransportSection) -> JsonObject:

@@ -97,13 +97,17 @@ class Stage:
         log: Callable[[str], None] = print,
         tracer: Tracer | None = None,
         seed: str | None = None,
+        route: tuple[str, str] = ("", ""),
     ):
+        """``route``: the names the activations come from and go to, as the compiled plan gives them (empty: the
+        SPEC's pp-stage-{index -/+ 1})."""
         self.index, self.num_stages = index, num_stages
         self.first, self.last = index == 0, index == num_stages - 1
         self.model, self.transport, self.plan_id = model, transport, plan_id
         self.wire_dtype, self.tokenizer, self.log = wire_dtype, tokenizer, log
-        self.next_addr = None if self.last else names[stage_name(index + 1)]
-        self.prev_addr = None if self.first else names[stage_name(index - 1)]
+        prev, nxt = route
+        self.next_addr = None if self.last else names[nxt or stage_name(index + 1)]
+        self.prev_addr = None if self.first else names[prev or stage_name(index - 1)]
         self.entry_addr = names[ENTRY]
         self.exit_addr = names[EXIT]
         self.seed = seed

@@ -368,6 +368,17 @@ class Scenario(_Section, frozen=True):
     cluster: ClusterSection = ClusterSection()
     faults: tuple[FaultSection, ...] = ()
     network: Network | None = None
+    plan: (
+        Annotated[
+            str,
+            Meta(
+                min_length=1,
+                description="a plan file (JSON or YAML; relative to the scenario's folder): the model, the devices "
+                "and the placement come from it, and stages are its nodes",
+            ),
+        ]
+        | None
+    ) = None
 
     def __post_init__(self) -> None:
         if self.transport.kind in ONE_PROCESS_TRANSPORTS:
@@ -454,10 +465,39 @@ def load_scenario(path: str | Path) -> Scenario:
         raise ScenarioError(f"{src}: {explain_yaml(exc)}") from None
     if not scenario.name:
         scenario = msgspec.structs.replace(scenario, name=path.stem)
+    if scenario.plan is not None:
+        return with_plan(scenario, str((path.parent / scenario.plan).resolve()), src)
     model = known_model(scenario, source=src)
     if model is not None:
         check_against_model(scenario, model, source=src)
     return scenario
+
+
+def with_plan(scenario: Scenario, plan_file: str, source: str = "<arguments>") -> Scenario:
+    """``scenario`` running the plan in ``plan_file``: its stages are the plan's nodes (their block ranges), its
+    provider the kind of the plan's devices, its ``max_context`` the plan's. The plan is read and checked here, so
+    that a bad plan is refused before anything starts."""
+    from ppharness.plan.compile import compile_plan
+    from ppharness.plan.doc import load_plan
+
+    doc = load_plan(plan_file)
+    compiled = compile_plan(doc)
+    if scenario.stages != Stages() and scenario.plan is None:
+        raise ScenarioError(
+            f"{source}: $.stages: a run with a plan takes its stages from the plan ({compiled.num_stages} nodes) — "
+            "leave out stages (and --num-stages)"
+        )
+    cuts = [hi for _, hi in compiled.runtime.ranges[:-1]]
+    raw = msgspec.to_builtins(scenario)
+    raw["plan"] = plan_file
+    raw["stages"] = {"splits": cuts} if cuts else {"count": 1}
+    raw["model"]["max_context"] = doc.model.max_context
+    if scenario.provider.kind != compiled.provider_kind:
+        raw["provider"]["kind"] = compiled.provider_kind
+    try:
+        return msgspec.convert(raw, type=Scenario)
+    except msgspec.ValidationError as exc:
+        raise ScenarioError(f"{source}: {explain(exc, raw, Scenario, SCENARIO_VERSION)}") from None
 
 
 @dataclass(frozen=True)
@@ -646,8 +686,10 @@ def scenario_from_args(
     provider: str | None = None,
     prompt: str | None = None,
     max_tokens: int | None = None,
+    plan: str | None = None,
 ) -> Scenario:
-    """``base`` (default: the built-in scenario) with the given overrides; ``None`` keeps the base value."""
+    """``base`` (default: the built-in scenario) with the given overrides; ``None`` keeps the base value. ``plan``:
+    a plan file the run realises (``with_plan``)."""
     s = base if base is not None else Scenario(version=SCENARIO_VERSION)
     if num_stages is not None:
         s = _set(s, "$", stages=Stages(count=num_stages))
@@ -667,6 +709,12 @@ def scenario_from_args(
         checked = msgspec.convert(raw, type=Scenario)
     except msgspec.ValidationError as exc:
         raise ScenarioError(f"<arguments>: {explain(exc, raw, Scenario, SCENARIO_VERSION)}") from None
+    if plan is not None:
+        if num_stages is not None:
+            raise ScenarioError("<arguments>: --plan and --num-stages both say how to split — give one of them")
+        return with_plan(checked, str(Path(plan).resolve()))
+    if checked.plan is not None:
+        return checked
     model = known_model(checked, source="<arguments>")
     if model is not None:
         check_against_model(checked, model, source="<arguments>")

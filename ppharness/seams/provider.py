@@ -42,6 +42,9 @@ class NodeSpec:
     gpus: int = 0
     # in a network namespace of its own, reachable only through the packet layer's bridges (ppharness.network)
     own_network: bool = False
+    # the node's own limits, where the provider can set them (docker: CPU quota and memory limit), from its device
+    cpus: float | None = None
+    memory: int | None = None
 
 
 class NodeOptions(TypedDict, total=False):
@@ -50,6 +53,8 @@ class NodeOptions(TypedDict, total=False):
     image: str
     gpus: int
     own_network: bool
+    cpus: float | None
+    memory: int | None
 
 
 @dataclass

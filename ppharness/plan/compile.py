@@ -1,0 +1,163 @@
+"""From a plan to what a run needs: one small program per node, the run's network, and the implicit plan of a
+scenario that names no plan file.
+
+A node's program (a ``StagePlan``, handed to the node as its ``PLAN``) says what to load (its block range, and the
+embedding or head where it is the entry or exit), which names to register (``pp-stage-{i}`` by its place on the loop,
+``pp-entry`` on the entry, ``pp-exit`` on the exit) and where each message goes next (the names its activations come
+from and go to; tokens go to ``pp-entry``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from ppharness.errors import PlanError
+from ppharness.network.spec import Impairment, Link, Network, stage_node
+from ppharness.plan.build import chain, even_cuts
+from ppharness.plan.doc import Cluster, Device, ModelGraph, Objective, PlanDoc, Source, loop
+from ppharness.plan.stages import Plan, StagePlan, StageSettings, names_of, stage_name
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A plan made ready to run: each node's program in loop order, the devices they run on, and the block ranges
+    (``ranges``/``runtime``: the view the orchestrator, the trace and the exactness check read)."""
+
+    doc: PlanDoc
+    devices: tuple[Device, ...]
+    runtime: Plan
+
+    @property
+    def num_stages(self) -> int:
+        return self.runtime.num_stages
+
+    @property
+    def provider_kind(self) -> str:
+        return self.devices[0].source.kind
+
+
+def compile_plan(doc: PlanDoc) -> Compiled:
+    """The run's view of a checked plan: nodes in loop order, their devices and block ranges. Refuses a plan whose
+    devices come from more than one provider (a run has one)."""
+    order = loop(doc)
+    devices = tuple(doc.cluster.device(n.device) for n in order)
+    kinds = sorted({d.source.kind for d in devices})
+    if len(kinds) > 1:
+        by_kind = "; ".join(f"{k}: {', '.join(d.id for d in devices if d.source.kind == k)}" for k in kinds)
+        raise PlanError(
+            f"plan {doc.id}: its nodes run on devices from {len(kinds)} providers ({by_kind}) — one run uses one "
+            "provider; give every placed device the same source kind"
+        )
+    ranges = []
+    for n in order:
+        r = n.blocks
+        assert r is not None  # check_plan: every node runs one range
+        ranges.append(r)
+    return Compiled(doc=doc, devices=devices, runtime=Plan(plan_id=doc.id, ranges=tuple(ranges)))
+
+
+def programs(compiled: Compiled, settings: StageSettings) -> list[StagePlan]:
+    """Every node's program, in loop order."""
+    order = loop(compiled.doc)
+    n = len(order)
+    out = []
+    for i, node in enumerate(order):
+        lo, hi = compiled.runtime.ranges[i]
+        out.append(
+            StagePlan(
+                plan_id=compiled.doc.id,
+                stage=i,
+                num_stages=n,
+                lo=lo,
+                hi=hi,
+                node=node.label,
+                device=node.device,
+                names=tuple(names_of(i, n)),
+                prev=stage_name(i - 1) if i > 0 else "",
+                next=stage_name(i + 1) if i < n - 1 else "",
+                **settings,
+            )
+        )
+    return out
+
+
+def plan_network(compiled: Compiled, base: Network | None) -> Network | None:
+    """The run's network: the cluster's links between the nodes' devices as per-link impairments between stages
+    (the scenario's own ``network.links`` win for a pair both name; its default, layer, seed and events stay)."""
+    cluster, devices = compiled.doc.cluster, compiled.devices
+    links = []
+    given = {(link.src, link.dst) for link in base.links} if base is not None else set()
+    for i, a in enumerate(devices):
+        for j, b in enumerate(devices):
+            if i == j or (stage_node(i), stage_node(j)) in given:
+                continue
+            imp = cluster.link(a.id, b.id)
+            if imp != Impairment():
+                links.append(msgspec.convert(_fields(imp) | {"from": stage_node(i), "to": stage_node(j)}, Link))
+    if not links:
+        return base
+    if base is None:
+        return Network(links=tuple(links))
+    return msgspec.structs.replace(base, links=base.links + tuple(links))
+
+
+def _fields(imp: Impairment) -> dict[str, object]:
+    return msgspec.to_builtins(imp)  # type: ignore[no-any-return]
+
+
+def implicit_cluster(kind: str, n: int) -> Cluster:
+    """A scenario without a plan file runs on ``n`` devices of its provider with no limits of their own."""
+    memory = _machine_memory()
+    return Cluster(
+        devices=tuple(
+            Device(id=f"{kind}-{i}", memory=memory, gflops=1.0, reserve=0, source=Source(kind=_source_kind(kind)))
+            for i in range(n)
+        ),
+        name=f"{n} {kind} node(s)",
+    )
+
+
+def _source_kind(provider: str) -> Literal["local", "docker", "vastai"]:
+    if provider == "docker":
+        return "docker"
+    return "vastai" if provider == "vastai" else "local"
+
+
+def scenario_plan(model: ModelGraph, num_stages: int | None, splits: Sequence[int] | None, kind: str) -> PlanDoc:
+    """The plan of ``--num-stages N`` / ``stages.splits``: a chain over N devices of the scenario's provider, cut at
+    the split points (or evenly)."""
+    blocks = len(model.blocks)
+    if splits is None:
+        if num_stages is None or num_stages < 1:
+            raise PlanError(f"stages: need a stage count of at least 1, got {num_stages}")
+        if num_stages > blocks:
+            raise PlanError(f"stages: {num_stages} stages but the model has {blocks} blocks; use at most {blocks}")
+        cuts = even_cuts(blocks, num_stages)
+    else:
+        cuts = list(splits)
+    n = len(cuts) + 1
+    cluster = implicit_cluster(kind, n)
+    policy = "even" if splits is None else "splits"
+    return chain(model, cluster, [d.id for d in cluster.devices], cuts, Objective(), policy)
+
+
+def check_model(doc: PlanDoc, sha256: str, path: str, source: str = "") -> None:
+    """Refuse a plan made for another model than the file the run resolved."""
+    if doc.model.sha256 and doc.model.sha256 != sha256:
+        raise PlanError(
+            f"{source or 'the plan'}: $.model.sha256: the plan was made for a model with sha256 "
+            f"{doc.model.sha256[:16]}… but {path} has {sha256[:16]}… — make the plan again for this model "
+            "(`ppharness plan make --model ...`)"
+        )
+
+
+def _machine_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 40
