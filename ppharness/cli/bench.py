@@ -226,3 +226,47 @@ def bench_wan(
         click.echo(f"\nwritten: {out_dir}/bench-wan.json, {png}")
     else:
         click.echo(f"\nwritten: {out_dir}/bench-wan.json (no PNG: matplotlib is not installed)")
+
+
+@bench.command("plan")
+@click.option(
+    "--cluster",
+    "cluster_files",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Cluster file (repeatable; default: the three in scenarios/clusters/).",
+)
+@click.option("--preset", default="small", show_default=True, help="Synthetic model preset.")
+@click.option("--tokens", type=int, default=24, show_default=True, help="Tokens generated per request.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Requests per plan (median).")
+@click.option(
+    "--provider",
+    type=click.Choice(["docker", "local"]),
+    default="docker",
+    show_default=True,
+    help="docker: containers with the cluster file's CPU quotas and memory limits; local: processes, no limits.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    default="bench-results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where bench-plan.json, bench-plan.png and the plans go.",
+)
+def bench_plan(
+    cluster_files: tuple[str, ...], preset: str, tokens: int, repeats: int, provider: str, out_dir: str
+) -> None:
+    """The planner's plan against the even and the memory-proportional split: predicted and measured per-token time
+    on each cluster."""
+    from ppharness.benchmarks.plan import plot, report, run_plan_bench, shipped_clusters
+    from ppharness.run.orchestrator import Progress
+
+    files = list(cluster_files) or [str(p) for p in shipped_clusters()]
+    with exit_1_on_failure():
+        res = run_plan_bench(files, preset, tokens, repeats, provider, out_dir, Progress())
+    click.echo(report(res))
+    for case in res.cases:
+        click.echo(f"\n{case.cluster} / {case.policy}:\n{case.rows}")
+    drawn = plot(res, Path(out_dir) / "bench-plan.png")
+    click.echo(f"\nwritten: {out_dir}/bench-plan.json" + (f", {out_dir}/bench-plan.png" if drawn else ""))

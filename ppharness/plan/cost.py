@@ -3,7 +3,11 @@
 A node's time per token is its device's fixed cost per token plus, for each block, the larger of its FLOPs over the
 device's speed and its weight bytes over the device's memory bandwidth (decode reads every weight once per token),
 plus the head on the exit. An edge's time is the link's one-way latency, the bytes over its bandwidth, and the
-cluster's fixed cost per hop (what the trace measures for the transport). The planner and the simulator both use
+cluster's fixed cost per hop (what the trace measures for the transport).
+
+A device with a CPU quota (docker's ``cpus``, below 1) runs at full speed while its share lasts, so one token still
+takes ``node_ms`` there, but the node cannot be busy more than ``cpus`` of the time: it is busy ``node_ms / cpus`` per
+token (``busy_ms``), and no loop turns faster than its busiest resource (``loop_ms``). The planner and the simulator both use
 these functions, so that what is searched is what is predicted.
 """
 
@@ -51,3 +55,20 @@ def serialization_ms(cluster: Cluster, src: str, dst: str, nbytes: int) -> float
         return 0.0
     link = cluster.link(src, dst)
     return nbytes * 8 / (link.rate_mbit * 1e6) * 1e3 if link.rate_mbit is not None else 0.0
+
+
+def cpu_share(device: Device) -> float:
+    """The share of a CPU the device's node may use: its docker quota when below one CPU, else 1."""
+    cpus = device.source.cpus
+    return min(cpus, 1.0) if cpus is not None else 1.0
+
+
+def busy_ms(node_time_ms: float, device: Device) -> float:
+    """How long one token occupies ``device``'s CPU share: the node's time over the share."""
+    return node_time_ms / cpu_share(device)
+
+
+def loop_ms(parts_ms: float, busiest_ms: float) -> float:
+    """Per-token time of one request: the sum of the loop's parts, or the busiest resource's time per token when
+    that is longer (a quota-bound node)."""
+    return max(parts_ms, busiest_ms)

@@ -37,7 +37,8 @@ from ppharness.scenario.explain import FieldError, explain, explain_yaml
 from ppharness.scenario.yaml_limits import YamlLimit, screen
 
 PLAN_VERSION = 1
-ID_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+# (?!\n): Python's $ also matches before a final newline, which an id must not end in
+ID_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$(?!\n)")
 Name = Annotated[str, Meta(pattern=ID_NAME.pattern, description="lower-case letters, digits, - and _, 1 to 63")]
 Bytes = Annotated[int, Meta(ge=0, description="bytes (a YAML file may write 512m, 2g, 24GiB)")]
 Count = Annotated[int, Meta(ge=0)]
@@ -105,11 +106,15 @@ class Device(_Doc, frozen=True):
 
     id: Name
     memory: Bytes
-    gflops: Annotated[float, Meta(gt=0)]  # effective decode speed: FLOPs per token / seconds per token
-    bandwidth_gbs: Annotated[float, Meta(gt=0)] | None = None  # memory bandwidth, GB/s; None: not the bound
-    overhead_ms: Annotated[float, Meta(ge=0)] = 0.0  # fixed cost per token of a node on this device
+    # each float field has an upper bound: the canonical form is JSON, which has no infinity
+    # effective decode speed: FLOPs per token / seconds per token
+    gflops: Annotated[float, Meta(gt=0, le=1e12, description="GFLOP/s, more than 0, at most 1e12")]
+    # memory bandwidth; None: not the bound
+    bandwidth_gbs: Annotated[float, Meta(gt=0, le=1e12, description="GB/s, more than 0, at most 1e12")] | None = None
+    # fixed cost per token of a node on this device
+    overhead_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0
     reserve: Bytes = DEFAULT_RESERVE  # memory the runtime needs besides weights and KV cache
-    usd_per_hour: Annotated[float, Meta(ge=0)] = 0.0
+    usd_per_hour: Annotated[float, Meta(ge=0, le=1e6, description="US dollars per hour, 0 to 1e6")] = 0.0
     region: Name | None = None
     source: Source = Source()
 
@@ -133,7 +138,8 @@ class Cluster(_Doc, frozen=True):
     default: Impairment = Impairment()
     region_links: tuple[Link, ...] = ()
     links: tuple[Link, ...] = ()
-    hop_ms: Annotated[float, Meta(ge=0)] = 0.0  # fixed cost of one message hop (transport), as traces measure it
+    # fixed cost of one message hop (transport), as traces measure it
+    hop_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0
     name: str = ""
 
     def device(self, device_id: str) -> Device:

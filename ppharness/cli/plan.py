@@ -1,0 +1,216 @@
+"""``ppharness plan``: write, check, look at, cost, search and measure plans (``ppharness.plan``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from ppharness.cli.common import exit_1_on_failure, fail
+from ppharness.errors import HarnessError
+
+if TYPE_CHECKING:
+    from ppharness.plan.doc import Cluster, ModelGraph, PlanDoc
+
+MODEL_HELP = (
+    "The model: a synthetic preset (tiny, small, ...), a synthetic: spec, a GGUF path or an http(s) URL "
+    "(built or downloaded once into the cache)."
+)
+
+
+def model_for(model: str, max_context: int) -> ModelGraph:
+    """The plan's model part for ``model`` (a preset name, a synthetic: spec, a path or a URL)."""
+    from ppharness.model.files import PRESETS, preset_spec, resolve_model, synthetic_source
+    from ppharness.plan.graph import model_graph
+
+    if model in PRESETS:
+        source = synthetic_source(preset_spec(model))
+    elif model.startswith("synthetic:") or "://" in model:
+        source = model
+    else:
+        path = Path(model).expanduser()
+        if not path.is_file():
+            fail(f"--model {model}: no such file, and not a preset ({', '.join(PRESETS)}) or a URL")
+        source = str(path.resolve())
+    return model_graph(resolve_model(source), source, max_context)
+
+
+def _load(plan_file: str) -> PlanDoc:
+    from ppharness.plan.doc import load_plan
+
+    try:
+        return load_plan(plan_file)
+    except HarnessError as exc:
+        fail(str(exc))
+
+
+def _write(text: str, out: str | None) -> None:
+    if out is None or out == "-":
+        click.echo(text, nl=False)
+    else:
+        Path(out).write_text(text)
+        click.echo(f"written: {out}", err=True)
+
+
+@click.group()
+def plan() -> None:
+    """Plans: what runs where (model graph, cluster, placement)."""
+
+
+@plan.command("schema")
+def plan_schema_cmd() -> None:
+    """Print the plan's JSON Schema."""
+    from ppharness.plan.doc import plan_schema
+
+    click.echo(json.dumps(plan_schema(), indent=2))
+
+
+@plan.command("check")
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+def plan_check(files: tuple[str, ...]) -> None:
+    """Check plan files (and cluster files: names containing 'cluster') without running them; exit 1 if any is
+    bad."""
+    from ppharness.plan.doc import load_cluster, load_plan
+
+    bad = 0
+    for f in files:
+        try:
+            if "cluster" in Path(f).name:
+                c = load_cluster(f)
+                click.echo(f"ok: {f} (cluster {c.name}: {len(c.devices)} devices)")
+            else:
+                doc = load_plan(f)
+                click.echo(f"ok: {f} (plan {doc.id}: {len(doc.placement.nodes)} nodes)")
+        except HarnessError as exc:
+            bad += 1
+            click.echo(f"FAILED: {exc}", err=True)
+    if bad:
+        raise SystemExit(1)
+
+
+@plan.command("fmt")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("-o", "--out", help="Write here instead of standard output.")
+def plan_fmt(plan_file: str, out: str | None) -> None:
+    """Print a plan in its canonical form (sorted keys, with its id), e.g. after editing it by hand."""
+    from ppharness.errors import PlanError
+    from ppharness.plan.check import check_plan
+    from ppharness.plan.doc import decode_text, pretty
+    from ppharness.scenario.schema import read_text_file
+
+    try:
+        doc = decode_text(read_text_file(Path(plan_file), "plan", "*.json", PlanError), plan_file)
+        check_plan(doc, plan_file)
+    except HarnessError as exc:
+        fail(str(exc))
+    _write(pretty(doc), out)
+
+
+@plan.command("text")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+def plan_text(plan_file: str) -> None:
+    """Print a plan's placement in the compact text form (one line per node)."""
+    from ppharness.plan.text import render
+
+    click.echo(render(_load(plan_file).placement), nl=False)
+
+
+@plan.command("make")
+@click.option("--model", "model", required=True, help=MODEL_HELP)
+@click.option("--cluster", "cluster_file", required=True, type=click.Path(dir_okay=False), help="Cluster file.")
+@click.option(
+    "--objective",
+    type=click.Choice(["latency", "throughput", "cost"]),
+    default="latency",
+    show_default=True,
+    help="Per-token latency of one request, throughput with --requests in flight, or $ per token.",
+)
+@click.option("--requests", type=int, default=1, show_default=True, help="Requests in flight.")
+@click.option(
+    "--policy",
+    type=click.Choice(["optimal", "even", "memory"]),
+    default="optimal",
+    show_default=True,
+    help="optimal: the planner's search; even: k = blocks // N over every device in the file's order; memory: "
+    "blocks in proportion to device memory (exo's split).",
+)
+@click.option("--max-context", type=int, default=256, show_default=True, help="KV cache length every node holds.")
+@click.option("-o", "--out", help="Plan file to write (JSON); default: standard output.")
+def plan_make(
+    model: str, cluster_file: str, objective: str, requests: int, policy: str, max_context: int, out: str | None
+) -> None:
+    """Make a plan for MODEL on a cluster: which devices, in which order, which blocks each."""
+    from ppharness.plan.build import policy_plan
+    from ppharness.plan.check import check_plan
+    from ppharness.plan.doc import Objective, load_cluster, pretty
+    from ppharness.plan.simulate import simulate
+    from ppharness.plan.text import render
+
+    with exit_1_on_failure():
+        cluster: Cluster = load_cluster(cluster_file)
+        graph = model_for(model, max_context)
+        doc = policy_plan(policy, graph, cluster, Objective(kind=objective, requests=requests))  # type: ignore[arg-type]
+        check_plan(doc, out or "<plan>")
+    _write(pretty(doc), out)
+    prediction = simulate(doc, requests=requests)
+    click.echo(render(doc.placement), err=True, nl=False)
+    click.echo(prediction.header(), err=True)
+
+
+@plan.command("show")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--png", "png", type=click.Path(dir_okay=False), help="Also draw the graph into this PNG file.")
+@click.option("--mermaid", "mermaid_file", type=click.Path(dir_okay=False), help="Also write a Mermaid flowchart.")
+@click.option("--dot", "dot_file", type=click.Path(dir_okay=False), help="Also write a Graphviz DOT file.")
+def plan_show(plan_file: str, png: str | None, mermaid_file: str | None, dot_file: str | None) -> None:
+    """A table of the plan's nodes (device, ops, weights, KV cache, predicted ms) and its text form."""
+    from ppharness.plan import show
+    from ppharness.plan.text import render
+
+    doc = _load(plan_file)
+    click.echo(f"plan {doc.id} ({doc.placement.policy or 'hand-written'}), model {doc.model.source}")
+    click.echo(show.table(doc))
+    click.echo("")
+    click.echo(render(doc.placement), nl=False)
+    if png:
+        show.draw_png(doc, png)
+        click.echo(f"written: {png}", err=True)
+    if mermaid_file:
+        Path(mermaid_file).write_text(show.mermaid(doc))
+        click.echo(f"written: {mermaid_file}", err=True)
+    if dot_file:
+        Path(dot_file).write_text(show.dot(doc))
+        click.echo(f"written: {dot_file}", err=True)
+
+
+@plan.command("simulate")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--requests", type=int, help="Requests in flight (default: the plan's objective's).")
+@click.option("--prompt-tokens", type=int, default=8, show_default=True, help="Prompt length for the first token.")
+def plan_simulate(plan_file: str, requests: int | None, prompt_tokens: int) -> None:
+    """Predict time to first token, per-token latency (its parts, as the trace lists them) and throughput."""
+    from ppharness.plan.simulate import simulate
+
+    doc = _load(plan_file)
+    click.echo(simulate(doc, prompt_tokens=prompt_tokens, requests=requests).summary())
+
+
+@plan.command("probe")
+@click.option("--model", "model", default="small", show_default=True, help=MODEL_HELP)
+@click.option("--id", "device_id", default="this", show_default=True, help="The device entry's id.")
+@click.option("-o", "--out", help="Write the device entry (YAML) here; default: standard output.")
+def plan_probe(model: str, device_id: str, out: str | None) -> None:
+    """Time per-block decode on this machine (tinygrad's default device) and print the device entry for a
+    cluster file: speed, memory bandwidth, fixed cost per token, memory."""
+    import msgspec
+
+    from ppharness.model.files import resolve_model
+    from ppharness.plan.probe import probe_fit
+
+    with exit_1_on_failure():
+        graph = model_for(model, 256)
+        fit = probe_fit(str(resolve_model(graph.source)), device_id, source=graph.source)
+    click.echo(fit.probe_report, err=True)
+    _write(msgspec.yaml.encode([msgspec.to_builtins(fit.device)]).decode(), out)

@@ -1,0 +1,194 @@
+"""A plan for people: a text table, a Mermaid flowchart, a Graphviz graph and a PNG drawing.
+
+Each shows every node (its device, its ops, what it needs of its device's memory and its predicted time per token)
+and every edge (what it carries and its predicted time per token; the token edge dashed). The times are the cost
+model's (``ppharness.plan.cost``), as ``simulate`` adds them up.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ppharness.plan import cost
+from ppharness.plan.check import gib, node_kv, node_memory, node_weights
+from ppharness.plan.doc import Blocks, Edge, Embed, Node, PlanDoc, loop, plan_id
+
+
+def ops_text(node: Node) -> str:
+    """``embed, blk[0:6]``, ``blk[6:8], head``."""
+    return ", ".join(
+        "embed" if isinstance(op, Embed) else f"blk[{op.lo}:{op.hi}]" if isinstance(op, Blocks) else "head"
+        for op in node.ops
+    )
+
+
+def _ordered(doc: PlanDoc) -> list[Node]:
+    """The nodes along the loop, entry first; any node off the loop after them, in the file's order."""
+    try:
+        order = loop(doc)
+    except StopIteration:  # no entry
+        order = []
+    seen = {n.label for n in order}
+    return order + [n for n in doc.placement.nodes if n.label not in seen]
+
+
+def _node_ms(doc: PlanDoc, node: Node) -> float:
+    lo, hi = node.blocks or (0, 0)
+    return cost.node_ms(doc.model, doc.cluster.device(node.device), lo, hi, node.heads)
+
+
+def _edge_bytes(doc: PlanDoc, edge: Edge) -> int:
+    return doc.model.token_bytes if edge.kind == "token" else doc.model.activation_bytes
+
+
+def _edge_ms(doc: PlanDoc, edge: Edge) -> float:
+    devices = {n.label: n.device for n in doc.placement.nodes}
+    return cost.edge_ms(doc.cluster, devices[edge.src], devices[edge.dst], _edge_bytes(doc, edge))
+
+
+def _nbytes(n: int) -> str:
+    return f"{n} B" if n < 1 << 10 else f"{n / (1 << 10):.1f} KiB" if n < 1 << 20 else gib(n)
+
+
+def _per_token_ms(doc: PlanDoc) -> float:
+    nodes = doc.placement.nodes
+    edges = doc.placement.edges if len(nodes) > 1 else ()
+    return sum(_node_ms(doc, n) for n in nodes) + sum(_edge_ms(doc, e) for e in edges)
+
+
+def table(doc: PlanDoc) -> str:
+    """Nodes (along the loop) with device, ops, weights, KV cache, memory need / available and predicted ms per token;
+    then the edges with their bytes and predicted ms; then the per-token total."""
+    requests = doc.placement.objective.requests
+    header = (
+        f"{'node':<16} {'device':<16} {'ops':<24} {'weights':>11} {'KV':>11} {'memory need/available':>25} "
+        f"{'ms/token':>9}"
+    )
+    lines = [f"plan {doc.id or plan_id(doc)}", header]
+    for node in _ordered(doc):
+        device = doc.cluster.device(node.device)
+        need = node_memory(doc, node)
+        memory = f"{gib(need)} / {gib(device.memory)}" + (" !" if need > device.memory else "")
+        lines.append(
+            f"{node.label:<16} {device.id:<16} {ops_text(node):<24} {gib(node_weights(doc, node)):>11} "
+            f"{gib(node_kv(doc, node, requests)):>11} {memory:>25} {_node_ms(doc, node):>9.3f}"
+        )
+    lines.append(f"{'edge':<34} {'kind':<12} {'bytes':>10} {'ms/token':>9}")
+    for edge in doc.placement.edges:
+        lines.append(
+            f"{edge.src + ' -> ' + edge.dst:<34} {edge.kind:<12} {_nbytes(_edge_bytes(doc, edge)):>10} "
+            f"{_edge_ms(doc, edge):>9.3f}"
+        )
+    ms = _per_token_ms(doc)
+    lines.append(f"per token {ms:.3f} ms ({1e3 / ms if ms > 0 else math.inf:.1f} tok/s, one request)")
+    return "\n".join(lines)
+
+
+def mermaid(doc: PlanDoc) -> str:
+    """A Mermaid flowchart: a box per node (name, device, ops, ms per token), an arrow per edge (bytes, ms), the token
+    edge dashed."""
+    ids = {n.label: f"n{i}" for i, n in enumerate(_ordered(doc))}
+    lines = ["flowchart LR"]
+    for node in _ordered(doc):
+        label = f"{node.label}<br/>device {node.device}<br/>{ops_text(node)}<br/>{_node_ms(doc, node):.3f} ms"
+        lines.append(f'    {ids[node.label]}["{label}"]')
+    for edge in doc.placement.edges:
+        label = f"{edge.kind} {_nbytes(_edge_bytes(doc, edge))}, {_edge_ms(doc, edge):.3f} ms"
+        arrow = "-.->" if edge.kind == "token" else "-->"
+        lines.append(f'    {ids[edge.src]} {arrow}|"{label}"| {ids[edge.dst]}')
+    return "\n".join(lines) + "\n"
+
+
+def dot(doc: PlanDoc) -> str:
+    """The same graph in Graphviz's language (``dot -Tpng``)."""
+    lines = [
+        f'digraph "plan {doc.id or plan_id(doc)}" {{',
+        "    rankdir=LR;",
+        '    node [shape=box, fontname="monospace"];',
+    ]
+    for node in _ordered(doc):
+        label = f"{node.label}\\ndevice {node.device}\\n{ops_text(node)}\\n{_node_ms(doc, node):.3f} ms"
+        lines.append(f'    "{node.label}" [label="{label}"];')
+    for edge in doc.placement.edges:
+        label = f"{edge.kind} {_nbytes(_edge_bytes(doc, edge))}\\n{_edge_ms(doc, edge):.3f} ms"
+        style = ", style=dashed" if edge.kind == "token" else ""
+        lines.append(f'    "{edge.src}" -> "{edge.dst}" [label="{label}"{style}];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def draw_png(doc: PlanDoc, path: str | Path) -> Path:
+    """Draw the plan into a PNG at ``path``: the nodes around a circle in loop order (entry at the top, clockwise),
+    each a box with its device, ops and ms per token; an arrow per edge with its ms (the token edge dashed); the plan
+    id and predicted tokens per second in the title."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import FancyBboxPatch
+
+    nodes = _ordered(doc)
+    n = len(nodes)
+    box_w, box_h = 1.0, 0.5
+    radius = 0.0 if n == 1 else max(1.2, n * box_w * 1.8 / (2 * math.pi))
+    centres = {
+        node.label: (
+            radius * math.cos(math.pi / 2 - 2 * math.pi * i / n),
+            radius * math.sin(math.pi / 2 - 2 * math.pi * i / n),
+        )
+        for i, node in enumerate(nodes)
+    }
+    extent = max(radius + 0.75 * box_w, 1.5)
+    side = 4.1 * extent  # inches: the boxes keep one size on paper, so their text fits whatever n
+    fig = Figure(figsize=(side, side))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_xlim(-extent, extent)
+    ax.set_ylim(-extent, extent)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    for node in nodes:
+        x, y = centres[node.label]
+        ax.add_patch(
+            FancyBboxPatch(
+                (x - box_w / 2, y - box_h / 2),
+                box_w,
+                box_h,
+                boxstyle="round,pad=0.02",
+                facecolor="#e8f0fe" if not (node.embeds or node.heads) else "#fde8d8",
+                edgecolor="#335",
+            )
+        )
+        who = node.device if node.label == node.device else f"{node.label} on {node.device}"
+        text = f"{who}\n{ops_text(node)}\n{_node_ms(doc, node):.3f} ms"
+        ax.text(x, y, text, ha="center", va="center", fontsize=8, family="monospace")
+    for edge in doc.placement.edges:
+        a, b = centres[edge.src], centres[edge.dst]
+        dashed = edge.kind == "token"
+        label = f"{_edge_ms(doc, edge):.3f} ms"
+        style = {"arrowstyle": "-|>", "color": "#335", "linestyle": "--" if dashed else "-", "lw": 1.2}
+        if edge.src == edge.dst:  # one node: the token comes back to itself
+            x, y = a
+            start, end = (x + box_w / 2, y), (x, y + box_h / 2)
+            ax.annotate("", xy=end, xytext=start, arrowprops=style | {"connectionstyle": "arc3,rad=1.2"})
+            ax.text(x + box_w / 2, y + box_h / 2 + 0.15, label, fontsize=7, ha="left")
+            continue
+        start, end = _boundary(a, b, box_w, box_h), _boundary(b, a, box_w, box_h)
+        ax.annotate("", xy=end, xytext=start, arrowprops=style | {"connectionstyle": "arc3,rad=0.15"})
+        mx, my = (start[0] + end[0]) / 2, (start[1] + end[1]) / 2
+        ax.text(mx, my, label, fontsize=7, ha="center", va="center", backgroundcolor="white")
+    ms = _per_token_ms(doc)
+    tok_s = 1e3 / ms if ms > 0 else math.inf
+    fig.suptitle(
+        f"plan {doc.id or plan_id(doc)}: {tok_s:.1f} tok/s predicted ({ms:.3f} ms per token)",
+        fontsize=11,
+    )
+    out = Path(path)
+    fig.savefig(out, format="png", dpi=100)
+    return out
+
+
+def _boundary(a: tuple[float, float], b: tuple[float, float], w: float, h: float) -> tuple[float, float]:
+    """Where the line from box centre ``a`` towards ``b`` leaves the box (width ``w``, height ``h``) around ``a``."""
+    dx, dy = b[0] - a[0], b[1] - a[1]
+    t = min(w / 2 / abs(dx) if dx else math.inf, h / 2 / abs(dy) if dy else math.inf, 1.0)
+    return a[0] + t * dx * 1.05, a[1] + t * dy * 1.05

@@ -1,0 +1,218 @@
+"""What a plan will do, before it runs: time to first token, per-token latency, throughput and price.
+
+Every number comes from the cost model (``ppharness.plan.cost``), so that what the planner searches is what is
+predicted here and what a traced run is compared with:
+
+- decode (one token around the loop): each node's ``node_ms`` (fixed cost per token, its blocks, the head on the exit)
+  and each edge's ``edge_ms`` (one-way latency, bytes over bandwidth, the cluster's cost per hop): activations of
+  ``activation_bytes`` along the chain, then the token of ``token_bytes`` back from the exit to the entry;
+- time to first token (prefill of ``prompt_tokens``): each node's fixed cost once, its blocks ``prompt_tokens`` times,
+  the head once (only the last position's token is wanted); activation edges carry ``prompt_tokens`` hidden states,
+  the token edge one token;
+- throughput with R requests in flight: each request takes one token per loop of L ms, and the busiest resource (a
+  node's compute, or a link's serialisation of its message) serves one token at a time, so
+  ``min(R / L, 1 / bottleneck)`` tokens per ms;
+- price: the hourly price of every device a node runs on, over the throughput.
+
+The rows are named as the trace names its components (``stage {i} compute`` with i the position along the loop, entry
+first; ``hop {i}->{j}`` with j = (i + 1) % n, the last one the token back), so ``compare`` puts prediction and
+measurement side by side row for row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from ppharness.plan import cost
+from ppharness.plan.doc import PlanDoc, hops, loop, plan_id
+from ppharness.trace.report import Trace
+
+RowKind = Literal["compute", "activation", "token"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One component of the per-token time: a node's compute or one edge of the loop."""
+
+    name: str  # "stage 0 compute", "hop 0->1"
+    ms: float  # decode, one token
+    prefill_ms: float  # the first token (prefill of the prompt)
+    kind: RowKind
+    device: str  # compute: the node's device; hop: "src->dst" device ids
+    node: str = ""  # compute: the node's label
+    nbytes: int = 0  # hop: bytes of one decode message
+    busy_ms: float = 0.0  # how long one token occupies the resource (node: its compute; link: serialisation)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A plan's predicted timing: the rows, their totals and what they give with ``requests`` in flight."""
+
+    plan_id: str
+    rows: tuple[Row, ...]
+    prompt_tokens: int
+    requests: int
+    per_token_ms: float  # L: one token around the loop (decode)
+    ttft_ms: float  # time to first token (prefill of the prompt, and the token back to the entry)
+    bottleneck: str  # the row of the busiest resource
+    bottleneck_ms: float
+    throughput_tok_s: float  # with ``requests`` in flight
+    usd_per_hour: float  # of the devices the nodes run on
+
+    @property
+    def tok_s(self) -> float:
+        """Decode tokens per second of one request."""
+        return 1e3 / self.per_token_ms if self.per_token_ms > 0 else math.inf
+
+    @property
+    def usd_per_token(self) -> float | None:
+        """Dollars per generated token at the predicted throughput; None when no device is priced."""
+        if self.usd_per_hour <= 0:
+            return None
+        return self.usd_per_hour / 3600 / self.throughput_tok_s
+
+    @property
+    def usd_per_mtoken(self) -> float | None:
+        per = self.usd_per_token
+        return None if per is None else per * 1e6
+
+    def parts(self) -> dict[str, float]:
+        """Row name -> predicted ms, and ``per token``: the shape of ``Trace.p50_parts``."""
+        out = {r.name: r.ms for r in self.rows}
+        out["per token"] = self.per_token_ms
+        return out
+
+    def throughput(self, requests: int) -> float:
+        """Tokens per second with ``requests`` in flight: min(R / L, 1 / bottleneck)."""
+        return throughput_tok_s(self.per_token_ms, self.bottleneck_ms, requests)
+
+    def header(self) -> str:
+        price = self.usd_per_mtoken
+        return (
+            f"plan {self.plan_id}: per token (decode, predicted) {self.per_token_ms:.3f} ms, {self.tok_s:.1f} tok/s; "
+            f"first token (prefill, {self.prompt_tokens} prompt tokens) {self.ttft_ms:.1f} ms; "
+            f"{self.throughput_tok_s:.1f} tok/s with {self.requests} in flight (bottleneck {self.bottleneck}, "
+            f"{self.bottleneck_ms:.3f} ms)" + (f"; ${price:.4g}/Mtoken" if price is not None else "")
+        )
+
+    def summary(self) -> str:
+        """The table ``Trace.summary`` prints, predicted: component, ms, bytes of a hop, share of the token, and the
+        device of each node (the device pair of each hop)."""
+        lines = [self.header(), f"{'component':<22} {'predicted ms':>12} {'bytes':>8} {'share':>7}  device"]
+        for r in self.rows:
+            lines.append(
+                f"{r.name:<22} {r.ms:>12.3f} {r.nbytes if r.nbytes else '':>8} {_share(r.ms, self.per_token_ms):>7}  "
+                f"{r.device}"
+            )
+        wait = self.per_token_ms - sum(r.ms for r in self.rows)
+        if wait > 1e-9:  # a node's CPU quota bounds the loop (ppharness.plan.cost.loop_ms)
+            lines.append(
+                f"{'cpu quota wait':<22} {wait:>12.3f} {'':>8} {_share(wait, self.per_token_ms):>7}  {self.bottleneck}"
+            )
+        lines.append(
+            f"{'per token':<22} {self.per_token_ms:>12.3f} {'':>8} {_share(self.per_token_ms, self.per_token_ms):>7}"
+        )
+        return "\n".join(lines)
+
+
+def _share(ms: float, total: float) -> str:
+    return f"{100 * ms / total:.1f}%" if total > 0 else ""
+
+
+def throughput_tok_s(per_token_ms: float, bottleneck_ms: float, requests: int) -> float:
+    """min(R / L, 1 / bottleneck) in tokens per second (infinite where both times are zero)."""
+    rates = [requests / per_token_ms if per_token_ms > 0 else math.inf]
+    if bottleneck_ms > 0:
+        rates.append(1 / bottleneck_ms)
+    return min(rates) * 1e3
+
+
+def simulate(doc: PlanDoc, prompt_tokens: int = 8, requests: int | None = None) -> Prediction:
+    """Predict ``doc``'s timing (the plan must have passed ``check_plan``); ``requests`` defaults to the objective's."""
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens must be at least 1, got {prompt_tokens}")
+    r = doc.placement.objective.requests if requests is None else requests
+    if r < 1:
+        raise ValueError(f"requests must be at least 1, got {r}")
+    model, cluster = doc.model, doc.cluster
+    order = loop(doc)
+    position = {n.label: i for i, n in enumerate(order)}
+    rows: list[Row] = []
+    for i, node in enumerate(order):
+        device = cluster.device(node.device)
+        lo, hi = node.blocks or (0, 0)
+        ms = cost.node_ms(model, device, lo, hi, node.heads)
+        prefill = (
+            device.overhead_ms
+            + prompt_tokens * cost.blocks_ms(model, device, lo, hi)
+            + (cost.head_ms(model, device) if node.heads else 0.0)
+        )
+        busy = cost.busy_ms(ms, device)
+        rows.append(Row(f"stage {i} compute", ms, prefill, "compute", device.id, node.label, busy_ms=busy))
+    if len(order) > 1:  # one node: the token stays on its device, and the trace has no hop either
+        for hop in hops(doc):
+            i, j = position[hop.src.label], position[hop.dst.label]
+            a, b = hop.src.device, hop.dst.device
+            nbytes = model.activation_bytes if hop.kind == "activation" else model.token_bytes
+            first = prompt_tokens * nbytes if hop.kind == "activation" else nbytes
+            rows.append(
+                Row(
+                    f"hop {i}->{j}",
+                    cost.edge_ms(cluster, a, b, nbytes),
+                    cost.edge_ms(cluster, a, b, first),
+                    hop.kind,
+                    f"{a}->{b}",
+                    nbytes=nbytes,
+                    busy_ms=cost.serialization_ms(cluster, a, b, nbytes),
+                )
+            )
+    busiest = max(rows, key=lambda row: row.busy_ms)
+    per_token = cost.loop_ms(sum(row.ms for row in rows), busiest.busy_ms)
+    price = sum(cluster.device(n.device).usd_per_hour for n in order)
+    return Prediction(
+        plan_id=doc.id or plan_id(doc),
+        rows=tuple(rows),
+        prompt_tokens=prompt_tokens,
+        requests=r,
+        per_token_ms=per_token,
+        ttft_ms=sum(row.prefill_ms for row in rows),
+        bottleneck=busiest.name,
+        bottleneck_ms=busiest.busy_ms,
+        throughput_tok_s=throughput_tok_s(per_token, busiest.busy_ms, r),
+        usd_per_hour=price,
+    )
+
+
+def compare(prediction: Prediction, trace: Trace) -> str:
+    """Predicted against measured p50 (over the trace's decode tokens), row for row, with the error of the prediction
+    in % of the measurement; then the trace's components the cost model has no row for (serialisation, "other"), the
+    per-token total and the first token."""
+    measured = trace.p50_parts()
+    lines = [
+        f"plan {prediction.plan_id} against trace {trace.request_id} ({len(trace.decode)} decode tokens, p50)",
+        f"{'component':<22} {'predicted ms':>12} {'measured ms':>12} {'error':>8}  device",
+    ]
+
+    def line(name: str, predicted: float | None, got: float | None, device: str = "") -> str:
+        p = f"{predicted:>12.3f}" if predicted is not None else f"{'-':>12}"
+        m = f"{got:>12.3f}" if got is not None and not math.isnan(got) else f"{'-':>12}"
+        return f"{name:<22} {p} {m} {_error(predicted, got):>8}  {device}".rstrip()
+
+    for row in prediction.rows:
+        lines.append(line(row.name, row.ms, measured.get(row.name), row.device))
+    predicted_names = {row.name for row in prediction.rows}
+    for name, ms in measured.items():
+        if name not in predicted_names and name != "per token":
+            lines.append(line(name, None, ms))
+    lines.append(line("per token", prediction.per_token_ms, measured.get("per token")))
+    first = trace.records[0].total_ms if trace.records and trace.records[0].step == 0 else None
+    lines.append(line("first token", prediction.ttft_ms, first))
+    return "\n".join(lines)
+
+
+def _error(predicted: float | None, measured: float | None) -> str:
+    if predicted is None or measured is None or math.isnan(measured) or measured == 0:
+        return "-"
+    return f"{100 * (predicted - measured) / measured:+.1f}%"

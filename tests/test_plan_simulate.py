@@ -1,0 +1,202 @@
+"""The plan's simulator, its pictures and the device probe: predictions are the cost model's parts added up."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ppharness.network.spec import Impairment
+from ppharness.plan import cost
+from ppharness.plan.build import chain
+from ppharness.plan.check import check_plan
+from ppharness.plan.doc import Block, Cluster, Device, Link, ModelGraph, Objective, PlanDoc
+from ppharness.plan.show import dot, draw_png, mermaid, ops_text, table
+from ppharness.plan.simulate import compare, simulate
+from ppharness.trace.report import TokenRecord, Trace
+
+MIB = 1 << 20
+
+
+def _model(blocks: int = 6) -> ModelGraph:
+    return ModelGraph(
+        source="synthetic:test",
+        sha256="0" * 64,
+        arch="llama",
+        dim=1024,
+        vocab=32000,
+        max_context=256,
+        embed_bytes=64 * MIB,
+        head_bytes=64 * MIB,
+        head_flops=65_000_000,
+        activation_bytes=2048,
+        token_bytes=64,
+        blocks=tuple(Block(weight_bytes=40 * MIB, flops=80_000_000, kv_bytes=4096) for _ in range(blocks)),
+    )
+
+
+def _cluster(hop_ms: float = 0.25) -> Cluster:
+    devices = (
+        Device(id="a", memory=4 << 30, gflops=50.0, bandwidth_gbs=20.0, overhead_ms=0.5, usd_per_hour=0.30),
+        Device(id="b", memory=4 << 30, gflops=200.0, overhead_ms=1.0, usd_per_hour=0.10, region="eu"),
+        Device(id="c", memory=4 << 30, gflops=20.0, bandwidth_gbs=100.0, region="us"),
+    )
+    return Cluster(
+        devices=devices,
+        default=Impairment(delay_ms=1.0),
+        links=(Link(src="a", dst="b", delay_ms=12.0, rate_mbit=100.0),),
+        region_links=(Link(src="eu", dst="us", delay_ms=40.0, rate_mbit=50.0),),
+        hop_ms=hop_ms,
+    )
+
+
+def _plan(requests: int = 1, hop_ms: float = 0.25) -> PlanDoc:
+    doc = chain(_model(), _cluster(hop_ms), ["a", "b", "c"], [2, 5], Objective(kind="throughput", requests=requests))
+    check_plan(doc)
+    return doc
+
+
+def test_decode_is_the_sum_of_the_cost_model_parts():
+    doc = _plan()
+    model, cluster = doc.model, doc.cluster
+    p = simulate(doc)
+    dev = cluster.device
+    nodes = [
+        cost.node_ms(model, dev("a"), 0, 2, False),
+        cost.node_ms(model, dev("b"), 2, 5, False),
+        cost.node_ms(model, dev("c"), 5, 6, True),
+    ]
+    edges = [
+        cost.edge_ms(cluster, "a", "b", model.activation_bytes),
+        cost.edge_ms(cluster, "b", "c", model.activation_bytes),
+        cost.edge_ms(cluster, "c", "a", model.token_bytes),
+    ]
+    assert [r.name for r in p.rows] == [
+        "stage 0 compute",
+        "stage 1 compute",
+        "stage 2 compute",
+        "hop 0->1",
+        "hop 1->2",
+        "hop 2->0",
+    ]
+    assert [r.ms for r in p.rows] == nodes + edges
+    assert p.per_token_ms == sum(nodes) + sum(edges)
+    assert [r.device for r in p.rows[:3]] == ["a", "b", "c"]
+    assert p.parts()["per token"] == p.per_token_ms
+    # by hand: device a is bound by bandwidth (40 MiB / 20 GB/s), b by FLOPs, c's head by FLOPs
+    assert nodes[0] == pytest.approx(0.5 + 2 * 40 * MIB / 20e9 * 1e3)
+    assert nodes[1] == pytest.approx(1.0 + 3 * 80e6 / 200e9 * 1e3)
+    assert nodes[2] == pytest.approx(80e6 / 20e9 * 1e3 + 65e6 / 20e9 * 1e3)
+    # TTFT: the fixed cost once, blocks once per prompt token, prompt_tokens activations per edge, one token back
+    ttft = (
+        0.5
+        + 8 * cost.blocks_ms(model, dev("a"), 0, 2)
+        + 1.0
+        + 8 * cost.blocks_ms(model, dev("b"), 2, 5)
+        + 8 * cost.blocks_ms(model, dev("c"), 5, 6)
+        + cost.head_ms(model, dev("c"))
+        + cost.edge_ms(cluster, "a", "b", 8 * model.activation_bytes)
+        + cost.edge_ms(cluster, "b", "c", 8 * model.activation_bytes)
+        + cost.edge_ms(cluster, "c", "a", model.token_bytes)
+    )
+    assert p.ttft_ms == pytest.approx(ttft)
+
+
+def test_hop_rows_use_the_links_delay():
+    doc = _plan(hop_ms=0.0)
+    rows = {r.name: r for r in simulate(doc).rows}
+    wire = 2048 * 8 / 100e6 * 1e3
+    assert rows["hop 0->1"].ms == pytest.approx(12.0 + wire)  # the pair's own link
+    assert rows["hop 1->2"].ms == pytest.approx(40.0 + 2048 * 8 / 50e6 * 1e3)  # eu -> us, the regions' link
+    assert rows["hop 2->0"].ms == pytest.approx(1.0)  # the default: 1 ms, no rate cap
+    assert rows["hop 0->1"].device == "a->b" and rows["hop 2->0"].kind == "token"
+    assert rows["hop 0->1"].nbytes == 2048 and rows["hop 2->0"].nbytes == 64
+
+
+def test_ttft_exceeds_the_per_token_time_for_longer_prompts():
+    doc = _plan()
+    assert simulate(doc, prompt_tokens=16).ttft_ms > simulate(doc, prompt_tokens=16).per_token_ms
+    assert simulate(doc, prompt_tokens=16).ttft_ms > simulate(doc, prompt_tokens=4).ttft_ms
+    one = simulate(doc, prompt_tokens=1)
+    assert one.ttft_ms == pytest.approx(one.per_token_ms)  # one prompt token: the same work as a decode step
+
+
+def test_throughput_is_latency_bound_for_one_request_and_bottleneck_bound_for_many():
+    doc = _plan()
+    one = simulate(doc, requests=1)
+    assert one.throughput_tok_s == pytest.approx(1e3 / one.per_token_ms)
+    assert one.throughput_tok_s == pytest.approx(one.tok_s)
+    many = simulate(doc, requests=1000)
+    busiest = max(max(r.busy_ms for r in many.rows), 0.0)
+    assert many.bottleneck_ms == busiest
+    assert many.throughput_tok_s == pytest.approx(1e3 / busiest)
+    assert many.bottleneck == "stage 2 compute"  # c: 20 GFLOP/s for a block and the head
+    assert one.requests == 1 and simulate(_plan(requests=4)).requests == 4  # the objective's count by default
+    assert one.throughput(1000) == pytest.approx(many.throughput_tok_s)
+    # price: a and b cost 0.40 $/h together; c is free
+    assert one.usd_per_hour == pytest.approx(0.40)
+    assert one.usd_per_mtoken == pytest.approx(0.40 / 3600 / one.throughput_tok_s * 1e6)
+
+
+def test_summary_and_compare_name_every_row():
+    doc = _plan()
+    p = simulate(doc, requests=4)
+    text = p.summary()
+    assert "tok/s" in text and "first token" in text and "4 in flight" in text and "/Mtoken" in text
+    for r in p.rows:
+        assert r.name in text
+    assert "stage 1 compute" in text.splitlines()[3] and text.splitlines()[3].rstrip().endswith("b")
+    parts = {"stage 0 compute": 2.0, "stage 0 serialize": 0.1, "hop 0->1": 15.0, "hop 2->0": 1.5}
+    records = [TokenRecord(k, 7, 40.0 + k, dict(parts), {"0->1": 2048}) for k in range(4)]
+    trace = Trace(request_id="r1", num_stages=3, records=records)
+    out = compare(p, trace)
+    assert "stage 0 serialize" in out and "other" in out and "per token" in out and "first token" in out
+    row = next(line for line in out.splitlines() if line.startswith("hop 0->1"))
+    err = 100 * (next(r.ms for r in p.rows if r.name == "hop 0->1") - 15.0) / 15.0
+    assert f"{err:+.1f}%" in row
+
+
+def test_show_mentions_every_node_and_edge():
+    doc = _plan()
+    assert ops_text(doc.placement.nodes[0]) == "embed, blk[0:2]"
+    assert ops_text(doc.placement.nodes[2]) == "blk[5:6], head"
+    t, m, d = table(doc), mermaid(doc), dot(doc)
+    for node in doc.placement.nodes:
+        assert node.label in t and node.label in m and node.label in d
+        assert ops_text(node) in t and ops_text(node) in m and ops_text(node) in d
+    for e in doc.placement.edges:
+        assert f"{e.src} -> {e.dst}" in t
+        assert f'"{e.src}" -> "{e.dst}"' in d
+    assert m.startswith("flowchart") and m.count("-->") == 2 and m.count("-.->") == 1
+    assert d.count("style=dashed") == 1
+    ms = simulate(doc).rows[0].ms
+    assert f"{ms:.3f}" in t and f"{ms:.3f} ms" in m
+
+
+def test_draw_png_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = draw_png(_plan(), tmp_path / "plan.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    single = chain(_model(), _cluster(), ["a"], [])
+    assert draw_png(single, tmp_path / "one.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    p = simulate(single)
+    assert [r.name for r in p.rows] == ["stage 0 compute"] and p.per_token_ms == p.rows[0].ms
+
+
+def test_probe_measures_this_machine(tiny_model_path):
+    from ppharness.plan.probe import fit_line, probe_fit
+
+    a, b, r2 = fit_line([1.0, 2.0, 4.0], [3.0, 5.0, 9.0])
+    assert (a, b, r2) == pytest.approx((1.0, 2.0, 1.0))
+    fit = probe_fit(tiny_model_path, "here", blocks=(1, 2, 4), tokens=8)
+    device = fit.device
+    assert device.id == "here" and device.region is None
+    assert device.gflops > 0 and device.bandwidth_gbs is not None and device.bandwidth_gbs > 0
+    assert device.overhead_ms >= 0 and device.memory > 0
+    assert sorted(fit.medians_ms) == [1, 2, 4] and all(ms > 0 for ms in fit.medians_ms.values())
+    assert "r²" in fit.probe_report and math.isfinite(fit.r2)
+    # the device reproduces the fitted slope for one block of this model (both bounds agree)
+    from ppharness.plan.graph import model_graph
+
+    graph = model_graph(tiny_model_path, "synthetic:tiny", 64)
+    assert cost.blocks_ms(graph, device, 0, 1) == pytest.approx(max(fit.b_ms, 1e-6), rel=1e-6)
