@@ -7,8 +7,9 @@ cluster's fixed cost per hop (what the trace measures for the transport).
 
 A device with a CPU quota (docker's ``cpus``, below 1) runs at full speed while its share lasts, so one token still
 takes ``node_ms`` there, but the node cannot be busy more than ``cpus`` of the time: it is busy ``node_ms / cpus`` per
-token (``busy_ms``), and no loop turns faster than its busiest resource (``loop_ms``). The planner and the simulator both use
-these functions, so that what is searched is what is predicted.
+token (``busy_ms``), and no loop turns faster than its busiest resource (``loop_ms``).
+
+The planner and the simulator both use these functions, so that what is searched is what is predicted.
 """
 
 from __future__ import annotations
