@@ -8,7 +8,6 @@ died and no node reported an Error. The provider is a context manager, so every 
 from __future__ import annotations
 
 import itertools
-import json
 import shutil
 import sys
 import tempfile
@@ -33,14 +32,14 @@ from ppharness.errors import (
 from ppharness.network.bridge import Bridge
 from ppharness.network.clock import EventClock
 from ppharness.network.nemesis import Nemesis
-from ppharness.network.packet import PortTable, encode_ports, plan_ports, start_bridge
+from ppharness.network.packet import PortTable, plan_ports, start_bridge
 from ppharness.network.spec import SEED_NODE, Network, describe_network, stage_node
 from ppharness.plan.compile import Compiled, compile_plan, plan_network, scenario_plan
-from ppharness.plan.compile import programs as compiled_programs
-from ppharness.plan.stages import ENTRY, EXIT, Plan, StagePlan, StageSettings, stage_name
+from ppharness.plan.stages import ENTRY, EXIT, Plan, stage_name
 from ppharness.registry import impaired_transport, provider_class, transport_class
 from ppharness.run.cluster import Directory, wait_for
 from ppharness.run.locks import RunLock
+from ppharness.run.realise import Endpoints, realise
 from ppharness.trace.tracer import now_ns
 from ppharness.wire.messages import (
     ClockProbe,
@@ -301,39 +300,18 @@ class Chain:
         provider, transport, detector = self._provider, self.transport, self.detector
         assert provider is not None and transport is not None and detector is not None, "the chain is not started"
         budget = sc.budget
-        specs = []
-        programs = compiled_programs(
-            self.compiled,
-            StageSettings(
-                wire_dtype=sc.transport.wire_dtype,
-                max_context=sc.model.max_context,
-                join_s=budget.join_s,
-                resolve_s=budget.resolve_s,
-                trace=self.trace_on,
-            ),
+        endpoints = Endpoints(
+            seed=self.seed,
+            node_model=self.node_model,
+            transport_opts=endpoint_opts[1:],
+            membership_env=detector.node_env(),
+            network=self.network,
+            ports=self.ports,
+            bridge_dir=self.bridge_dir or "",
         )
-        for i, sp in enumerate(programs):
-            env = _node_env(i, n, self.seed, self.node_model, sc.transport.kind, sp) | detector.node_env()
-            for fault in sc.faults:
-                if fault.stage == i:
-                    env["PP_FAULT"] = fault.mode
-            if self.network is not None:
-                env["PP_NETWORK"] = msgspec.json.encode(self.network).decode()
-            if self.ports:
-                env["PP_NETWORK_PORTS"] = encode_ports(self.ports)
-                env["PP_NETWORK_DIR"] = self.bridge_dir or ""
-            if endpoint_opts[i + 1]:
-                env["PP_TRANSPORT_OPTS"] = json.dumps(endpoint_opts[i + 1])
-            device = self.compiled.devices[i].source
-            specs.append(
-                provider.spec(
-                    stage_name(i),
-                    env,
-                    own_network=bool(self.ports),
-                    cpus=device.cpus,
-                    memory=device.memory_limit or (self.compiled.devices[i].memory if device.cpus else None),
-                )
-            )
+        specs = [
+            provider.spec(r.name, r.env, **r.options) for r in realise(sc, self.compiled, endpoints, self.trace_on)
+        ]
         progress(f"starting {n} {sc.provider.kind} node(s) over {sc.transport.kind} (run {self.run_label})")
         provider.provision(specs)
 
@@ -650,9 +628,7 @@ def realise_plan(scenario: Scenario, source: str, model_path: str) -> tuple[Plan
         doc = load_plan(scenario.plan)
         check_model(doc, file_sha256(model_path), model_path, scenario.plan)
     else:
-        graph = model_graph(
-            model_path, source, scenario.model.max_context, scenario.transport.wire_dtype, digest=False
-        )
+        graph = model_graph(model_path, source, scenario.model.max_context, scenario.transport.wire_dtype, digest=False)
         st = scenario.stages
         doc = scenario_plan(graph, st.num_stages, list(st.splits) if st.splits else None, scenario.provider.kind)
     return doc, compile_plan(doc)
@@ -661,18 +637,6 @@ def realise_plan(scenario: Scenario, source: str, model_path: str) -> tuple[Plan
 def transport_settings(section: TransportSection) -> JsonObject:
     """The scenario's transport section less what every transport shares (kind, wire dtype)."""
     return {k: v for k, v in msgspec.structs.asdict(section).items() if k not in ("kind", "wire_dtype")}
-
-
-def _node_env(i: int, n: int, seed: str, model_path: str, transport_kind: str, sp: StagePlan) -> dict[str, str]:
-    """The node contract's environment for stage ``i``."""
-    return {
-        "STAGE": str(i),
-        "NUM_STAGES": str(n),
-        "SEED_ADDR": seed,
-        "MODEL": model_path,
-        "TRANSPORT": transport_kind,
-        "PLAN": msgspec.json.encode(sp).decode(),
-    }
 
 
 def _raise_on_error(msg: Message) -> None:

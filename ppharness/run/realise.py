@@ -1,0 +1,90 @@
+"""Plan -> run: a pure function from (scenario, compiled plan, the run's addresses) to every node's spec.
+
+What the orchestrator hands each provider is decided here, with no I/O: the node contract's environment (the node's
+compiled program as ``PLAN``), the membership settings, the faults the scenario injects, the run's network and the
+node's own limits from its device. The orchestrator's runner (``Chain``) does the I/O: starting the seed's endpoint,
+provisioning these specs, and the phases (join, ready, request, shutdown).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ppharness.network.packet import PortTable, encode_ports
+from ppharness.plan.compile import Compiled, programs
+from ppharness.plan.stages import StagePlan, StageSettings, stage_name
+
+if TYPE_CHECKING:
+    from ppharness.network.spec import Network
+    from ppharness.scenario.schema import Scenario
+    from ppharness.seams.provider import NodeOptions
+    from ppharness.seams.transport import JsonObject
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the run's nodes find the seed and each other: the seed's address, the model as nodes read it, each
+    node's transport options, the membership's environment, and the packet layer's ports and bridge folder."""
+
+    seed: str
+    node_model: str
+    transport_opts: list[JsonObject]  # per node, in loop order
+    membership_env: dict[str, str] = field(default_factory=dict)
+    network: Network | None = None
+    ports: PortTable = field(default_factory=dict)
+    bridge_dir: str = ""
+
+
+@dataclass(frozen=True)
+class NodeRequest:
+    """One node for the provider: ``Provider.spec(name, env, **options)``."""
+
+    name: str
+    env: dict[str, str]
+    options: NodeOptions
+    program: StagePlan
+
+
+def realise(scenario: Scenario, compiled: Compiled, at: Endpoints, trace: bool) -> list[NodeRequest]:
+    """Every node of the run, in loop order."""
+    budget = scenario.budget
+    settings = StageSettings(
+        wire_dtype=scenario.transport.wire_dtype,
+        max_context=scenario.model.max_context,
+        join_s=budget.join_s,
+        resolve_s=budget.resolve_s,
+        trace=trace,
+    )
+    progs = programs(compiled, settings)
+    n = len(progs)
+    out = []
+    for i, program in enumerate(progs):
+        env = {
+            "STAGE": str(i),
+            "NUM_STAGES": str(n),
+            "SEED_ADDR": at.seed,
+            "MODEL": at.node_model,
+            "TRANSPORT": scenario.transport.kind,
+            "PLAN": msgspec.json.encode(program).decode(),
+        } | at.membership_env
+        for fault in scenario.faults:
+            if fault.stage == i:
+                env["PP_FAULT"] = fault.mode
+        if at.network is not None:
+            env["PP_NETWORK"] = msgspec.json.encode(at.network).decode()
+        if at.ports:
+            env["PP_NETWORK_PORTS"] = encode_ports(at.ports)
+            env["PP_NETWORK_DIR"] = at.bridge_dir
+        if at.transport_opts[i]:
+            env["PP_TRANSPORT_OPTS"] = json.dumps(at.transport_opts[i])
+        device = compiled.devices[i]
+        options: NodeOptions = {"own_network": bool(at.ports)}
+        if device.source.kind == "docker":
+            options["cpus"] = device.source.cpus
+            options["memory"] = device.source.memory_limit or device.memory
+        out.append(NodeRequest(stage_name(i), env, options, program))
+    return out
