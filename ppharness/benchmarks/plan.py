@@ -33,7 +33,7 @@ from ppharness.errors import HarnessError
 
 if TYPE_CHECKING:
     from ppharness.model.oracle import OracleResult
-    from ppharness.plan.doc import Cluster, ModelGraph, PlanDoc
+    from ppharness.plan.doc import Cluster, Device, ModelGraph, PlanDoc
     from ppharness.scenario.schema import Scenario
 
 PROMPT = "Which devices, in which order, and how many blocks each"
@@ -71,6 +71,7 @@ class PlanBenchResult:
     tokens: int
     repeats: int
     probe: dict[str, float] = field(default_factory=dict)
+    probe_device: dict[str, object] = field(default_factory=dict)  # the device entry the probe wrote
     hop_ms: float = 0.0
     cases: list[PlanCase] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -85,10 +86,26 @@ class PlanBenchResult:
         return list(dict.fromkeys(c.cluster for c in self.cases))
 
 
-def calibrated(cluster: Cluster, gflops: float, bandwidth_gbs: float, overhead_ms: float, hop_ms: float) -> Cluster:
+def oracle_prompt_tokens(path: str) -> list[int]:
+    """The bench prompt's tokens as the entry node sees them (BOS included)."""
+    from ppharness.model.slicing import GGUFFile
+
+    f = GGUFFile(path)
+    bos = [f.config.bos_id] if f.config.bos_id is not None else []
+    return bos + list(f.tokenizer.encode(PROMPT))
+
+
+def calibrated(cluster: Cluster, probe: Device, hop_ms: float) -> Cluster:
     """``cluster`` with this machine's measured speed in every device (each keeps its quota) and the measured hop."""
     devices = tuple(
-        msgspec.structs.replace(d, gflops=gflops, bandwidth_gbs=bandwidth_gbs, overhead_ms=overhead_ms)
+        msgspec.structs.replace(
+            d,
+            gflops=probe.gflops,
+            bandwidth_gbs=probe.bandwidth_gbs,
+            overhead_ms=probe.overhead_ms,
+            prefill_ms=probe.prefill_ms,
+            prefill_block_ms=probe.prefill_block_ms,
+        )
         for d in cluster.devices
     )
     return msgspec.structs.replace(cluster, devices=devices, hop_ms=hop_ms)
@@ -220,11 +237,13 @@ def run_plan_bench(
         tokens=tokens,
         repeats=repeats,
     )
+    prompt_tokens = len(oracle_prompt_tokens(path))
     progress("the unsplit model's answer (the oracle)")
     oracle = oracle_decode(path, PROMPT, tokens, max_context, boundaries=True)
     progress("probing this machine's decode speed")
     fit = probe_fit(path, "probe", source=source)
     progress(fit.probe_report)
+    res.probe_device = msgspec.to_builtins(fit.device)
     res.probe = {
         "gflops": fit.device.gflops,
         "bandwidth_gbs": fit.device.bandwidth_gbs or 0.0,
@@ -235,17 +254,11 @@ def run_plan_bench(
     res.hop_ms = measure_hop_ms(graph, clusters[0], tokens, oracle, out / "plans", progress)
     progress(f"one hop: {res.hop_ms:.3f} ms (p50)")
     for cluster in clusters:
-        cluster = calibrated(
-            cluster,
-            fit.device.gflops,
-            fit.device.bandwidth_gbs or fit.device.gflops,
-            fit.device.overhead_ms,
-            res.hop_ms,
-        )
+        cluster = calibrated(cluster, fit.device, res.hop_ms)
         for policy in POLICIES:
             t_case = time.monotonic()
             doc = policy_plan(policy, graph, cluster, Objective())
-            prediction = simulate(doc)
+            prediction = simulate(doc, prompt_tokens=prompt_tokens)
             case = PlanCase(
                 cluster=cluster.name,
                 policy=policy,

@@ -114,7 +114,7 @@ def plan_text(plan_file: str) -> None:
     """Print a plan's placement in the compact text form (one line per node)."""
     from ppharness.plan.text import render
 
-    click.echo(render(_load(plan_file).placement), nl=False)
+    click.echo(render(_load(plan_file).placement).rstrip("\n"))
 
 
 @plan.command("make")
@@ -155,7 +155,7 @@ def plan_make(
         check_plan(doc, out or "<plan>")
     _write(pretty(doc), out)
     prediction = simulate(doc, requests=requests)
-    click.echo(render(doc.placement), err=True, nl=False)
+    click.echo(render(doc.placement).rstrip("\n"), err=True)
     click.echo(prediction.header(), err=True)
 
 
@@ -173,7 +173,7 @@ def plan_show(plan_file: str, png: str | None, mermaid_file: str | None, dot_fil
     click.echo(f"plan {doc.id} ({doc.placement.policy or 'hand-written'}), model {doc.model.source}")
     click.echo(show.table(doc))
     click.echo("")
-    click.echo(render(doc.placement), nl=False)
+    click.echo(render(doc.placement).rstrip("\n"))
     if png:
         show.draw_png(doc, png)
         click.echo(f"written: {png}", err=True)

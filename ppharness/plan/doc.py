@@ -113,6 +113,10 @@ class Device(_Doc, frozen=True):
     bandwidth_gbs: Annotated[float, Meta(gt=0, le=1e12, description="GB/s, more than 0, at most 1e12")] | None = None
     # fixed cost per token of a node on this device
     overhead_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0
+    # a prompt's prefill on this device beyond its FLOPs: a fixed cost per node and a cost per block (the runtime
+    # lowers an un-captured graph for it each time), as ``ppharness plan probe`` measures them
+    prefill_ms: Annotated[float, Meta(ge=0, le=600_000)] = 0.0
+    prefill_block_ms: Annotated[float, Meta(ge=0, le=600_000)] = 0.0
     reserve: Bytes = DEFAULT_RESERVE  # memory the runtime needs besides weights and KV cache
     usd_per_hour: Annotated[float, Meta(ge=0, le=1e6, description="US dollars per hour, 0 to 1e6")] = 0.0
     region: Name | None = None

@@ -7,6 +7,11 @@ fixed cost per token of a node (``overhead_ms``: dispatch, copies in and out); t
 device's speed and memory bandwidth are both set so that one block of this model takes ``b``: ``gflops`` = the block's
 FLOPs / b and ``bandwidth_gbs`` = its weight bytes / b, so whichever bound the cost model picks, it predicts what was
 measured here.
+
+A prompt's prefill is not a captured step: the runtime lowers its graph on every call, which costs far more than its
+FLOPs on a short prompt. Each slice's prefill of ``PREFILL_TOKENS`` tokens is timed (after one that compiles) and
+fitted the same way; beyond the FLOPs, the intercept is the device's ``prefill_ms`` and the slope its
+``prefill_block_ms`` (``ppharness.plan.simulate`` adds them to the time to first token).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from pathlib import Path
 from ppharness.errors import PlanError
 from ppharness.plan.doc import ID_NAME, Device
 
+PREFILL_TOKENS = 8  # the prompt the prefill is timed with
+PREFILL_REPEATS = 3  # timed prefills per slice, after the one that compiles
+
 
 @dataclass(frozen=True)
 class ProbeFit:
@@ -33,6 +41,7 @@ class ProbeFit:
     a_ms: float  # intercept: fixed cost per token
     b_ms: float  # slope: one block
     r2: float
+    prefill_ms: dict[int, float]  # k blocks -> median ms per prefill of PREFILL_TOKENS tokens
 
     @property
     def probe_report(self) -> str:
@@ -44,6 +53,9 @@ class ProbeFit:
             f"  fit t(k) = a + b·k: a = {self.a_ms:.4f} ms, b = {self.b_ms:.4f} ms per block, r² = {self.r2:.4f}",
             f"  device: overhead {d.overhead_ms:.4f} ms, {d.gflops:.3f} GFLOP/s, {d.bandwidth_gbs or 0:.3f} GB/s, "
             f"memory {d.memory / (1 << 30):.2f} GiB available",
+            f"  prefill of {PREFILL_TOKENS} tokens: "
+            + ", ".join(f"{k} block(s) {ms:.1f} ms" for k, ms in self.prefill_ms.items())
+            + f"; beyond its FLOPs {d.prefill_ms:.1f} ms + {d.prefill_block_ms:.1f} ms per block",
         ]
         if self.b_ms <= 0 or self.a_ms < 0:
             lines.append("  note: the fit's slope or intercept was not positive (noise); clamped")
@@ -128,9 +140,20 @@ def probe_fit(
             t0 = time.perf_counter()
             model.decode(x, pos)
             steps[k].append((time.perf_counter() - t0) * 1e3)
-    del models
     medians = {k: statistics.median(v) for k, v in steps.items()}
     a, b, r2 = fit_line([float(k) for k in ks], [medians[k] for k in ks])
+    # a prompt's prefill: not a captured step, so the runtime lowers it each time; its cost beyond the FLOPs
+    prompt = np.random.default_rng(1).standard_normal((1, PREFILL_TOKENS, cfg.dim)).astype(np.float16)
+    prefills: dict[int, list[float]] = {k: [] for k in ks}
+    for rep in range(PREFILL_REPEATS + 1):
+        for k, model in models.items():
+            t0 = time.perf_counter()
+            model.prefill(prompt)
+            if rep:  # the first one compiles the kernels
+                prefills[k].append((time.perf_counter() - t0) * 1e3)
+    del models
+    prefill_medians = {k: statistics.median(v) for k, v in prefills.items()}
+    pa, pb, _ = fit_line([float(k) for k in ks], [prefill_medians[k] for k in ks])
     graph = model_graph(model_path, source or str(model_path), context)
     used = graph.blocks[: ks[-1]]
     flops = sum(blk.flops for blk in used) / len(used)
@@ -142,9 +165,11 @@ def probe_fit(
         gflops=flops / slope_s / 1e9,
         bandwidth_gbs=weight_bytes / slope_s / 1e9,
         overhead_ms=max(a, 0.0),
+        prefill_ms=max(pa, 0.0),
+        prefill_block_ms=max(pb - PREFILL_TOKENS * max(b, 0.0), 0.0),
         region=None,
     )
-    return ProbeFit(device, str(TinyDevice.DEFAULT), tokens, medians, a, b, r2)
+    return ProbeFit(device, str(TinyDevice.DEFAULT), tokens, medians, a, b, r2, prefill_medians)
 
 
 def probe(
