@@ -198,3 +198,13 @@ def test_a_cluster_on_which_no_plan_fits_says_what_is_short(tiny_graph):
     small = Cluster(devices=(Device(id="a", memory=512 << 10, reserve=0, gflops=1.0),))  # the model needs 0.9 MiB
     with pytest.raises(PlanError, match="short"):
         plan_optimal(tiny_graph, small, Objective())
+
+
+def test_a_scenario_with_both_a_plan_and_stages_is_refused(tiny_graph, tmp_path):
+    from ppharness.errors import ScenarioError
+    from ppharness.scenario.schema import load_scenario
+
+    (tmp_path / "p.json").write_text(pretty(chain(tiny_graph, _three_devices(), ["dev-a", "dev-b"], [4])))
+    (tmp_path / "both.yaml").write_text("version: 1\nplan: p.json\nstages: {count: 3}\n")
+    with pytest.raises(ScenarioError, match=r"\$\.stages: a scenario with a plan takes its stages from the plan"):
+        load_scenario(tmp_path / "both.yaml")

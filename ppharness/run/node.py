@@ -1,9 +1,10 @@
 """``pp-node``: the one process every provider starts, one per stage.
 
 Inputs come from the environment (the node contract): ``STAGE``, ``NUM_STAGES``, ``SEED_ADDR`` (the orchestrator's
-transport address), ``MODEL`` (GGUF path, URL or ``synthetic:`` spec), ``PLAN`` (JSON StagePlan: block range, plan id,
-wire dtype, timeouts), ``TRANSPORT`` (registry kind) and ``PP_RUN_LABEL``. Optional: ``PP_BIND_HOST`` and
-``PP_ADVERTISE_HOST`` for transports that bind sockets.
+transport address), ``MODEL`` (GGUF path, URL or ``synthetic:`` spec), ``PLAN`` (the node's program from the compiled
+plan, a JSON StagePlan: block range, plan id, the names to register, where activations come from and go, wire dtype,
+timeouts), ``TRANSPORT`` (registry kind) and ``PP_RUN_LABEL``. Optional: ``PP_BIND_HOST`` and ``PP_ADVERTISE_HOST``
+for transports that bind sockets.
 
 The node joins the cluster, loads only its own layers, compiles its decode step, reports Ready, and serves until
 Shutdown (exit 0). Any failure is reported to the seed as an Error message with one line of reason, then exit 1.

@@ -466,6 +466,12 @@ def load_scenario(path: str | Path) -> Scenario:
     if not scenario.name:
         scenario = msgspec.structs.replace(scenario, name=path.stem)
     if scenario.plan is not None:
+        raw = untyped(text)
+        if isinstance(raw, dict) and "stages" in raw:
+            raise ScenarioError(
+                f"{src}: $.stages: a scenario with a plan takes its stages from the plan ({scenario.plan}) — remove "
+                "stages, or the plan"
+            )
         return with_plan(scenario, str((path.parent / scenario.plan).resolve()), src)
     model = known_model(scenario, source=src)
     if model is not None:
