@@ -15,11 +15,10 @@ from hypothesis import strategies as st
 
 from ppharness.errors import PlanError
 from ppharness.model.files import PRESETS, synthetic_source
-from ppharness.network.spec import Impairment
 from ppharness.plan.build import chain
 from ppharness.plan.check import check_plan
 from ppharness.plan.compile import compile_plan, plan_network, programs
-from ppharness.plan.doc import Cluster, Device, Link, Objective, Source, load_plan, pretty
+from ppharness.plan.doc import Cluster, Device, Impaired, Link, Objective, Source, load_plan, pretty
 from ppharness.plan.graph import model_graph
 from ppharness.plan.search import plan_optimal
 from ppharness.plan.stages import ENTRY, EXIT, StageSettings
@@ -69,7 +68,7 @@ def clusters(draw) -> Cluster:
     )
     return Cluster(
         devices=devices,
-        default=Impairment(delay_ms=draw(st.floats(0.0, 10.0))),
+        default=Impaired(delay_ms=draw(st.floats(0.0, 10.0))),
         links=links,
         hop_ms=draw(st.floats(0.0, 1.0)),
     )

@@ -13,10 +13,9 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from ppharness.errors import PlanError
-from ppharness.network.spec import Impairment
 from ppharness.plan.build import policy_plan
 from ppharness.plan.check import check_plan, gib
-from ppharness.plan.doc import Block, Cluster, Device, Link, ModelGraph, Objective, PlanDoc, Source
+from ppharness.plan.doc import Block, Cluster, Device, Impaired, Link, ModelGraph, Objective, PlanDoc, Source
 from ppharness.plan.search import (
     brute_force,
     evaluate,
@@ -124,7 +123,7 @@ def instances(draw: st.DrawFn) -> tuple[ModelGraph, Cluster, int]:
     ]
     cluster = Cluster(
         devices=tuple(devices),
-        default=Impairment(delay_ms=draw(st.floats(0.0, 2.0))),
+        default=Impaired(delay_ms=draw(st.floats(0.0, 2.0))),
         region_links=tuple(region_links),
         links=tuple(links),
         hop_ms=draw(st.floats(0.0, 0.5)),
@@ -165,7 +164,7 @@ def test_a_slow_device_is_left_out() -> None:
             device("slow", 900, gflops=10.0),
             device("fast-b", 260, gflops=1000.0),
         ),
-        default=Impairment(delay_ms=1.0),
+        default=Impaired(delay_ms=1.0),
     )
     for objective in (Objective(kind="latency"), Objective(kind="throughput", requests=4)):
         doc = plan_optimal(model, cluster, objective)
@@ -183,7 +182,7 @@ def test_the_order_follows_asymmetric_links() -> None:
     slow = 30.0
     cluster = Cluster(
         devices=tuple(device(x, 120) for x in "abc"),
-        default=Impairment(delay_ms=slow),
+        default=Impaired(delay_ms=slow),
         links=(
             Link(src="a", dst="b", delay_ms=1.0),
             Link(src="b", dst="a", delay_ms=slow),
@@ -202,7 +201,7 @@ def test_more_requests_spread_the_model_for_throughput() -> None:
     model = model_of([(20, 300, 0)] * 12)
     cluster = Cluster(
         devices=tuple(device(f"d{i}", 400, gflops=200.0, overhead_ms=0.2) for i in range(4)),
-        default=Impairment(delay_ms=0.5),
+        default=Impaired(delay_ms=0.5),
     )
     alone = solve(model, cluster, Objective(kind="throughput", requests=1))[1]
     spread = solve(model, cluster, Objective(kind="throughput", requests=8))[1]
@@ -216,7 +215,7 @@ def test_evaluate_agrees_with_the_simulator() -> None:
             device("a", 200, gflops=300.0, overhead_ms=0.5, usd_per_hour=1.2),
             device("b", 200, gflops=100.0, overhead_ms=0.2, usd_per_hour=0.3),
         ),
-        default=Impairment(delay_ms=3.0, rate_mbit=50.0),
+        default=Impaired(delay_ms=3.0, rate_mbit=50.0),
     )
     for kind in KINDS:
         objective = Objective(kind=kind, requests=3)
@@ -313,7 +312,7 @@ def random_cluster(seed: int, n: int, blocks: int) -> tuple[ModelGraph, Cluster]
         for b in used
         if a != b
     )
-    cluster = Cluster(devices=devices, default=Impairment(delay_ms=0.2), region_links=links, hop_ms=0.05)
+    cluster = Cluster(devices=devices, default=Impaired(delay_ms=0.2), region_links=links, hop_ms=0.05)
     return model, cluster
 
 

@@ -87,18 +87,22 @@ def test_decode_is_the_sum_of_the_cost_model_parts():
     assert nodes[0] == pytest.approx(0.5 + 2 * 40 * MIB / 20e9 * 1e3)
     assert nodes[1] == pytest.approx(1.0 + 3 * 80e6 / 200e9 * 1e3)
     assert nodes[2] == pytest.approx(80e6 / 20e9 * 1e3 + 65e6 / 20e9 * 1e3)
-    # TTFT: the fixed cost once, blocks once per prompt token, prompt_tokens activations per edge, one token back
+    # TTFT: each node's prefill (its fixed costs, its blocks for every prompt token, the head once on the exit),
+    # prompt_tokens activations per edge, one token back
     ttft = (
-        0.5
-        + 8 * cost.blocks_ms(model, dev("a"), 0, 2)
-        + 1.0
-        + 8 * cost.blocks_ms(model, dev("b"), 2, 5)
-        + 8 * cost.blocks_ms(model, dev("c"), 5, 6)
-        + cost.head_ms(model, dev("c"))
+        cost.prefill_ms(model, dev("a"), 0, 2, False, 8)
+        + cost.prefill_ms(model, dev("b"), 2, 5, False, 8)
+        + cost.prefill_ms(model, dev("c"), 5, 6, True, 8)
         + cost.edge_ms(cluster, "a", "b", 8 * model.activation_bytes)
         + cost.edge_ms(cluster, "b", "c", 8 * model.activation_bytes)
         + cost.edge_ms(cluster, "c", "a", model.token_bytes)
     )
+    # with no measured prefill costs, a block's prefill is its decode time for every prompt token where FLOPs bind
+    # (b), and one prompt token costs what one decode step does (a is bound by bandwidth there)
+    assert cost.prefill_ms(model, dev("b"), 2, 5, False, 8) == pytest.approx(
+        1.0 + 8 * cost.blocks_ms(model, dev("b"), 2, 5)
+    )
+    assert cost.prefill_ms(model, dev("a"), 0, 2, False, 1) == pytest.approx(nodes[0])
     assert p.ttft_ms == pytest.approx(ttft)
 
 

@@ -105,6 +105,7 @@ def calibrated(cluster: Cluster, probe: Device, hop_ms: float) -> Cluster:
             overhead_ms=probe.overhead_ms,
             prefill_ms=probe.prefill_ms,
             prefill_block_ms=probe.prefill_block_ms,
+            prefill_gflops=probe.prefill_gflops,
         )
         for d in cluster.devices
     )
@@ -185,15 +186,15 @@ def measure_hop_ms(
 ) -> float:
     """The transport's cost per hop on this provider: a two-node even chain over the first two devices, links perfect,
     traced; the p50 of its hops over the decode tokens."""
-    from ppharness.network.spec import Impairment
     from ppharness.plan.build import chain
+    from ppharness.plan.doc import Impaired
     from ppharness.trace.report import percentile
 
     free = tuple(
         msgspec.structs.replace(d, memory=1 << 40, source=msgspec.structs.replace(d.source, cpus=None))
         for d in base.devices[:2]
     )
-    two = msgspec.structs.replace(base, devices=free, default=Impairment(), links=(), region_links=(), hop_ms=0.0)
+    two = msgspec.structs.replace(base, devices=free, default=Impaired(), links=(), region_links=(), hop_ms=0.0)
     doc = chain(graph, two, [d.id for d in two.devices], [len(graph.blocks) // 2], policy="even")
     _, _, trace = run_plan(doc, out / "calibration-plan.json", tokens, 1, oracle, log)
     values = [v for r in trace.decode for k, v in r.parts.items() if k.startswith("hop ")]  # type: ignore[attr-defined]

@@ -20,8 +20,7 @@ import statistics
 import time
 from typing import Literal
 
-from ppharness.network.spec import Impairment
-from ppharness.plan.doc import Block, Cluster, Device, Link, ModelGraph, Objective
+from ppharness.plan.doc import Block, Cluster, Device, Impaired, Link, ModelGraph, Objective
 from ppharness.plan.search import measure_gap, plan_optimal
 
 Kind = Literal["latency", "throughput", "cost"]
@@ -79,7 +78,7 @@ def random_instance(seed: int, devices: int, blocks: int = 128, requests: int = 
     )
     cluster = Cluster(
         devices=device_list,
-        default=Impairment(delay_ms=0.2, rate_mbit=10_000.0),
+        default=Impaired(delay_ms=0.2, rate_mbit=10_000.0),
         region_links=region_links,
         hop_ms=0.05,
         name=f"random-{devices}-{seed}",

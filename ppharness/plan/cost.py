@@ -73,3 +73,23 @@ def loop_ms(parts_ms: float, busiest_ms: float) -> float:
     """Per-token time of one request: the sum of the loop's parts, or the busiest resource's time per token when
     that is longer (a quota-bound node)."""
     return max(parts_ms, busiest_ms)
+
+
+def prefill_ms(model: ModelGraph, device: Device, lo: int, hi: int, head: bool, prompt_tokens: int) -> float:
+    """A prompt of ``prompt_tokens`` through a node on ``device`` (blocks [lo, hi), the head when ``head``): its fixed
+    costs (per step, per prefill, per block) and, per block, the larger of its FLOPs for every prompt token at the
+    device's batched speed and its weights read once; the head once (only the last position's token is wanted)."""
+    speed = (device.prefill_gflops or device.gflops) * 1e9
+    total = 0.0
+    for b in model.blocks[lo:hi]:
+        t = b.flops * prompt_tokens / speed
+        if device.bandwidth_gbs is not None:
+            t = max(t, b.weight_bytes / (device.bandwidth_gbs * 1e9))
+        total += t
+    return (
+        device.overhead_ms
+        + device.prefill_ms
+        + (hi - lo) * device.prefill_block_ms
+        + total * 1e3
+        + (head_ms(model, device) if head else 0.0)
+    )

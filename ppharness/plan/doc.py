@@ -47,8 +47,9 @@ Count = Annotated[int, Meta(ge=0)]
 DEFAULT_RESERVE = 512 << 20
 
 
-class _Doc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Base of the plan's structs (frozen, unknown keys refused)."""
+class _Doc(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Base of the plan's structs (frozen, unknown keys refused). A field at its default is left out of the canonical
+    form, so that a field added later with a default keeps every existing plan's id."""
 
 
 # --- model ------------------------------------------------------------------------------------------------------
@@ -113,17 +114,23 @@ class Device(_Doc, frozen=True):
     bandwidth_gbs: Annotated[float, Meta(gt=0, le=1e12, description="GB/s, more than 0, at most 1e12")] | None = None
     # fixed cost per token of a node on this device
     overhead_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0
-    # a prompt's prefill on this device beyond its FLOPs: a fixed cost per node and a cost per block (the runtime
-    # lowers an un-captured graph for it each time), as ``ppharness plan probe`` measures them
+    # a prompt's prefill on this device: a fixed cost per node and per block (the runtime lowers an un-captured graph
+    # for it each time), as ``ppharness plan probe`` measures them
     prefill_ms: Annotated[float, Meta(ge=0, le=600_000)] = 0.0
     prefill_block_ms: Annotated[float, Meta(ge=0, le=600_000)] = 0.0
+    # a batch of prompt tokens through a block: FLOPs per second (None: ``gflops``, as in decode)
+    prefill_gflops: Annotated[float, Meta(gt=0, le=1e12)] | None = None
     reserve: Bytes = DEFAULT_RESERVE  # memory the runtime needs besides weights and KV cache
     usd_per_hour: Annotated[float, Meta(ge=0, le=1e6, description="US dollars per hour, 0 to 1e6")] = 0.0
     region: Name | None = None
     source: Source = Source()
 
 
-class Link(Impairment, frozen=True, rename={"src": "from", "dst": "to"}):
+class Impaired(Impairment, frozen=True, omit_defaults=True):
+    """A link's impairment as the plan writes it: the WAN emulation's vocabulary, defaults left out."""
+
+
+class Link(Impairment, frozen=True, rename={"src": "from", "dst": "to"}, omit_defaults=True):
     """One directed link between two devices (or regions): ``{from: a, to: b, delay_ms: 25, rate_mbit: 100}``.
     Given one way only, it holds both ways."""
 
@@ -139,7 +146,7 @@ class Cluster(_Doc, frozen=True):
     ``region_links``, else ``default``."""
 
     devices: Annotated[tuple[Device, ...], Meta(min_length=1)]
-    default: Impairment = Impairment()
+    default: Impaired = Impaired()
     region_links: tuple[Link, ...] = ()
     links: tuple[Link, ...] = ()
     # fixed cost of one message hop (transport), as traces measure it
@@ -162,7 +169,14 @@ class Cluster(_Doc, frozen=True):
             found = _find_link(self.region_links, a, b)
             if found is not None:
                 return found
-        return self.default
+        return _impairment(self.default)
+
+
+def _impairment(value: Impairment) -> Impairment:
+    """``value`` as a plain Impairment (a plan's link types are subclasses of it)."""
+    if type(value) is Impairment:
+        return value
+    return Impairment(**{f: getattr(value, f) for f in Impairment.__struct_fields__})
 
 
 def _find_link(links: tuple[Link, ...], src: str, dst: str) -> Impairment | None:
@@ -269,18 +283,44 @@ class PlanDoc(_Doc, frozen=True):
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
+def _plain(value: object) -> object:
+    """``value`` as JSON data with every struct field that equals its default left out (by value: msgspec's own
+    ``omit_defaults`` compares a struct-valued default by identity), tags kept."""
+    if isinstance(value, msgspec.Struct):
+        out: dict[str, object] = {}
+        config = value.__struct_config__
+        if isinstance(config.tag_field, str) and config.tag is not None:
+            out[config.tag_field] = config.tag
+        for f in msgspec.structs.fields(value):
+            v = getattr(value, f.name)
+            if f.default is not msgspec.NODEFAULT and v == f.default:
+                continue
+            if f.default_factory is not msgspec.NODEFAULT and v == f.default_factory():
+                continue
+            out[f.encode_name] = _plain(v)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _body(doc: PlanDoc) -> bytes:
+    """The canonical bytes of ``doc`` as it is (after a round trip through the typed form, so that a whole number
+    given for a float field reads as the float it becomes)."""
+    typed = msgspec.json.decode(_encoder.encode(doc), type=PlanDoc)
+    return _encoder.encode(_plain(typed))
+
+
 def canonical(doc: PlanDoc) -> bytes:
-    """The plan's canonical JSON (keys sorted, no spaces), with its id."""
-    typed = msgspec.json.decode(_encoder.encode(with_id(doc)), type=PlanDoc)
-    return _encoder.encode(typed)
+    """The plan's canonical JSON (keys sorted, no spaces, defaults left out), with its id."""
+    return _body(with_id(doc))
 
 
 def plan_id(doc: PlanDoc) -> str:
-    """The content hash of the plan with ``id`` left empty (after a round trip through the typed form, so that a
-    whole number given for a float field hashes as the float it becomes)."""
-    typed = msgspec.json.decode(_encoder.encode(msgspec.structs.replace(doc, id="")), type=PlanDoc)
-    body = _encoder.encode(typed)
-    return hashlib.sha256(body).hexdigest()[:16]
+    """The content hash of the plan's canonical form with ``id`` left empty."""
+    return hashlib.sha256(_body(msgspec.structs.replace(doc, id=""))).hexdigest()[:16]
 
 
 def with_id(doc: PlanDoc) -> PlanDoc:

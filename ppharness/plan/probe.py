@@ -9,9 +9,10 @@ FLOPs / b and ``bandwidth_gbs`` = its weight bytes / b, so whichever bound the c
 measured here.
 
 A prompt's prefill is not a captured step: the runtime lowers its graph on every call, which costs far more than its
-FLOPs on a short prompt. Each slice's prefill of ``PREFILL_TOKENS`` tokens is timed (after one that compiles) and
-fitted the same way; beyond the FLOPs, the intercept is the device's ``prefill_ms`` and the slope its
-``prefill_block_ms`` (``ppharness.plan.simulate`` adds them to the time to first token).
+FLOPs on a short prompt, and a batch of tokens goes through a block much faster than as many decode steps. Each
+slice's prefill is timed (after one that compiles) at two prompt lengths, ``PREFILL_TOKENS``, and fitted to
+t(k, P) = a + k·(c + d·P): ``prefill_ms`` = a, ``prefill_block_ms`` = c, and ``prefill_gflops`` = a block's FLOPs per
+token / d (``ppharness.plan.simulate`` uses them for the time to first token).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from ppharness.errors import PlanError
 from ppharness.plan.doc import ID_NAME, Device
 
-PREFILL_TOKENS = 8  # the prompt the prefill is timed with
+PREFILL_TOKENS = (8, 32)  # the prompt lengths the prefill is timed with
 PREFILL_REPEATS = 3  # timed prefills per slice, after the one that compiles
 
 
@@ -41,7 +42,7 @@ class ProbeFit:
     a_ms: float  # intercept: fixed cost per token
     b_ms: float  # slope: one block
     r2: float
-    prefill_ms: dict[int, float]  # k blocks -> median ms per prefill of PREFILL_TOKENS tokens
+    prefill_ms: dict[tuple[int, int], float]  # (k blocks, P tokens) -> median ms per prefill
 
     @property
     def probe_report(self) -> str:
@@ -53,9 +54,10 @@ class ProbeFit:
             f"  fit t(k) = a + b·k: a = {self.a_ms:.4f} ms, b = {self.b_ms:.4f} ms per block, r² = {self.r2:.4f}",
             f"  device: overhead {d.overhead_ms:.4f} ms, {d.gflops:.3f} GFLOP/s, {d.bandwidth_gbs or 0:.3f} GB/s, "
             f"memory {d.memory / (1 << 30):.2f} GiB available",
-            f"  prefill of {PREFILL_TOKENS} tokens: "
-            + ", ".join(f"{k} block(s) {ms:.1f} ms" for k, ms in self.prefill_ms.items())
-            + f"; beyond its FLOPs {d.prefill_ms:.1f} ms + {d.prefill_block_ms:.1f} ms per block",
+            "  prefill: "
+            + ", ".join(f"{k} block(s) x {p} tokens {ms:.1f} ms" for (k, p), ms in self.prefill_ms.items())
+            + f"; fit {d.prefill_ms:.1f} ms + {d.prefill_block_ms:.1f} ms per block + a block's tokens at "
+            f"{d.prefill_gflops or 0:.3f} GFLOP/s",
         ]
         if self.b_ms <= 0 or self.a_ms < 0:
             lines.append("  note: the fit's slope or intercept was not positive (noise); clamped")
@@ -142,18 +144,22 @@ def probe_fit(
             steps[k].append((time.perf_counter() - t0) * 1e3)
     medians = {k: statistics.median(v) for k, v in steps.items()}
     a, b, r2 = fit_line([float(k) for k in ks], [medians[k] for k in ks])
-    # a prompt's prefill: not a captured step, so the runtime lowers it each time; its cost beyond the FLOPs
-    prompt = np.random.default_rng(1).standard_normal((1, PREFILL_TOKENS, cfg.dim)).astype(np.float16)
-    prefills: dict[int, list[float]] = {k: [] for k in ks}
-    for rep in range(PREFILL_REPEATS + 1):
-        for k, model in models.items():
-            t0 = time.perf_counter()
-            model.prefill(prompt)
-            if rep:  # the first one compiles the kernels
-                prefills[k].append((time.perf_counter() - t0) * 1e3)
+    # a prompt's prefill: not a captured step, so the runtime lowers it each time
+    prefills: dict[tuple[int, int], list[float]] = {(k, p): [] for p in PREFILL_TOKENS for k in ks}
+    for p in PREFILL_TOKENS:
+        prompt = np.random.default_rng(1).standard_normal((1, p, cfg.dim)).astype(np.float16)
+        for rep in range(PREFILL_REPEATS + 1):
+            for k, model in models.items():
+                t0 = time.perf_counter()
+                model.prefill(prompt)
+                if rep:  # the first one compiles the kernels
+                    prefills[(k, p)].append((time.perf_counter() - t0) * 1e3)
     del models
-    prefill_medians = {k: statistics.median(v) for k, v in prefills.items()}
-    pa, pb, _ = fit_line([float(k) for k in ks], [prefill_medians[k] for k in ks])
+    prefill_medians = {key: statistics.median(v) for key, v in prefills.items()}
+    # per prompt length, a line in k; then the slope's growth with P is one block's cost per prompt token
+    lines = {p: fit_line([float(k) for k in ks], [prefill_medians[(k, p)] for k in ks]) for p in PREFILL_TOKENS}
+    (p0, (a0, b0, _)), (p1, (a1, b1, _)) = sorted(lines.items())
+    per_token = max((b1 - b0) / (p1 - p0), 1e-6)
     graph = model_graph(model_path, source or str(model_path), context)
     used = graph.blocks[: ks[-1]]
     flops = sum(blk.flops for blk in used) / len(used)
@@ -165,8 +171,9 @@ def probe_fit(
         gflops=flops / slope_s / 1e9,
         bandwidth_gbs=weight_bytes / slope_s / 1e9,
         overhead_ms=max(a, 0.0),
-        prefill_ms=max(pa, 0.0),
-        prefill_block_ms=max(pb - PREFILL_TOKENS * max(b, 0.0), 0.0),
+        prefill_ms=max((a0 + a1) / 2, 0.0),
+        prefill_block_ms=max(b0 - p0 * per_token, 0.0),
+        prefill_gflops=flops / (per_token / 1e3) / 1e9,
         region=None,
     )
     return ProbeFit(device, str(TinyDevice.DEFAULT), tokens, medians, a, b, r2, prefill_medians)

@@ -6,10 +6,9 @@ predicted here and what a traced run is compared with:
 - decode (one token around the loop): each node's ``node_ms`` (fixed cost per token, its blocks, the head on the exit)
   and each edge's ``edge_ms`` (one-way latency, bytes over bandwidth, the cluster's cost per hop): activations of
   ``activation_bytes`` along the chain, then the token of ``token_bytes`` back from the exit to the entry;
-- time to first token (prefill of ``prompt_tokens``): each node's fixed cost once, its device's measured prefill cost
-  (``prefill_ms`` + ``prefill_block_ms`` per block: the runtime lowers a prefill's graph on every call), its blocks
-  ``prompt_tokens`` times, the head once (only the last position's token is wanted), all over the device's CPU share
-  (a long prefill uses up a quota); activation edges carry ``prompt_tokens`` hidden states, the token edge one token;
+- time to first token (prefill of ``prompt_tokens``): each node's ``cost.prefill_ms`` (fixed costs, the blocks' FLOPs
+  for every prompt token at the device's batched speed, the head once) over the device's CPU share (a long prefill
+  uses up a quota); activation edges carry ``prompt_tokens`` hidden states, the token edge one token;
 - a device with a CPU quota bounds the loop: a token takes at least the node's time over its share
   (``cost.loop_ms``);
 - throughput with R requests in flight: each request takes one token per loop of L ms, and the busiest resource (a
@@ -147,14 +146,7 @@ def simulate(doc: PlanDoc, prompt_tokens: int = 8, requests: int | None = None) 
         device = cluster.device(node.device)
         lo, hi = node.blocks or (0, 0)
         ms = cost.node_ms(model, device, lo, hi, node.heads)
-        prefill = cost.busy_ms(
-            device.overhead_ms
-            + device.prefill_ms
-            + (hi - lo) * device.prefill_block_ms
-            + prompt_tokens * cost.blocks_ms(model, device, lo, hi)
-            + (cost.head_ms(model, device) if node.heads else 0.0),
-            device,
-        )
+        prefill = cost.busy_ms(cost.prefill_ms(model, device, lo, hi, node.heads, prompt_tokens), device)
         busy = cost.busy_ms(ms, device)
         rows.append(Row(f"stage {i} compute", ms, prefill, "compute", device.id, node.label, busy_ms=busy))
     if len(order) > 1:  # one node: the token stays on its device, and the trace has no hop either
