@@ -57,3 +57,18 @@ def test_bench_plan_runs_every_policy_token_exact_on_docker(tmp_path):
     assert all(optimal <= c["predicted_ms"] + 1e-9 for c in data["cases"])
     assert Path(tmp_path / "plans" / "homogeneous-optimal.json").is_file()
     msgspec.json.decode((tmp_path / "plans" / "homogeneous-optimal.json").read_bytes())
+
+
+def test_bench_planner_prints_seconds_per_size_and_the_heuristics_gap(tmp_path):
+    from click.testing import CliRunner
+
+    from ppharness.cli import main
+
+    out = tmp_path / "planner.json"
+    args = ["bench", "planner", "--sizes", "2,3", "--blocks", "16", "--repeats", "1", "--gap-instances", "1"]
+    result = CliRunner().invoke(main, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "2 devices" in result.output and "3 devices" in result.output and "heuristic against" in result.output
+    data = json.loads(out.read_text())
+    assert set(data["seconds"]) == {"latency", "throughput", "cost"}
+    assert all(g["max"] >= 0 for g in data["gap"].values())

@@ -270,3 +270,37 @@ def bench_plan(
         click.echo(f"\n{case.cluster} / {case.policy}:\n{case.rows}")
     drawn = plot(res, Path(out_dir) / "bench-plan.png")
     click.echo(f"\nwritten: {out_dir}/bench-plan.json" + (f", {out_dir}/bench-plan.png" if drawn else ""))
+
+
+@bench.command("planner")
+@click.option("--sizes", default="4,8,12,16", show_default=True, help="Cluster sizes (devices), comma-separated.")
+@click.option("--blocks", type=int, default=128, show_default=True, help="Blocks of the random model.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Random instances per size (median, max).")
+@click.option("--gap-instances", type=int, default=10, show_default=True, help="Instances for the heuristic's gap.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the figures here.")
+def bench_planner(sizes: str, blocks: int, repeats: int, gap_instances: int, json_out: str | None) -> None:
+    """The planner's own speed (seconds per plan by cluster size and objective) and the heuristic's gap to the exact
+    search, on seeded random clusters."""
+    import json
+
+    from ppharness.benchmarks.planner import planner_timings
+
+    try:
+        counts = tuple(int(x) for x in split_csv(sizes))
+    except ValueError as exc:
+        raise click.BadParameter(f"not a number: {exc}") from None
+    res = planner_timings(counts, blocks, repeats, gap_instances)
+    seconds, worst = res["seconds"], res["seconds_max"]
+    assert isinstance(seconds, dict) and isinstance(worst, dict)
+    click.echo(f"{'objective':<11}" + "".join(f"{f'{n} devices':>18}" for n in counts) + "   (seconds: median, max)")
+    for kind, by_size in seconds.items():
+        cells = "".join(f"{f'{by_size[n]:.3f} ({worst[kind][n]:.3f})':>18}" for n in counts)
+        click.echo(f"{kind:<11}{cells}")
+    gap = res["gap"]
+    assert isinstance(gap, dict)
+    click.echo(
+        f"heuristic against the exact search on {gap_instances} random 8-device instances (pool of 4): "
+        + "; ".join(f"{k} max {100 * g['max']:.2f} %, median {100 * g['median']:.2f} %" for k, g in gap.items())
+    )
+    if json_out:
+        Path(json_out).write_text(json.dumps(res, indent=1) + "\n")
