@@ -5,7 +5,6 @@ heuristic's gap to the exact search stays small."""
 from __future__ import annotations
 
 import math
-import random
 from math import comb, perm
 
 import pytest
@@ -286,34 +285,10 @@ def test_exact_limit_is_bounded() -> None:
 
 
 def random_cluster(seed: int, n: int, blocks: int) -> tuple[ModelGraph, Cluster]:
-    """A seeded model of ``blocks`` unlike blocks and ``n`` devices in three regions, each holding 20 to 60 % of it."""
-    rng = random.Random(seed)
-    model = model_of(
-        [(rng.randint(80, 120), rng.randint(150, 250), 4096) for _ in range(blocks)], embed=100, head=100, context=256
-    )
-    total = sum(b.weight_bytes + b.kv_bytes * 256 for b in model.blocks) / MIB + 200
-    regions = ("eu", "us", "asia")
-    devices = tuple(
-        device(
-            f"dev{i}",
-            total * rng.uniform(0.2, 0.6),
-            gflops=10 ** rng.uniform(2, 3.5),
-            bandwidth_gbs=10 ** rng.uniform(1.5, 3),
-            overhead_ms=rng.uniform(0.1, 2.0),
-            usd_per_hour=round(rng.uniform(0.1, 3.0), 2),
-            region=rng.choice(regions),
-        )
-        for i in range(n)
-    )
-    used = sorted({d.region for d in devices if d.region is not None})
-    links = tuple(
-        Link(src=a, dst=b, delay_ms=rng.uniform(5, 40), rate_mbit=10 ** rng.uniform(2, 4))
-        for a in used
-        for b in used
-        if a != b
-    )
-    cluster = Cluster(devices=devices, default=Impaired(delay_ms=0.2), region_links=links, hop_ms=0.05)
-    return model, cluster
+    """The planner benchmark's seeded instances (unlike blocks, devices in three regions), at ``blocks`` blocks."""
+    from ppharness.benchmarks.planner import random_instance
+
+    return random_instance(seed, n, blocks)
 
 
 @pytest.mark.parametrize("kind", KINDS)
