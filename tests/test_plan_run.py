@@ -207,3 +207,21 @@ def test_a_scenario_with_both_a_plan_and_stages_is_refused(tiny_graph, tmp_path)
     (tmp_path / "both.yaml").write_text("version: 1\nplan: p.json\nstages: {count: 3}\n")
     with pytest.raises(ScenarioError, match=r"\$\.stages: a scenario with a plan takes its stages from the plan"):
         load_scenario(tmp_path / "both.yaml")
+
+
+def test_realise_gives_each_node_its_program_and_its_devices_docker_limits(tiny_graph):
+    from ppharness.run.realise import Endpoints, realise
+    from ppharness.scenario.schema import scenario_from_args
+
+    cluster = _three_devices("docker")
+    limited = msgspec.structs.replace(cluster.devices[1], source=Source(kind="docker", cpus=0.5, memory_limit=1 << 30))
+    cluster = msgspec.structs.replace(cluster, devices=(cluster.devices[0], limited, cluster.devices[2]))
+    compiled = compile_plan(chain(tiny_graph, cluster, ["dev-a", "dev-b"], [4]))
+    at = Endpoints(seed="tcp://127.0.0.1:1", node_model="/m.gguf", transport_opts=[{}, {}])
+    nodes = realise(scenario_from_args(provider="docker"), compiled, at, trace=False)
+    assert [n.name for n in nodes] == ["pp-stage-0", "pp-stage-1"]
+    assert [n.env["STAGE"] for n in nodes] == ["0", "1"] and nodes[1].env["SEED_ADDR"] == "tcp://127.0.0.1:1"
+    assert msgspec.json.decode(nodes[1].env["PLAN"])["names"] == ["pp-stage-1", "pp-exit"]
+    # a device without limits of its own leaves them to the run's docker settings
+    assert (nodes[0].options.get("cpus"), nodes[0].options.get("memory")) == (None, None)
+    assert (nodes[1].options["cpus"], nodes[1].options["memory"]) == (0.5, 1 << 30)

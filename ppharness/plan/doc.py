@@ -98,7 +98,7 @@ class Source(_Doc, frozen=True):
 
     kind: Literal["local", "docker", "vastai"] = "local"
     cpus: Annotated[float, Meta(gt=0, le=1024)] | None = None  # docker: the container's CPU quota
-    memory_limit: Bytes | None = None  # docker: the container's memory limit (default: the device's memory)
+    memory_limit: Bytes | None = None  # docker: the container's memory limit (default: the run's docker settings)
     offer: dict[str, str] | None = None  # vastai: the offer filter, e.g. {gpu_name: RTX_4090, num_gpus: "1"}
 
 

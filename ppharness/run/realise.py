@@ -85,6 +85,6 @@ def realise(scenario: Scenario, compiled: Compiled, at: Endpoints, trace: bool) 
         options: NodeOptions = {"own_network": bool(at.ports)}
         if device.source.kind == "docker":
             options["cpus"] = device.source.cpus
-            options["memory"] = device.source.memory_limit or device.memory
+            options["memory"] = device.source.memory_limit  # None: the run's docker settings decide
         out.append(NodeRequest(stage_name(i), env, options, program))
     return out
