@@ -225,3 +225,15 @@ def test_realise_gives_each_node_its_program_and_its_devices_docker_limits(tiny_
     # a device without limits of its own leaves them to the run's docker settings
     assert (nodes[0].options.get("cpus"), nodes[0].options.get("memory")) == (None, None)
     assert (nodes[1].options["cpus"], nodes[1].options["memory"]) == (0.5, 1 << 30)
+
+
+def test_the_readmes_cluster_example_loads_and_plans(tiny_graph, tmp_path):
+    from ppharness.plan.doc import load_cluster
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("name: two-regions")
+    (tmp_path / "readme-cluster.yaml").write_text(text[start : text.index("```", start)])
+    cluster = load_cluster(tmp_path / "readme-cluster.yaml")
+    assert [d.id for d in cluster.devices] == ["gpu-a", "gpu-b", "box-c"]
+    assert cluster.link("gpu-a", "box-c").delay_ms == 30  # east -> west, the regions' link
+    check_plan(plan_optimal(tiny_graph, cluster, Objective()))
