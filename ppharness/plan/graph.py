@@ -8,7 +8,6 @@ token is keys and values for every KV head.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import re
 from pathlib import Path
@@ -23,15 +22,14 @@ _BLK = re.compile(r"^blk\.(\d+)\.")
 
 @functools.cache
 def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    from ppharness.model.files import sha256_file
+
+    return sha256_file(Path(path))
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
-    """The sha256 of a file, computed once per (path, size, mtime) in this process."""
+    """The sha256 of a file (``ppharness.model.files.sha256_file``), computed once per (path, size, mtime) in this
+    process."""
     st = Path(path).stat()
     return _sha256(str(path), st.st_size, st.st_mtime_ns)
 
