@@ -59,10 +59,6 @@ def chain(
     return with_id(PlanDoc(version=1, model=model, cluster=cluster, placement=placement))
 
 
-def even_cuts(blocks: int, n: int) -> list[int]:
-    return even_splits(blocks, n)
-
-
 def memory_cuts(blocks: int, devices: Sequence[Device]) -> list[int]:
     """Cut points giving each device a share of the blocks proportional to its memory (at least one block each,
     rounded so the shares add up), in the order given."""
@@ -94,7 +90,7 @@ def policy_plan(
     if len(devices) > blocks:
         devices = devices[:blocks]
     if policy == "even":
-        cuts = even_cuts(blocks, len(devices))
+        cuts = even_splits(blocks, len(devices))
     elif policy == "memory":
         cuts = memory_cuts(blocks, devices)
     else:

@@ -18,9 +18,9 @@ import msgspec
 
 from ppharness.errors import PlanError
 from ppharness.network.spec import Impairment, Link, Network, stage_node
-from ppharness.plan.build import chain, even_cuts
+from ppharness.plan.build import chain
 from ppharness.plan.doc import Cluster, Device, ModelGraph, Objective, PlanDoc, Source, loop
-from ppharness.plan.stages import Plan, StagePlan, StageSettings, names_of, stage_name
+from ppharness.plan.stages import Plan, StagePlan, StageSettings, make_plan, names_of, stage_name
 
 
 @dataclass(frozen=True)
@@ -131,15 +131,9 @@ def _source_kind(provider: str) -> Literal["local", "docker", "vastai"]:
 def scenario_plan(model: ModelGraph, num_stages: int | None, splits: Sequence[int] | None, kind: str) -> PlanDoc:
     """The plan of ``--num-stages N`` / ``stages.splits``: a chain over N devices of the scenario's provider, cut at
     the split points (or evenly)."""
-    blocks = len(model.blocks)
-    if splits is None:
-        if num_stages is None or num_stages < 1:
-            raise PlanError(f"stages: need a stage count of at least 1, got {num_stages}")
-        if num_stages > blocks:
-            raise PlanError(f"stages: {num_stages} stages but the model has {blocks} blocks; use at most {blocks}")
-        cuts = even_cuts(blocks, num_stages)
-    else:
-        cuts = list(splits)
+    # the stage count and split points are checked where the SPEC's split is defined
+    ranges = make_plan(len(model.blocks), num_stages, list(splits) if splits is not None else None).ranges
+    cuts = [hi for _, hi in ranges[:-1]]
     n = len(cuts) + 1
     cluster = implicit_cluster(kind, n)
     policy = "even" if splits is None else "splits"
