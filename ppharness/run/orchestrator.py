@@ -231,15 +231,15 @@ class Chain:
 
     def __enter__(self) -> Chain:
         from ppharness.model.files import resolve_model
-        from ppharness.model.slicing import GGUFFile
 
         sc, progress = self.scenario, self.progress
         self._lock = RunLock(self.run_label).acquire()  # a label a live run holds is refused before anything exists
         try:  # from here on, whatever fails releases the lock and closes what was opened
+            plan_doc: PlanDoc | None = None
             if sc.plan is not None:
                 from ppharness.plan.doc import load_plan
 
-                plan_doc = load_plan(sc.plan)
+                plan_doc = load_plan(sc.plan)  # read once: its model is what the run resolves
                 source, sha = plan_doc.model.source, None
             else:
                 source, sha = model_source(sc)
@@ -252,11 +252,11 @@ class Chain:
             )
             progress(f"model: {shown} (building or fetching once, then cached)")
             self.model_path = str(resolve_model(source, sha))
-            cfg = GGUFFile(self.model_path).config
-            self.plan_doc, self.compiled = realise_plan(sc, source, self.model_path)
+            self.plan_doc, self.compiled = realise_plan(sc, source, self.model_path, plan_doc)
             self.plan = plan = self.compiled.runtime
+            graph = self.plan_doc.model
             progress(
-                f"model {self.model_path}: {cfg.blocks} blocks, dim {cfg.dim}, vocab {cfg.vocab}; "
+                f"model {self.model_path}: {len(graph.blocks)} blocks, dim {graph.dim}, vocab {graph.vocab}; "
                 f"plan {plan.plan_id} ({self.plan_doc.placement.policy or 'hand-written'}): "
                 + ", ".join(
                     f"{d.id} [{lo},{hi})" for d, (lo, hi) in zip(self.compiled.devices, plan.ranges, strict=True)
@@ -617,15 +617,17 @@ def run_scenario(
     return result
 
 
-def realise_plan(scenario: Scenario, source: str, model_path: str) -> tuple[PlanDoc, Compiled]:
-    """The plan a run of ``scenario`` realises, compiled: its plan file (checked against the model file the run
-    resolved), else the chain its stages section describes."""
+def realise_plan(
+    scenario: Scenario, source: str, model_path: str, plan_doc: PlanDoc | None = None
+) -> tuple[PlanDoc, Compiled]:
+    """The plan a run of ``scenario`` realises, compiled: its plan file (``plan_doc`` when already read; checked
+    against the model file the run resolved), else the chain its stages section describes."""
     from ppharness.plan.compile import check_model
     from ppharness.plan.doc import load_plan
     from ppharness.plan.graph import file_sha256, model_graph
 
     if scenario.plan is not None:
-        doc = load_plan(scenario.plan)
+        doc = plan_doc if plan_doc is not None else load_plan(scenario.plan)
         check_model(doc, file_sha256(model_path), model_path, scenario.plan)
     else:
         graph = model_graph(model_path, source, scenario.model.max_context, scenario.transport.wire_dtype, digest=False)
