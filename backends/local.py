@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,22 @@ STOP_GRACE_S = 5.0
 # a node with a network of its own: a new user namespace (this user as its root, so it may configure its network)
 # and a new network namespace with only a loopback, from util-linux's unshare; no privilege is needed
 NETNS_PREFIX = ["unshare", "--user", "--map-root-user", "--net", "--"]
+
+
+# environment variables by which a user picks tinygrad's device; without one, tinygrad probes every backend it knows
+DEVICE_VARS = ("DEV", "CPU", "CUDA", "NV", "AMD", "METAL", "GPU", "CL", "LLVM", "CLANG", "WEBGPU", "QCOM")
+
+
+@cache
+def device_env() -> dict[str, str]:
+    """tinygrad's device for nodes on this machine, chosen once here (the device this process, and so the oracle,
+    computes on): each node would otherwise probe every backend as it starts, about 2 s of a small model's 4 s load,
+    which is also what a spare replacing a dead stage waits for. Empty when the user picked the device."""
+    if any(os.environ.get(k) for k in DEVICE_VARS):
+        return {}
+    from tinygrad import Device
+
+    return {"DEV": str(Device.DEFAULT)}
 
 
 def node_command() -> list[str]:
@@ -50,7 +67,7 @@ class LocalProvider(Provider["LocalSettings | None"]):
         started: list[Instance] = []
         for spec in specs:
             log_path = self.node_log_dir() / f"{spec.name}.log"
-            env = {**os.environ, **spec.env, LABEL_VAR: self.run_label, "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, **device_env(), **spec.env, LABEL_VAR: self.run_label, "PYTHONUNBUFFERED": "1"}
             try:
                 with open(log_path, "wb") as log:
                     proc = subprocess.Popen(

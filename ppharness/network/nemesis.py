@@ -41,12 +41,13 @@ class Nemesis:
                 elif e.kind == "kill":
                     orders.append(_Order(e.at_s, "kill", node))
         self._pending = sorted(orders, key=lambda o: o.at_s)
-        self._paused: set[str] = set()
+        self._paused: dict[str, Instance] = {}  # node -> the instance paused (a spare may have replaced it since)
         self.done: list[tuple[float, NodeAction, str]] = []  # (seconds since the start, action, node) as carried out
 
     def _instance(self, node: str) -> Instance | None:
+        """The node's newest instance (a spare that replaced it, if any)."""
         name = "pp-" + node  # stage-3 -> pp-stage-3
-        return next((i for i in self.provider.instances if i.name == name), None)
+        return next((i for i in reversed(self.provider.instances) if i.name == name), None)
 
     def tick(self) -> None:
         elapsed = self.clock.elapsed()
@@ -55,16 +56,16 @@ class Nemesis:
             self._carry_out(order.action, order.node, elapsed)
 
     def _carry_out(self, action: NodeAction, node: str, elapsed: float) -> None:
-        inst = self._instance(node)
+        inst = self._paused.get(node) if action == "resume" else self._instance(node)
         if inst is None:
             return
         self.log(f"network event at {elapsed:.2f} s: {action} {node}")
         self.provider.signal_node(inst, action)
         self.done.append((elapsed, action, node))
         if action == "pause":
-            self._paused.add(node)
+            self._paused[node] = inst
         else:
-            self._paused.discard(node)
+            self._paused.pop(node, None)
 
     def heal(self) -> None:
         for node in sorted(self._paused):

@@ -128,16 +128,19 @@ def _source_kind(provider: str) -> Literal["local", "docker", "vastai"]:
     return "vastai" if provider == "vastai" else "local"
 
 
-def scenario_plan(model: ModelGraph, num_stages: int | None, splits: Sequence[int] | None, kind: str) -> PlanDoc:
+def scenario_plan(
+    model: ModelGraph, num_stages: int | None, splits: Sequence[int] | None, kind: str, spares: int = 0
+) -> PlanDoc:
     """The plan of ``--num-stages N`` / ``stages.splits``: a chain over N devices of the scenario's provider, cut at
-    the split points (or evenly)."""
+    the split points (or evenly), with ``spares`` more devices standing by."""
     # the stage count and split points are checked where the SPEC's split is defined
     ranges = make_plan(len(model.blocks), num_stages, list(splits) if splits is not None else None).ranges
     cuts = [hi for _, hi in ranges[:-1]]
     n = len(cuts) + 1
-    cluster = implicit_cluster(kind, n)
+    cluster = implicit_cluster(kind, n + spares)
     policy = "even" if splits is None else "splits"
-    return chain(model, cluster, [d.id for d in cluster.devices], cuts, Objective(), policy)
+    ids = [d.id for d in cluster.devices]
+    return chain(model, cluster, ids[:n], cuts, Objective(), policy, spares=ids[n:])
 
 
 def check_model(doc: PlanDoc, sha256: str, path: str, source: str = "") -> None:

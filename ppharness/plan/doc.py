@@ -266,6 +266,9 @@ class Placement(_Doc, frozen=True):
     spares: tuple[Name, ...] = ()
     objective: Objective = Objective()
     policy: str = ""  # what made it: optimal, even, memory, or "" for a hand-written plan
+    # what a run of it does when a message is lost or a node dies (ppharness.run.reliable); "" leaves it to the
+    # scenario (default none). ``failover`` replaces a dead node by one of ``spares``.
+    fault_tolerance: Literal["", "none", "retry", "failover"] = ""
 
 
 class PlanDoc(_Doc, frozen=True):

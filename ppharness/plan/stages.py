@@ -53,6 +53,13 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     names: tuple[str, ...] = ()
     prev: str = ""
     next: str = ""
+    # fault tolerance (ppharness.run.reliable): the run's policy and its retry timings; the membership epoch this
+    # node starts in (above 0: a spare replacing a dead stage)
+    fault_tolerance: str = "none"
+    ack_timeout_s: float = 0.25
+    retry_max_s: float = 2.0
+    retry_budget_s: float = 300.0
+    epoch: int = 0
 
     @property
     def registers(self) -> list[str]:
@@ -76,6 +83,10 @@ class StageSettings(TypedDict, total=False):
     join_s: float
     resolve_s: float
     trace: bool
+    fault_tolerance: str
+    ack_timeout_s: float
+    retry_max_s: float
+    retry_budget_s: float
 
 
 @dataclass(frozen=True)

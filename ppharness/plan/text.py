@@ -8,6 +8,7 @@
     spares: cpu-1, cpu-2
     objective: throughput x4
     policy: memory
+    fault_tolerance: failover
 
 Grammar (one line each; spaces and tabs between tokens are free; ``#`` starts a comment to the end of the line)::
 
@@ -18,6 +19,7 @@ Grammar (one line each; spaces and tabs between tokens are free; ``#`` starts a 
     spares line := "spares:" device ("," device)*
     objective   := "objective:" ("latency" | "throughput" | "cost") ["x" requests]
     policy line := "policy:" word
+    fault line  := "fault_tolerance:" ("none" | "retry" | "failover")
 
 - A node's label is its device id, or ``name@device`` when the node has a name, even one equal to its device id (the
   name is then what edges and successors use). A node without a name on a device called ``spares``, ``objective``
@@ -27,7 +29,8 @@ Grammar (one line each; spaces and tabs between tokens are free; ``#`` starts a 
   out of a node whose ops include ``head`` is a ``token`` edge; every other edge is an ``activation`` edge.
 - ``render`` writes the nodes in their order, each with its edges (so the edges come out grouped by source node, in
   node order), then ``spares:`` (only when there are spares), ``objective:`` (only when it is not the default,
-  latency with one request; ``xN`` only when N requests are more than one) and ``policy:`` (only when set), each
+  latency with one request; ``xN`` only when N requests are more than one), ``policy:`` and ``fault_tolerance:``
+  (only when set), each
   line ending in a newline. ``parse`` reads the extra lines anywhere, at most once each, and makes the edges in the
   same grouped order. So ``parse(render(p)) == p`` for a placement whose edges are grouped that way (as
   ``ppharness.plan.build.chain`` makes them), and ``render(parse(t)) == t`` for any text ``render`` wrote.
@@ -54,7 +57,8 @@ MAX_TEXT_BYTES = 1 << 20  # 1 MiB
 MAX_LINE_CHARS = 4096
 MAX_INDEX_DIGITS = 9
 MAX_REQUESTS = 4096
-KEYWORDS = ("spares", "objective", "policy")
+KEYWORDS = ("spares", "objective", "policy", "fault_tolerance")
+FAULT_POLICIES: tuple[Literal["none", "retry", "failover"], ...] = ("none", "retry", "failover")
 Kind = Literal["latency", "throughput", "cost"]
 OBJECTIVES: tuple[Kind, ...] = ("latency", "throughput", "cost")
 _OPS = ("embed", "head", "blk[a:b]")
@@ -87,6 +91,8 @@ def render(placement: Placement) -> str:
         lines.append(f"objective: {objective.kind}" + (f" x{objective.requests}" if objective.requests > 1 else ""))
     if placement.policy:
         lines.append(f"policy: {placement.policy}")
+    if placement.fault_tolerance:
+        lines.append(f"fault_tolerance: {placement.fault_tolerance}")
     return "".join(line + "\n" for line in lines)
 
 
@@ -188,6 +194,7 @@ class _Reader:
     spares: tuple[str, ...] = ()
     objective: Objective = _DEFAULT_OBJECTIVE
     policy: str = ""
+    fault_tolerance: Literal["", "none", "retry", "failover"] = ""
 
 
 class _Line:
@@ -258,6 +265,7 @@ def parse(text: str, source: str = "<text>") -> Placement:
         spares=reader.spares,
         objective=reader.objective,
         policy=reader.policy,
+        fault_tolerance=reader.fault_tolerance,
     )
 
 
@@ -447,6 +455,16 @@ def _read_extra(line: _Line, keyword: str, column: int, start: int, end: int) ->
             raise line.error(at, "policy: says nothing", "name the policy, e.g. `policy: optimal`, or remove the line")
         _name(line, word, at, "policy")
         reader.policy = word
+        return
+    if keyword == "fault_tolerance":
+        policy = next((p for p in FAULT_POLICIES if p == word), None)
+        if policy is None:
+            raise line.error(
+                at,
+                f"{short(word, 40) or 'nothing'} is not a fault-tolerance policy",
+                f"write one of {', '.join(FAULT_POLICIES)}: `fault_tolerance: failover`",
+            )
+        reader.fault_tolerance = policy
         return
     match = _OBJECTIVE.fullmatch(word)
     if match is None or match[1] not in OBJECTIVES:

@@ -37,6 +37,18 @@ class Directory:
         for name in msg.names:
             self.names[name] = msg.address
 
+    def replace(self, msg: Join) -> str:
+        """Record the Join of a spare that took over ``msg.stage``: its names now point at the spare. Returns the
+        address the stage had."""
+        old = self.joins[msg.stage].address
+        self.joins[msg.stage] = msg
+        for name, address in list(self.names.items()):
+            if address == old:
+                del self.names[name]
+        for name in msg.names:
+            self.names[name] = msg.address
+        return old
+
     @property
     def complete(self) -> bool:
         return len(self.joins) == self.num_stages
@@ -58,19 +70,24 @@ def wait_for(
     what: str,
     check: Callable[[], None] = lambda: None,
     log: Callable[[str], None] = print,
+    done: Callable[[], bool] = lambda: False,
+    poll_s: Callable[[], float] = lambda: POLL_S,
 ) -> None:
-    """Pump messages into ``on_message`` until it returns True, at most ``timeout`` seconds.
+    """Pump messages into ``on_message`` until it returns True (or ``done()`` holds), at most ``timeout`` seconds.
 
     ``check`` runs between polls and raises to abort (e.g. a member died). A bad frame is logged and dropped.
+    ``poll_s`` is the longest wait for one message (shorter when ``check`` has timers to keep).
     """
     deadline = time.monotonic() + timeout
     while True:
         check()
+        if done():
+            return
         left = deadline - time.monotonic()
         if left <= 0:
             raise WaitTimedOut(f"timed out after {timeout:g} s waiting for {what}")
         try:
-            sender, msg = recv(min(POLL_S, left))
+            sender, msg = recv(min(poll_s(), left))
         except TransportTimeout:
             continue
         except CodecError as exc:

@@ -74,6 +74,10 @@ class HeartbeatDetector:
         for s in stages:
             self.last_seen.setdefault(s, now)
 
+    def replace(self, stage: int, name: str) -> None:
+        """A spare took over ``stage``: its clock starts again (the replaced node's beats no longer count)."""
+        self.last_seen[stage] = self.clock()
+
     def on_message(self, msg: Message) -> bool:
         """Take a Heartbeat (True), or say it was not one (False)."""
         if isinstance(msg, Heartbeat):
@@ -114,6 +118,7 @@ class KinshipDetector:
         self._cluster = Cluster(cfg).start()
         self.address = self._cluster.local.addr
         self._watched: list[int] = []
+        self._names: dict[int, str] = {}  # stage -> the name its node gossips under, where not stage_name(stage)
 
     def node_env(self) -> dict[str, str]:
         return {
@@ -126,13 +131,17 @@ class KinshipDetector:
     def watch(self, stages: list[int]) -> None:
         self._watched += [s for s in stages if s not in self._watched]
 
+    def replace(self, stage: int, name: str) -> None:
+        """A spare took over ``stage``, gossiping under ``name``."""
+        self._names[stage] = name
+
     def on_message(self, msg: Message) -> bool:
         return isinstance(msg, Heartbeat)
 
     def dead(self) -> list[tuple[int, str]]:
         out = []
         for s in self._watched:
-            m = self._cluster.member(stage_name(s))
+            m = self._cluster.member(self._names.get(s, stage_name(s)))
             if m is None:
                 continue
             if m.state in (self._kinship.State.DEAD, self._kinship.State.LEFT):
@@ -170,7 +179,7 @@ class NodeMembership:
 
             cfg = kinship.Config.local(
                 bind=f"{env.get('PP_GOSSIP_BIND', '127.0.0.1')}:0",
-                name=stage_name(stage),
+                name=env.get("PP_GOSSIP_NAME") or stage_name(stage),
                 seeds=[env["PP_GOSSIP_SEED"]],
                 cluster=env.get("PP_GOSSIP_CLUSTER") or None,
                 keys=[env["PP_GOSSIP_KEY"]],

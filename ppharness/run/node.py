@@ -41,6 +41,7 @@ from ppharness.wire.messages import (
     DigestRequest,
     Error,
     Join,
+    Members,
     Message,
     NetworkStart,
     Ready,
@@ -162,7 +163,7 @@ def _idle_until_orphaned(parent: int) -> int:
 
 
 # what only the orchestrator may send a node; replies go to the orchestrator, never to an address a frame names
-CONTROL = (Shutdown, ClockProbe, TraceRequest, DigestRequest, NetworkStart)
+CONTROL = (Shutdown, ClockProbe, TraceRequest, DigestRequest, NetworkStart, Members)
 
 
 def _reply(transport: Transport, seed: str, msg: Message, log: Callable[[str], None]) -> None:
@@ -174,6 +175,7 @@ def _reply(transport: Transport, seed: str, msg: Message, log: Callable[[str], N
 
 
 def serve(plan: StagePlan, env: dict[str, str]) -> int:
+    from ppharness.run.reliable import RetryPolicy
     from ppharness.run.stage import Stage
 
     seed = env["SEED_ADDR"]
@@ -247,6 +249,9 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
             tracer=tracer,
             seed=seed,
             route=(plan.prev, plan.next),
+            policy=plan.fault_tolerance,
+            retry=RetryPolicy(first_s=plan.ack_timeout_s, max_s=plan.retry_max_s, budget_s=plan.retry_budget_s),
+            epoch=plan.epoch,
         )
         transport.send(
             seed,
@@ -260,11 +265,13 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
         )
         while True:
             rx: Received | None = None
+            stage.tick()  # resend what waits for an acknowledgement too long
             if early:
                 sender, msg = early.pop(0)
             else:
+                due = stage.due_in()
                 try:
-                    rx = transport.receive(1.0)
+                    rx = transport.receive(1.0 if due is None else min(1.0, max(due, 0.001)))
                     sender, msg = rx.sender, rx.message
                 except TransportTimeout:
                     if os.getppid() != parent:
@@ -294,6 +301,8 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
                     return 0
                 case NetworkStart():
                     clock.start(msg.t0_unix_ns)
+                case Members():
+                    stage.rejoin(msg.names, msg.epoch)
                 case ClockProbe():
                     _reply(
                         transport, seed, ClockReply(stage=plan.stage, t_seed_ns=msg.t_seed_ns, t_node_ns=now_ns()), log

@@ -39,9 +39,11 @@ from ppharness.plan.stages import ENTRY, EXIT, Plan, stage_name
 from ppharness.registry import impaired_transport, provider_class, transport_class
 from ppharness.run.cluster import Directory, wait_for
 from ppharness.run.locks import RunLock
-from ppharness.run.realise import Endpoints, realise
+from ppharness.run.realise import Endpoints, fault_policy, gossip_name, realise, replacement
+from ppharness.run.reliable import Outbox, RetryPolicy, ack_of
 from ppharness.trace.tracer import now_ns
 from ppharness.wire.messages import (
+    Ack,
     ClockProbe,
     ClockReply,
     DigestReport,
@@ -54,8 +56,10 @@ from ppharness.wire.messages import (
     Message,
     NetworkStart,
     Ready,
+    Resume,
     Shutdown,
     Stopped,
+    StreamedToken,
     TraceReport,
     TraceRequest,
 )
@@ -63,10 +67,10 @@ from ppharness.wire.messages import (
 if TYPE_CHECKING:
     from ppharness.model.exactness import Verdict
     from ppharness.model.oracle import OracleResult
-    from ppharness.plan.doc import PlanDoc
+    from ppharness.plan.doc import Device, PlanDoc
     from ppharness.run.membership import Detector
     from ppharness.scenario.schema import ClusterSection, ProviderSettings, Scenario, TransportSection
-    from ppharness.seams import Provider, Transport
+    from ppharness.seams import Instance, Provider, Transport
     from ppharness.seams.transport import JsonObject
     from ppharness.trace.report import Trace
 
@@ -99,6 +103,31 @@ class StageReport:
 
 
 @dataclass
+class Recovery:
+    """One dead stage replaced by a spare (policy failover), on the orchestrator's monotonic clock: when the death
+    was detected, when the spare had loaded its blocks (Ready), and when the next token reached the client."""
+
+    stage: int
+    cause: str
+    spare: str  # the device id
+    epoch: int
+    detected_at: float
+    ready_at: float = 0.0
+    load_s: float = 0.0  # the spare's own report: loading and compiling its blocks
+    next_token_at: float = 0.0  # 0: no token came after it (the request had finished)
+
+    @property
+    def reload_s(self) -> float:
+        """Detection to the spare's Ready: starting it, loading, compiling."""
+        return self.ready_at - self.detected_at
+
+    @property
+    def replay_s(self) -> float:
+        """The spare's Ready to the next token at the client: the replay and the token's way round."""
+        return self.next_token_at - self.ready_at if self.next_token_at else 0.0
+
+
+@dataclass
 class RunResult:
     scenario: str
     run_label: str
@@ -112,6 +141,9 @@ class RunResult:
     digests: dict[int, list[bytes]] = field(default_factory=dict)  # stage -> digests of the hidden states it sent
     verdict: Verdict | None = None  # when the oracle ran
     notes: list[str] = field(default_factory=list)
+    policy: str = "none"  # fault tolerance: none, retry or failover
+    recoveries: list[Recovery] = field(default_factory=list)
+    resends: int = 0  # messages the orchestrator sent again for want of an acknowledgement
 
     @property
     def decode_s(self) -> float:
@@ -189,6 +221,23 @@ class Chain:
         self.bridge: Bridge | None = None  # the packet layer's bridge of this endpoint
         self.bridge_dir: str | None = None  # where the bridges' Unix sockets live
         self.network: Network | None = None  # the scenario's network with the plan's links
+        # fault tolerance (ppharness.run.reliable): the run's policy, the membership epoch, the spares left, the
+        # addresses and instances of replaced nodes, what each request streamed, and the recoveries so far
+        self.policy = "none"
+        self.epoch = 0
+        self.spares: list[Device] = []
+        self.spare_opts: list[JsonObject] = []
+        self.fenced: set[str] = set()
+        self.retired: set[str] = set()  # instance ids
+        self.streams: dict[str, dict[int, tuple[int, float]]] = {}  # request -> position -> (token, arrival)
+        self.responses: dict[str, InferenceResponse] = {}
+        self.recoveries: list[Recovery] = []
+        self.active: InferenceRequest | None = None
+        self.ready = False
+        self.outbox: Outbox | None = None
+        self._replacing = False
+        self._replacing_id = ""
+        self._fenced_seen: set[str] = set()
 
     def _left(self, phase_s: float, what: str) -> float:
         remaining = self.deadline - time.monotonic()
@@ -196,26 +245,99 @@ class Chain:
             raise HarnessError(f"the run's budget of {self.scenario.budget.total_s:g} s ran out before {what}")
         return min(phase_s, remaining)
 
-    def _wait(self, on_message: Callable[[str, Message], bool], phase_s: float, what: str, phase: str) -> None:
+    def _wait(
+        self,
+        on_message: Callable[[str, Message], bool],
+        phase_s: float,
+        what: str,
+        phase: str,
+        done: Callable[[], bool] = lambda: False,
+    ) -> None:
+        assert self._provider is not None and self.transport is not None, "the chain is not started"
+
         def handle(sender: str, msg: Message) -> bool:
+            if sender in self.fenced:  # a replaced node that came back: nothing it says counts
+                self._fenced_note(sender, msg)
+                return False
             _raise_on_error(msg)
             if self.detector is not None and self.detector.on_message(msg):
                 return False
+            self._take(sender, msg)
             return on_message(sender, msg)
-
-        assert self._provider is not None and self.transport is not None, "the chain is not started"
-        watchdog = _watchdog(self._provider, phase, self.detector)
 
         def check() -> None:
             if self.nemesis is not None:
                 self.nemesis.tick()
-            try:
-                watchdog()
-            except ClusterError:
-                self._drain(handle)  # a node's own Error, sent before it went, says more than its death
-                raise
+            if self.outbox is not None:
+                self.outbox.tick()
+            deaths = _deaths(self._provider, self.detector, self.retired) if self._provider else []
+            if not deaths:
+                return
+            if self.policy == "failover" and self.ready and not self._replacing:
+                for death in deaths:
+                    self._failover(death, phase)
+                return
+            if self._replacing:  # another death while a spare comes up waits for it, unless it is that spare's
+                mine = [d for d in deaths if d.instance is not None and d.instance.id == self._replacing_id]
+                if mine:
+                    raise self._death_error(mine[0], phase)
+                return
+            self._drain(handle)  # a node's own Error, sent before it went, says more than its death
+            raise self._death_error(deaths[0], phase)
 
-        wait_for(self.transport.recv, handle, self._left(phase_s, what), what, check=check, log=self.progress)
+        def poll_s() -> float:
+            due = self.outbox.due_in() if self.outbox is not None else None
+            return 0.2 if due is None else min(0.2, max(due, 0.001))
+
+        wait_for(
+            self.transport.recv,
+            handle,
+            self._left(phase_s, what),
+            what,
+            check=check,
+            log=self.progress,
+            done=done,
+            poll_s=poll_s,
+        )
+
+    def _take(self, sender: str, msg: Message) -> None:
+        """What the orchestrator keeps whatever it is waiting for: acknowledgements, streamed tokens, responses."""
+        match msg:
+            case Ack() if self.outbox is not None:
+                self.outbox.ack(sender, msg)
+            case StreamedToken():
+                self._ack(sender, "stream", msg.request_id, msg.position)
+                got = self.streams.setdefault(msg.request_id, {})
+                if msg.position not in got:
+                    got[msg.position] = (msg.token_id, time.monotonic())
+                    for r in self.recoveries:
+                        if not r.next_token_at and r.ready_at:
+                            r.next_token_at = time.monotonic()
+            case InferenceResponse():
+                self._ack(sender, "response", msg.request_id, -1)
+                self.responses.setdefault(msg.request_id, msg)
+
+    def _ack(self, to: str, kind: str, request_id: str, position: int) -> None:
+        if self.policy != "none" and self.transport is not None:
+            try:
+                self.transport.send(to, ack_of(kind, request_id, position, self.plan.plan_id))
+            except HarnessError as exc:  # the stage sends it again; that copy is acknowledged again
+                self.progress(f"warning: acknowledging {kind} {position} to {to[:60]} failed: {exc}")
+
+    def _fenced_note(self, sender: str, msg: Message) -> None:
+        key = f"{sender}|{type(msg).__name__}"
+        if key not in self._fenced_seen:
+            self._fenced_seen.add(key)
+            self.progress(f"fenced off a {type(msg).__name__} from a replaced node ({sender[:60]})")
+
+    def _death_error(self, death: Death, phase: str) -> ClusterError:
+        assert self._provider is not None
+        err = ClusterError(death.describe(self._provider.kind, phase))
+        inst = death.instance
+        tail = self._provider.logs(inst, 15).rstrip() if inst is not None else ""
+        if inst is not None and tail:
+            err.add_note(f"last lines of {inst.name}:\n{tail}")
+        return err
 
     def _drain(self, handle: Callable[[str, Message], bool], limit: int = 100) -> None:
         """Hand what has already arrived to ``handle`` (which raises on an Error), without waiting for more."""
@@ -268,8 +390,15 @@ class Chain:
             settings: ProviderSettings | None = getattr(sc.provider, sc.provider.kind, None)
             self._provider = provider_cls(self.run_label, settings, log_dir=self.log_dir)
             self.node_model = self._provider.node_model(self.model_source, self.model_path)
+            self.policy = fault_policy(sc, self.compiled)
+            placement = self.plan_doc.placement
+            if self.policy == "failover":
+                self.spares = [self.plan_doc.cluster.device(d) for d in placement.spares]
             transport_cls = transport_class(sc.transport.kind)
-            endpoint_opts = transport_cls.plan_endpoints(n + 1, transport_settings(sc.transport))
+            # the spares are members from the start: their keys are among those every endpoint admits
+            endpoint_opts = transport_cls.plan_endpoints(n + 1 + len(self.spares), transport_settings(sc.transport))
+            self.spare_opts = endpoint_opts[n + 1 :]
+            endpoint_opts = endpoint_opts[: n + 1]
             seed_opts = endpoint_opts[0] | self._provider.seed_transport_options(sc.transport.kind)
             self.network = network = plan_network(self.compiled, sc.network)
             if network is not None and network.layer == "packet":
@@ -286,6 +415,17 @@ class Chain:
                 self.nemesis = Nemesis(network, self._provider, self.clock, progress)
                 progress(f"network emulation ({network.layer} level): {describe_network(network)}")
             self.seed = self.transport.start()
+            if self.policy != "none":
+                retry = RetryPolicy(
+                    first_s=sc.fault_tolerance.ack_timeout_s,
+                    max_s=sc.fault_tolerance.retry_max_s,
+                    budget_s=sc.budget.total_s,
+                )
+                self.outbox = Outbox(self.transport.send, self._address_of, retry)
+                progress(
+                    f"fault tolerance: {self.policy}"
+                    + (f", {len(self.spares)} spare(s): {', '.join(d.id for d in self.spares)}" if self.spares else "")
+                )
             self.detector = _make_detector(sc.cluster, self._provider, n, self.run_label, bool(self.ports))
             progress(f"membership: {self.detector.name}")
             self._provider.__enter__()
@@ -300,7 +440,7 @@ class Chain:
         provider, transport, detector = self._provider, self.transport, self.detector
         assert provider is not None and transport is not None and detector is not None, "the chain is not started"
         budget = sc.budget
-        endpoints = Endpoints(
+        self.endpoints = endpoints = Endpoints(
             seed=self.seed,
             node_model=self.node_model,
             transport_opts=endpoint_opts[1:],
@@ -377,6 +517,82 @@ class Chain:
             ) from exc
         if self.trace_on:
             self._probe_clocks()
+        self.ready = True
+
+    def _address_of(self, role: str) -> str | None:
+        """Where the orchestrator's reliable messages go: ``entry`` is stage 0, whichever node that is now."""
+        return self.directory.names.get(ENTRY) if role == "entry" else role
+
+    def _failover(self, death: Death, phase: str) -> None:
+        """Replace the dead ``death.stage`` by the first spare device: start it in a new epoch, wait for its Join and
+        Ready, hand every node the new directory (the dead node's address is fenced off), and resume the request in
+        progress where the replaced stage was stage 0 (the others replay to their new neighbour themselves)."""
+        assert self._provider is not None and self.transport is not None and self.detector is not None
+        stage, progress = death.stage, self.progress
+        detected = time.monotonic()
+        if not self.spares:
+            raise _no_spare(self._death_error(death, phase), len(self.recoveries))
+        spare = self.spares.pop(0)
+        self.epoch += 1
+        epoch = self.epoch
+        old = self.directory.joins[stage].address
+        self.fenced.add(old)
+        if death.instance is not None:
+            self.retired.add(death.instance.id)
+        progress(
+            f"failover: {stage_name(stage)} {death.cause} while {phase}; spare {spare.id} takes blocks "
+            f"{list(self.plan.ranges[stage])} (epoch {epoch})"
+        )
+        recovery = Recovery(stage=stage, cause=death.cause, spare=spare.id, epoch=epoch, detected_at=detected)
+        node = replacement(
+            self.scenario, self.compiled, self.endpoints, stage, spare, epoch, self.spare_opts.pop(0), self.trace_on
+        )
+        spec = self._provider.spec(node.name, node.env, **node.options)
+        self._replacing = True
+        try:
+            (inst,) = self._provider.provision([spec])
+            self._replacing_id = inst.id
+            self.detector.replace(stage, gossip_name(stage, epoch))
+            joined: list[Join] = []
+
+            def on_join(sender: str, msg: Message) -> bool:
+                if isinstance(msg, Join) and msg.stage == stage and msg.address == sender and sender not in self.fenced:
+                    joined.append(msg)
+                return bool(joined)
+
+            budget = self.scenario.budget
+            self._wait(on_join, budget.join_s, f"the spare for {stage_name(stage)} to join", "replacing a stage")
+            self.directory.replace(joined[0])
+            members = Members(names=self.directory.names, epoch=epoch)
+            self.transport.send(joined[0].address, members)
+            ready: list[Ready] = []
+
+            def on_ready(sender: str, msg: Message) -> bool:
+                if isinstance(msg, Ready) and sender == joined[0].address:
+                    ready.append(msg)
+                return bool(ready)
+
+            what = f"the spare for {stage_name(stage)} to load (Ready)"
+            self._wait(on_ready, budget.ready_s, what, "replacing a stage")
+        finally:
+            self._replacing, self._replacing_id = False, ""
+        recovery.ready_at, recovery.load_s = time.monotonic(), ready[0].load_s
+        self.reports[stage].load_s = ready[0].load_s
+        for j in self.directory.joins.values():
+            if j.stage != stage:
+                self.transport.send(j.address, members)
+        self.recoveries.append(recovery)
+        progress(
+            f"failover: {stage_name(stage)} is back on {spare.id} after {recovery.reload_s:.2f} s "
+            f"(loading {recovery.load_s:.2f} s); {len(self.spares)} spare(s) left"
+        )
+        active = self.active
+        if stage == 0 and active is not None and active.request_id not in self.responses:
+            got = self.streams.get(active.request_id, {})
+            tokens = [got[p][0] for p in sorted(got)]
+            resume = Resume(request=active, tokens=tokens, plan_id=self.plan.plan_id, epoch=epoch)
+            assert self.outbox is not None  # failover is a reliable policy
+            self.outbox.put(("resume", active.request_id, -1), "entry", resume)
 
     def _with_logs(self, err: HarnessError, stages: list[int]) -> HarnessError:
         """``err`` with the last log lines of each of ``stages``' instances attached as notes."""
@@ -451,30 +667,33 @@ class Chain:
             for j in self.directory.joins.values():
                 self.transport.send(j.address, NetworkStart(t0_unix_ns=t0_unix_ns))
         t0 = time.monotonic()
-        self.transport.send(
-            self.directory.resolve(ENTRY),
-            InferenceRequest(reply_to=self.seed, prompt=prompt, max_tokens=max_tokens, request_id=request_id),
-        )
-        got: list[InferenceResponse] = []
-
-        def on_response(sender: str, msg: Message) -> bool:
-            if isinstance(msg, InferenceResponse) and msg.request_id == request_id:
-                got.append(msg)
-            return bool(got)
-
+        request = InferenceRequest(reply_to=self.seed, prompt=prompt, max_tokens=max_tokens, request_id=request_id)
+        self.active = request
         try:
+            if self.outbox is not None:  # resent until stage 0 acknowledges it
+                self.outbox.put(("request", request_id, -1), "entry", request)
+            else:
+                self.transport.send(self.directory.resolve(ENTRY), request)
             self._wait(
-                on_response, self.scenario.budget.total_s, "the InferenceResponse from the last stage", "decoding"
+                lambda sender, msg: request_id in self.responses,
+                self.scenario.budget.total_s,
+                "the InferenceResponse from the last stage",
+                "decoding",
+                done=lambda: request_id in self.responses,
             )
         except WaitTimedOut as exc:
             network = self.network
-            if network is not None and (network.loses or network.events):
+            if self.policy == "none" and network is not None and (network.loses or network.events):
                 exc.add_note(
                     "the scenario's network loses or cuts off messages, and this run does not retry them: "
-                    "one lost activation or token ends the run"
+                    "one lost activation or token ends the run — fault_tolerance: {policy: retry} resends them"
                 )
             raise
-        return got[0], time.monotonic() - t0
+        finally:
+            self.active = None
+            if self.outbox is not None:
+                self.outbox.drop(lambda key, role: key[1] != request_id)
+        return self.responses.pop(request_id), time.monotonic() - t0
 
     def trace_of(self, response: InferenceResponse) -> Trace:
         """The per-token trace of a request this chain served (its stages must trace)."""
@@ -582,7 +801,11 @@ def run_scenario(
     with Chain(scenario, progress, run_label, log_dir, trace=trace) as chain:
         progress(f"request: {req.max_tokens} tokens after {req.prompt!r}")
         response, request_s = chain.request(req.prompt, req.max_tokens)
-        traced = chain.trace_of(response) if trace else None
+        traced = None
+        if trace and chain.recoveries:
+            progress("no trace for this request: the replaced stage's spans went with it")
+        elif trace:
+            traced = chain.trace_of(response)
         digests = chain.collect_digests(response.request_id) if scenario.expect.match_oracle else {}
     n = chain.plan.num_stages
     result = RunResult(
@@ -595,6 +818,9 @@ def run_scenario(
         model_path=chain.model_path,
         trace=traced,
         digests=digests,
+        policy=chain.policy,
+        recoveries=chain.recoveries,
+        resends=chain.outbox.resends if chain.outbox is not None else 0,
     )
     if scenario.expect.non_empty and not response.token_ids:
         raise StageError(f"stage {n - 1} (last) reported done with no text ({response.finish_reason})")
@@ -632,7 +858,13 @@ def realise_plan(
     else:
         graph = model_graph(model_path, source, scenario.model.max_context, scenario.transport.wire_dtype, digest=False)
         st = scenario.stages
-        doc = scenario_plan(graph, st.num_stages, list(st.splits) if st.splits else None, scenario.provider.kind)
+        doc = scenario_plan(
+            graph,
+            st.num_stages,
+            list(st.splits) if st.splits else None,
+            scenario.provider.kind,
+            scenario.fault_tolerance.spares,
+        )
     return doc, compile_plan(doc)
 
 
@@ -662,28 +894,50 @@ def _make_detector(
     return HeartbeatDetector(n, section.heartbeat_s, section.suspect_after, section.dead_after_s)
 
 
-def _watchdog(
-    provider: Provider[ProviderSettings | None], phase: str, detector: Detector | None = None
-) -> Callable[[], None]:
-    """A check for wait_for: any node that exited or was declared dead during ``phase`` fails the run, with the
-    node's last log lines."""
+@dataclass(frozen=True)
+class Death:
+    """A node that exited (``exit_code``) or that membership declared dead (``why``)."""
 
-    def check() -> None:
-        for inst, rc in provider.exited():
-            err = ClusterError(f"{inst.name} ({provider.kind} {inst.id}) exited with code {rc} while {phase}")
-            tail = provider.logs(inst, 15).rstrip()
-            if tail:
-                err.add_note(f"last lines of {inst.name}:\n{tail}")
-            raise err
-        for stage, why in detector.dead() if detector is not None else []:
-            node = next((i for i in provider.instances if i.name == stage_name(stage)), None)
-            err = ClusterError(f"{stage_name(stage)} died while {phase}: {why}")
-            tail = provider.logs(node, 15).rstrip() if node is not None else ""
-            if node is not None and tail:
-                err.add_note(f"last lines of {node.name}:\n{tail}")
-            raise err
+    stage: int
+    instance: Instance | None
+    exit_code: int | None = None
+    why: str = ""
 
-    return check
+    def describe(self, kind: str, phase: str) -> str:
+        if self.exit_code is not None and self.instance is not None:
+            return f"{self.instance.name} ({kind} {self.instance.id}) exited with code {self.exit_code} while {phase}"
+        return f"{stage_name(self.stage)} died while {phase}: {self.why}"
+
+    @property
+    def cause(self) -> str:
+        return f"exited with code {self.exit_code}" if self.exit_code is not None else self.why
+
+
+def _deaths(provider: Provider[ProviderSettings | None], detector: Detector | None, retired: set[str]) -> list[Death]:
+    """Every node, not yet replaced, that exited or was declared dead."""
+    out: list[Death] = []
+    for inst, rc in provider.exited():
+        if inst.id not in retired:
+            out.append(Death(_stage_of(inst), inst, exit_code=rc))
+    for stage, why in detector.dead() if detector is not None else []:
+        if any(d.stage == stage for d in out):
+            continue
+        node = next((i for i in reversed(provider.instances) if i.name == stage_name(stage)), None)
+        out.append(Death(stage, node, why=why))
+    return out
+
+
+def _no_spare(err: ClusterError, used: int) -> ClusterError:
+    err.add_note(
+        f"no spare device is left to replace it (policy failover; {used} replacement(s) so far) — name more spares "
+        "in the plan (placement.spares) or the scenario (fault_tolerance.spares)"
+    )
+    return err
+
+
+def _stage_of(inst: Instance) -> int:
+    tail = inst.name.removeprefix(stage_name(0)[:-1])
+    return int(tail) if tail.isdigit() else -1
 
 
 def _shutdown(

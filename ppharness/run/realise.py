@@ -20,6 +20,7 @@ from ppharness.plan.stages import StagePlan, StageSettings, stage_name
 
 if TYPE_CHECKING:
     from ppharness.network.spec import Network
+    from ppharness.plan.doc import Device
     from ppharness.scenario.schema import Scenario
     from ppharness.seams.provider import NodeOptions
     from ppharness.seams.transport import JsonObject
@@ -32,7 +33,7 @@ class Endpoints:
 
     seed: str
     node_model: str
-    transport_opts: list[JsonObject]  # per node, in loop order
+    transport_opts: list[JsonObject]  # per node, in loop order (then the spares')
     membership_env: dict[str, str] = field(default_factory=dict)
     network: Network | None = None
     ports: PortTable = field(default_factory=dict)
@@ -49,42 +50,78 @@ class NodeRequest:
     program: StagePlan
 
 
-def realise(scenario: Scenario, compiled: Compiled, at: Endpoints, trace: bool) -> list[NodeRequest]:
-    """Every node of the run, in loop order."""
-    budget = scenario.budget
-    settings = StageSettings(
+def fault_policy(scenario: Scenario, compiled: Compiled) -> str:
+    """The run's fault-tolerance policy: the scenario's, else the plan's, else none."""
+    return scenario.fault_tolerance.policy or compiled.doc.placement.fault_tolerance or "none"
+
+
+def _settings(scenario: Scenario, compiled: Compiled, trace: bool) -> StageSettings:
+    budget, ft = scenario.budget, scenario.fault_tolerance
+    return StageSettings(
         wire_dtype=scenario.transport.wire_dtype,
         max_context=scenario.model.max_context,
         join_s=budget.join_s,
         resolve_s=budget.resolve_s,
         trace=trace,
+        fault_tolerance=fault_policy(scenario, compiled),
+        ack_timeout_s=ft.ack_timeout_s,
+        retry_max_s=ft.retry_max_s,
+        retry_budget_s=budget.total_s,
     )
-    progs = programs(compiled, settings)
-    n = len(progs)
-    out = []
-    for i, program in enumerate(progs):
-        env = {
-            "STAGE": str(i),
-            "NUM_STAGES": str(n),
-            "SEED_ADDR": at.seed,
-            "MODEL": at.node_model,
-            "TRANSPORT": scenario.transport.kind,
-            "PLAN": msgspec.json.encode(program).decode(),
-        } | at.membership_env
-        for fault in scenario.faults:
-            if fault.stage == i:
-                env["PP_FAULT"] = fault.mode
-        if at.network is not None:
-            env["PP_NETWORK"] = msgspec.json.encode(at.network).decode()
-        if at.ports:
-            env["PP_NETWORK_PORTS"] = encode_ports(at.ports)
-            env["PP_NETWORK_DIR"] = at.bridge_dir
-        if at.transport_opts[i]:
-            env["PP_TRANSPORT_OPTS"] = json.dumps(at.transport_opts[i])
-        device = compiled.devices[i]
-        options: NodeOptions = {"own_network": bool(at.ports)}
-        if device.source.kind == "docker":
-            options["cpus"] = device.source.cpus
-            options["memory"] = device.source.memory_limit  # None: the run's docker settings decide
-        out.append(NodeRequest(stage_name(i), env, options, program))
-    return out
+
+
+def realise(scenario: Scenario, compiled: Compiled, at: Endpoints, trace: bool) -> list[NodeRequest]:
+    """Every node of the run, in loop order."""
+    progs = programs(compiled, _settings(scenario, compiled, trace))
+    return [_node(scenario, at, program, compiled.devices[i], at.transport_opts[i]) for i, program in enumerate(progs)]
+
+
+def replacement(
+    scenario: Scenario,
+    compiled: Compiled,
+    at: Endpoints,
+    stage: int,
+    spare: Device,
+    epoch: int,
+    transport_opts: JsonObject,
+    trace: bool,
+) -> NodeRequest:
+    """The node that takes over ``stage`` on the spare device ``spare``, in the membership epoch ``epoch``."""
+    program = programs(compiled, _settings(scenario, compiled, trace))[stage]
+    program = msgspec.structs.replace(program, device=spare.id, epoch=epoch)
+    node = _node(scenario, at, program, spare, transport_opts)
+    if at.membership_env.get("PP_MEMBERSHIP") == "kinship":  # gossip knows the dead node by its name for good
+        node.env["PP_GOSSIP_NAME"] = gossip_name(stage, epoch)
+    return node
+
+
+def gossip_name(stage: int, epoch: int) -> str:
+    """The name stage ``stage``'s node gossips under: a replacement's carries its epoch."""
+    return stage_name(stage) if epoch == 0 else f"{stage_name(stage)}.{epoch}"
+
+
+def _node(scenario: Scenario, at: Endpoints, program: StagePlan, device: Device, opts: JsonObject) -> NodeRequest:
+    i, n = program.stage, program.num_stages
+    env = {
+        "STAGE": str(i),
+        "NUM_STAGES": str(n),
+        "SEED_ADDR": at.seed,
+        "MODEL": at.node_model,
+        "TRANSPORT": scenario.transport.kind,
+        "PLAN": msgspec.json.encode(program).decode(),
+    } | at.membership_env
+    for fault in scenario.faults:
+        if fault.stage == i and program.epoch == 0:  # a replacement does not inherit the fault it replaces
+            env["PP_FAULT"] = fault.mode
+    if at.network is not None:
+        env["PP_NETWORK"] = msgspec.json.encode(at.network).decode()
+    if at.ports:
+        env["PP_NETWORK_PORTS"] = encode_ports(at.ports)
+        env["PP_NETWORK_DIR"] = at.bridge_dir
+    if opts:
+        env["PP_TRANSPORT_OPTS"] = json.dumps(opts)
+    options: NodeOptions = {"own_network": bool(at.ports)}
+    if device.source.kind == "docker":
+        options["cpus"] = device.source.cpus
+        options["memory"] = device.source.memory_limit  # None: the run's docker settings decide
+    return NodeRequest(stage_name(i), env, options, program)

@@ -348,6 +348,21 @@ class FaultSection(_Section, frozen=True):
     mode: FaultMode
 
 
+class FaultToleranceSection(_Section, frozen=True):
+    """What the run does when a message is lost or a node dies: ``none`` ends the run (exit 1, everything destroyed);
+    ``retry`` resends every message on the token's way until its receiver acknowledges it (a dead node still ends the
+    run); ``failover`` besides replaces a dead node by a spare device, whose KV cache is rebuilt by replaying the
+    request. ``policy`` left out: the plan file's, else none. ``spares``: without a plan file, how many spare devices of
+    the run's provider stand by (a plan file names its own). ``ack_timeout_s``: how long a message waits for its
+    acknowledgement before it is sent again, until round trips are measured; ``retry_max_s`` the longest wait between
+    two sends."""
+
+    policy: Literal["none", "retry", "failover"] | None = None
+    spares: Annotated[int, Meta(ge=0, le=64)] = 0
+    ack_timeout_s: Seconds = 0.25
+    retry_max_s: Seconds = 2.0
+
+
 def _default_model() -> ModelSection:
     return ModelSection(synthetic=SyntheticModel())
 
@@ -368,6 +383,7 @@ class Scenario(_Section, frozen=True):
     cluster: ClusterSection = ClusterSection()
     faults: tuple[FaultSection, ...] = ()
     network: Network | None = None
+    fault_tolerance: FaultToleranceSection = FaultToleranceSection()
     plan: (
         Annotated[
             str,
@@ -403,6 +419,19 @@ class Scenario(_Section, frozen=True):
             )
         if self.network is not None:
             self._check_network(self.network)
+        ft = self.fault_tolerance
+        if ft.spares and self.plan is not None:
+            raise FieldError(
+                "fault_tolerance.spares",
+                "the plan file names its spare devices (placement.spares) — remove spares here, or add them to the "
+                "plan",
+            )
+        if ft.policy == "failover" and self.network is not None and self.network.layer == "packet":
+            raise FieldError(
+                "fault_tolerance.policy",
+                "a spare cannot join the packet layer's bridges, which are laid out when the run starts — use "
+                "network layer: message, or policy retry",
+            )
 
     def _check_network(self, network: Network) -> None:
         n = self.stages.num_stages

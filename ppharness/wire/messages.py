@@ -44,6 +44,7 @@ class StageActivation(_Msg, frozen=True):
     shape: tuple[int, ...]
     dtype: str  # wire dtype: "f16" | "bf16" | "f32"
     plan_id: str
+    epoch: int = 0  # the run's membership epoch when it was sent: a replaced (fenced) node's older epoch is refused
 
 
 class NextToken(_Msg, frozen=True):
@@ -54,6 +55,7 @@ class NextToken(_Msg, frozen=True):
     position: int
     done: bool
     plan_id: str
+    epoch: int = 0
 
 
 class InferenceResponse(_Msg, frozen=True):
@@ -83,6 +85,7 @@ class RequestOpen(_Msg, frozen=True):
     max_tokens: int
     prompt_tokens: int
     plan_id: str
+    epoch: int = 0
 
 
 class Join(_Msg, frozen=True):
@@ -97,9 +100,11 @@ class Join(_Msg, frozen=True):
 
 
 class Members(_Msg, frozen=True):
-    """Seed -> every node: the name directory (name -> transport address) once all stages joined."""
+    """Seed -> every node: the name directory (name -> transport address) once all stages joined; again, with a
+    higher ``epoch``, after a spare replaced a dead stage (a node takes only a directory newer than the one it has)."""
 
     names: dict[str, str]
+    epoch: int = 0
 
 
 class Ready(_Msg, frozen=True):
@@ -194,6 +199,51 @@ class NetworkStart(_Msg, frozen=True):
     t0_unix_ns: int
 
 
+# --- fault tolerance (policies retry and failover) -----------------------------------------------------------------
+
+
+class Ack(_Msg, frozen=True):
+    """Receiver -> sender: the message ``kind`` of ``request_id`` at ``position`` arrived (or arrived before: a
+    duplicate is acknowledged again and otherwise dropped). ``kind`` names what is acknowledged: ``request``,
+    ``open``, ``activation``, ``token``, ``stream``, ``response``, ``replay`` or ``resume``."""
+
+    kind: str
+    request_id: str
+    position: int
+    plan_id: str
+
+
+class StreamedToken(_Msg, frozen=True):
+    """Last stage -> ``reply_to``, as each token is sampled (the final InferenceResponse still follows): what a
+    client shows as it comes, and the token history a replacement of stage 0 is resumed from."""
+
+    request_id: str
+    token_id: int
+    position: int
+    done: bool
+    plan_id: str
+
+
+class Replay(_Msg, frozen=True):
+    """Stage i-1 -> the spare that replaced stage i: the request and every activation stage i-1 sent for it, in
+    order, to rebuild the replaced range's KV cache by the same calls that built it (prefill, then one decode per
+    position); only the last one's output travels on."""
+
+    open: RequestOpen
+    activations: list[StageActivation]
+    epoch: int
+
+
+class Resume(_Msg, frozen=True):
+    """Seed -> the spare that replaced stage 0: the request and the tokens streamed so far, to replay through its
+    blocks before it goes on from the last one."""
+
+    request: InferenceRequest
+    tokens: list[int]
+    plan_id: str
+    epoch: int
+
+
 class Error(_Msg, frozen=True):
     """Anyone -> seed / reply_to: a failure that ends the request or the run, in one line."""
 
@@ -222,6 +272,10 @@ Message: TypeAlias = (
     | ClockProbe
     | ClockReply
     | NetworkStart
+    | Ack
+    | StreamedToken
+    | Replay
+    | Resume
     | Error
 )
 
