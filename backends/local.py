@@ -41,7 +41,7 @@ def device_env() -> dict[str, str]:
     which is also what a spare replacing a dead stage waits for. Empty when the user picked the device."""
     if any(os.environ.get(k) for k in DEVICE_VARS):
         return {}
-    from tinygrad import Device
+    from tinygrad.device import Device
 
     return {"DEV": str(Device.DEFAULT)}
 

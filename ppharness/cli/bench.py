@@ -1,4 +1,4 @@
-"""``ppharness bench``: the chain, one hop, the GPU, failover and the WAN emulator, measured."""
+"""``ppharness bench``: the chain, one hop, the GPU, failover, chaos and the WAN emulator, measured."""
 
 from __future__ import annotations
 
@@ -135,6 +135,39 @@ def bench_failover(num_stages: int, runs: int, sig: str, engine: str) -> None:
     with exit_1_on_failure():
         results = run_failover_bench(num_stages, runs, sig, engine, Progress())
     click.echo(report(results, num_stages, sig, engine))
+
+
+@bench.command("chaos")
+@click.option("--trials", type=int, default=5, show_default=True, help="Requests, each under its own fault schedule.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Trial k draws its faults from seed + k.")
+@click.option("--stages", "num_stages", type=int, default=3, show_default=True)
+@click.option("--tokens", type=int, default=64, show_default=True, help="Tokens generated per request.")
+@click.option(
+    "--overhead-requests",
+    type=int,
+    default=5,
+    show_default=True,
+    help="Fault-free requests per policy (none, failover) for the slowdown; 0 leaves it out.",
+)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write every raw figure here.")
+def bench_chaos(
+    trials: int, seed: int, num_stages: int, tokens: int, overhead_requests: int, json_out: str | None
+) -> None:
+    """Random kills, pauses, partitions and loss bursts mid-request under policy failover: answers against the
+    oracle, time from each fault to the next token, the parts of each failover, and the policy's fault-free cost."""
+    from ppharness.benchmarks.chaos import report, run_chaos_bench, write_json
+    from ppharness.run.orchestrator import Progress
+
+    if trials < 1 or num_stages < 2 or tokens < 1 or overhead_requests < 0:
+        raise click.BadParameter("--trials and --tokens must be at least 1, --stages at least 2")
+    with exit_1_on_failure():
+        res = run_chaos_bench(trials, seed, num_stages, tokens, overhead_requests, Progress())
+    click.echo(report(res))
+    if json_out:
+        write_json(res, json_out)
+        click.echo(f"\nwritten: {json_out}")
+    if res.diverged:
+        fail(f"{res.diverged} answer(s) differ from the unsplit model's (DIVERGED above)")
 
 
 @bench.command("wan")

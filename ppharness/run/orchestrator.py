@@ -233,6 +233,7 @@ class Chain:
         self.responses: dict[str, InferenceResponse] = {}
         self.recoveries: list[Recovery] = []
         self.active: InferenceRequest | None = None
+        self.request_started = 0.0
         self.ready = False
         self.outbox: Outbox | None = None
         self._replacing = False
@@ -661,6 +662,7 @@ class Chain:
     def _request_once(self, prompt: str, max_tokens: int) -> tuple[InferenceResponse, float]:
         request_id = uuid.uuid4().hex[:12]
         assert self.transport is not None, "the chain is not started"
+        self.request_started = time.monotonic()  # what the network's event times count from, on this clock
         if self.nemesis is not None:  # the network's events count from here, in every process of the run
             t0_unix_ns = time.time_ns()
             self.clock.start(t0_unix_ns)

@@ -103,8 +103,9 @@ class Outbox:
         return self._transmit(item, now, first=True)
 
     def _transmit(self, item: _Pending, now: float, first: bool) -> Sent | None:
-        wait = self.rto.setdefault(item.role, _Rto()).timeout(self.policy) * (1 if first else 2 ** (item.sends - 1))
-        wait = min(wait, self.policy.max_s) * (1 + self.policy.jitter * (2 * self.rng.random() - 1))
+        backoff = 1 if first else 2 ** min(item.sends - 1, 30)
+        wait = min(self.rto.setdefault(item.role, _Rto()).timeout(self.policy) * backoff, self.policy.max_s)
+        wait *= 1 + self.policy.jitter * (2 * self.rng.random() - 1)
         item.due = now + wait
         address = self.resolve(item.role)
         if address is None:

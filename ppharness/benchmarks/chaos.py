@@ -1,0 +1,613 @@
+"""``ppharness bench chaos``: random faults in the middle of a request under policy failover, checked token by token.
+
+Each trial runs one request on a fresh chain (local provider, ZeroMQ, the synthetic tiny model unless the base
+scenario says otherwise) whose network carries a fault schedule drawn from ``random.Random(seed + trial)``: one or
+two faults among
+
+- ``kill``: a random stage is killed (SIGKILL) 0.3-2.0 s into the request; a spare takes over;
+- ``pause``: a random stage is stopped (SIGSTOP) for 0.5-4 s: shorter than detection, the retries ride it out;
+  longer, the stage is declared dead and a spare takes over. The orchestrator fences the old node off, but its
+  neighbours go on using it, once it runs again, until the spare is ready: the request may finish on it first (an
+  *overtaken* failover, with no replay to time);
+- ``partition``: a random stage is cut off from every other node for 0.5-3 s, with the same outcomes;
+- ``loss``: Gilbert-Elliott bursty loss on every stage -> stage link for the whole request (at most one per trial).
+
+Membership runs on heartbeats (``heartbeat_s`` 0.25, dead after 1.5 s) so that pauses and partitions are noticed, and
+the run gets a spare for every fault that can kill a stage or outlast detection. The answer of every trial is compared
+with the unsplit model's (the oracle, computed once). Reported:
+
+- divergent answers (target 0) and failed runs (an exception; target 0 while spares remain);
+- per fault, the time from the fault to the next token at the client (the first streamed token after it; a kill or
+  pause counts from when the orchestrator's nemesis carried it out, up to a poll after its time, a partition from its
+  time);
+- per failover, its parts: detection (fault -> declared dead), reload (declared dead -> the spare's Ready) and replay
+  (Ready -> the next token at the client), whose sum has a target of under 5 s at the median;
+- the price of the policy when nothing fails: decode tokens/s of a failover chain against a chain without fault
+  tolerance, interleaved requests on the same model (target: at most 5 % slower).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from ppharness.network.spec import Bursty, Event, Impairment, Network, stage_node
+from ppharness.trace.report import percentile
+
+if TYPE_CHECKING:
+    from ppharness.run.orchestrator import Chain, Recovery
+    from ppharness.scenario.schema import Scenario
+
+FaultKind = Literal["kill", "pause", "partition", "loss"]
+KINDS: tuple[FaultKind, ...] = ("kill", "pause", "partition", "loss")
+TIMED_KINDS: tuple[FaultKind, ...] = ("kill", "pause", "partition")
+
+# the schedule's ranges, seconds
+AT_S = (0.3, 2.0)  # when a timed fault starts, from the start of the request
+PAUSE_S = (0.5, 4.0)
+PARTITION_S = (0.5, 3.0)
+FAULTS_PER_TRIAL = (1, 2)
+LOSS_BURSTS = Bursty(p=0.02, r=0.3, loss_bad=0.5)  # every stage -> stage link, the whole request
+
+# membership: fast enough that a pause or a partition of a couple of seconds ends in a failover
+HEARTBEAT_S = 0.25
+DEAD_AFTER_S = 1.5
+# The orchestrator reads heartbeats only while it waits on its own chain, and judges silence before it reads what
+# queued meanwhile: a chain left idle longer than its detection timeout (while the other chain serves a request, or
+# starts) would be declared dead at its next request. The overhead's two chains send the same heartbeats and give up
+# on a silent node only after this long.
+OVERHEAD_DEAD_AFTER_S = 120.0
+
+# targets
+RECOVERY_TARGET_S = 5.0  # detection + reload + replay, median
+SLOWDOWN_TARGET = 0.05  # a fault-free failover run at most this much slower than one without fault tolerance
+
+PROMPT = "The quick brown fox"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault of a trial's schedule: ``kind`` on ``stage`` from ``at_s`` for ``for_s`` (a kill is for good; loss
+    holds on every link for the whole request: no stage, no times)."""
+
+    kind: FaultKind
+    stage: int | None = None
+    at_s: float | None = None
+    for_s: float | None = None
+
+    def event(self) -> Event | None:
+        """The network event that carries the fault out (None for loss, which is a link impairment)."""
+        if self.kind == "loss" or self.stage is None or self.at_s is None:
+            return None
+        return Event(at_s=self.at_s, kind=self.kind, nodes=(stage_node(self.stage),), for_s=self.for_s)
+
+    def can_outlast_detection(self) -> bool:
+        """Whether the fault may end in a failover: a kill always; a pause or partition whose silence, plus the
+        heartbeat that may have been due just before it, reaches the detection timeout."""
+        if self.kind == "kill":
+            return True
+        return self.for_s is not None and self.for_s + 2 * HEARTBEAT_S >= DEAD_AFTER_S
+
+    def describe(self) -> str:
+        if self.kind == "loss":
+            return f"bursty loss (mean {LOSS_BURSTS.steady_loss() * 100:.2g} %)"
+        lasting = f" for {self.for_s:.2f} s" if self.for_s is not None else ""
+        return f"{self.kind} stage {self.stage} at {self.at_s:.2f} s{lasting}"
+
+
+def draw_schedule(rng: random.Random, num_stages: int) -> list[Fault]:
+    """One trial's faults: one or two, each a kill, pause or partition of a random stage at a random time, or bursty
+    loss on every link (at most once); timed faults in time order, loss last."""
+    faults: list[Fault] = []
+    for _ in range(rng.randint(*FAULTS_PER_TRIAL)):
+        kinds = TIMED_KINDS if any(f.kind == "loss" for f in faults) else KINDS
+        kind = rng.choice(kinds)
+        if kind == "loss":
+            faults.append(Fault("loss"))
+            continue
+        stage = rng.randrange(num_stages)
+        at_s = round(rng.uniform(*AT_S), 2)
+        span = {"pause": PAUSE_S, "partition": PARTITION_S}.get(kind)
+        for_s = round(rng.uniform(*span), 2) if span is not None else None
+        faults.append(Fault(kind, stage, at_s, for_s))
+    return sorted(faults, key=lambda f: (f.at_s is None, f.at_s or 0.0))
+
+
+def spares_for(faults: list[Fault]) -> int:
+    """The spares a trial gets: one for every fault that may end in a failover, at least one."""
+    return max(1, sum(f.can_outlast_detection() for f in faults))
+
+
+def schedule_network(faults: list[Fault], seed: int) -> Network:
+    """The network section that carries ``faults`` out, seeded with ``seed``."""
+    events = tuple(e for e in (f.event() for f in faults) if e is not None)
+    loss = any(f.kind == "loss" for f in faults)
+    return Network(seed=seed, default=Impairment(bursty=LOSS_BURSTS) if loss else Impairment(), events=events)
+
+
+# --- scenarios ------------------------------------------------------------------------------------------------------
+
+
+def base_scenario(num_stages: int, tokens: int) -> Scenario:
+    """The built-in scenario with ``num_stages`` stages and ``tokens`` tokens, membership on fast heartbeats."""
+    import msgspec
+
+    from ppharness.scenario.schema import scenario_from_args
+
+    sc = scenario_from_args(num_stages=num_stages, max_tokens=tokens, prompt=PROMPT, name="bench-chaos")
+    cluster = msgspec.structs.replace(
+        sc.cluster, engine="heartbeat", heartbeat_s=HEARTBEAT_S, dead_after_s=DEAD_AFTER_S
+    )
+    expect = msgspec.structs.replace(sc.expect, match_oracle=False)  # the bench compares with the oracle itself
+    return msgspec.structs.replace(sc, cluster=cluster, expect=expect)
+
+
+def with_policy(
+    base: Scenario,
+    policy: Literal["none", "failover"],
+    spares: int,
+    network: Network | None,
+    dead_after_s: float = DEAD_AFTER_S,
+) -> Scenario:
+    """``base`` with a fault-tolerance policy, its spares, a network and a detection timeout, checked as a scenario
+    file would be."""
+    import msgspec
+
+    from ppharness.scenario.schema import Scenario
+
+    ft = msgspec.structs.replace(base.fault_tolerance, policy=policy, spares=spares)
+    cluster = msgspec.structs.replace(base.cluster, dead_after_s=dead_after_s)
+    sc = msgspec.structs.replace(base, fault_tolerance=ft, network=network, cluster=cluster)
+    return msgspec.convert(msgspec.to_builtins(sc), type=Scenario)
+
+
+# --- one trial ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RecoveryFigures:
+    """One failover: which stage, why, and its parts in seconds (detection counts from the fault it is laid to)."""
+
+    stage: int
+    cause: str
+    spare: str
+    fault: int | None  # index into the trial's faults; None when no fault on that stage came before it
+    detection_s: float | None
+    reload_s: float
+    replay_s: float | None  # None: no token came after the spare's Ready (the request had finished without it)
+    load_s: float  # the spare's own report of loading and compiling (part of reload)
+
+    @property
+    def total_s(self) -> float | None:
+        """Detection + reload + replay: from the fault to the first token after the spare took over."""
+        if self.detection_s is None or self.replay_s is None:
+            return None
+        return self.detection_s + self.reload_s + self.replay_s
+
+
+@dataclass
+class Trial:
+    """One request under one fault schedule: its outcome and raw figures."""
+
+    index: int
+    seed: int
+    faults: list[Fault]
+    spares: int
+    outcome: Literal["exact", "diverged", "failed"] = "failed"
+    error: str = ""
+    tokens: list[int] = field(default_factory=list)
+    first_divergence: int | None = None
+    request_s: float = 0.0
+    carried_out: list[tuple[float, str, str]] = field(default_factory=list)  # the nemesis's (elapsed, action, node)
+    struck_s: list[float | None] = field(default_factory=list)  # per fault: when it struck (``fault_times``)
+    arrivals_s: list[float] = field(default_factory=list)  # each streamed token's arrival, from the request's start
+    next_token_s: list[float | None] = field(default_factory=list)  # per fault: fault -> next token at the client
+    recoveries: list[RecoveryFigures] = field(default_factory=list)
+    resends: int = 0
+    elapsed_s: float = 0.0
+
+
+def first_divergence(got: list[int], want: list[int]) -> int | None:
+    """The first position where ``got`` and ``want`` differ (the shorter's length when one is a prefix); None when
+    they are equal."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return i
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def next_token_after(arrivals: list[float], t: float) -> float | None:
+    """Seconds from ``t`` to the first arrival after it (None when none came after)."""
+    later = [a for a in arrivals if a > t]
+    return min(later) - t if later else None
+
+
+def lay_recoveries(
+    recoveries: list[Recovery], faults: list[Fault], struck_s: list[float | None], started: float
+) -> list[RecoveryFigures]:
+    """Each recovery's parts, laid to the latest fault on its stage that struck (``struck_s``, seconds after
+    ``started``) before the death was detected; each fault at most once."""
+    taken: set[int] = set()
+    out: list[RecoveryFigures] = []
+    for r in sorted(recoveries, key=lambda r: r.detected_at):
+        candidates = [
+            (t, i)
+            for i, (f, t) in enumerate(zip(faults, struck_s))
+            if i not in taken and f.stage == r.stage and t is not None and started + t <= r.detected_at
+        ]
+        cause: int | None = None
+        detection: float | None = None
+        if candidates:
+            t, cause = max(candidates)
+            taken.add(cause)
+            detection = r.detected_at - (started + t)
+        replay = r.replay_s if r.next_token_at else None
+        out.append(RecoveryFigures(r.stage, r.cause, r.spare, cause, detection, r.reload_s, replay, r.load_s))
+    return out
+
+
+def fault_times(faults: list[Fault], done: list[tuple[float, str, str]]) -> list[float | None]:
+    """When each fault struck, in seconds from the start of the request: a kill or pause when the nemesis carried it
+    out (``done``: its first tick at or after ``at_s``, up to a poll later), a partition at ``at_s`` (every endpoint
+    applies it on its own clock); None for loss, and for a kill or pause never carried out (the request had ended)."""
+    out: list[float | None] = []
+    used: set[int] = set()
+    for f in faults:
+        if f.at_s is None or f.kind == "partition":
+            out.append(f.at_s)
+            continue
+        node = stage_node(f.stage or 0)
+        hit = next(
+            (i for i, (t, action, n) in enumerate(done) if i not in used and action == f.kind and n == node), None
+        )
+        if hit is not None:
+            used.add(hit)
+        out.append(done[hit][0] if hit is not None else None)
+    return out
+
+
+def _read_chain(trial: Trial, chain: Chain, request_id: str) -> None:
+    """What the chain kept of the request: the faults carried out, the token arrivals, the recoveries, the resends."""
+    started = chain.request_started
+    got = chain.streams.get(request_id, {})
+    arrivals = [got[position][1] for position in sorted(got)]
+    trial.arrivals_s = [round(at - started, 4) for at in arrivals]
+    trial.carried_out = [(round(t, 3), str(a), n) for t, a, n in (chain.nemesis.done if chain.nemesis else [])]
+    trial.struck_s = fault_times(trial.faults, trial.carried_out)
+    trial.next_token_s = [next_token_after(arrivals, started + t) if t is not None else None for t in trial.struck_s]
+    trial.recoveries = lay_recoveries(chain.recoveries, trial.faults, trial.struck_s, started)
+    trial.resends = chain.outbox.resends if chain.outbox is not None else 0
+
+
+def run_trial(
+    base: Scenario, index: int, seed: int, oracle: Callable[[str], list[int]], log: Callable[[str], None]
+) -> Trial:
+    """One request under the schedule drawn from ``seed``; any exception ends the trial as failed, not the bench."""
+    from ppharness.run.orchestrator import Chain
+
+    faults = draw_schedule(random.Random(seed), base.stages.num_stages)
+    trial = Trial(index=index, seed=seed, faults=faults, spares=spares_for(faults))
+    scenario = with_policy(base, "failover", trial.spares, schedule_network(faults, seed))
+    t0 = time.monotonic()
+    try:
+        with Chain(scenario, progress=_chain_lines(log), trace=False) as chain:
+            response, trial.request_s = chain.request(base.request.prompt, base.request.max_tokens)
+            _read_chain(trial, chain, response.request_id)
+        trial.tokens = list(response.token_ids)
+        trial.first_divergence = first_divergence(trial.tokens, oracle(chain.model_path))
+        trial.outcome = "exact" if trial.first_divergence is None else "diverged"
+    except Exception as exc:  # a failed run is a finding of the bench, not the end of it
+        trial.error = f"{type(exc).__name__}: {exc}" + "".join(f"\n{n}" for n in getattr(exc, "__notes__", []))
+        log("".join(traceback.format_exception_only(exc)).rstrip())
+    trial.elapsed_s = time.monotonic() - t0
+    return trial
+
+
+def _chain_lines(log: Callable[[str], None]) -> Callable[[str], None]:
+    """The chain's progress, less its start-up chatter: failovers, network events and warnings only."""
+
+    def forward(line: str) -> None:
+        if line.startswith(("failover:", "network event", "warning")):
+            log(f"  {line}")
+
+    return forward
+
+
+# --- the price of the policy ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Overhead:
+    """Decode tokens/s of fault-free requests, interleaved, with and without policy failover."""
+
+    requests: int
+    none_tok_s: list[float] = field(default_factory=list)
+    failover_tok_s: list[float] = field(default_factory=list)
+    diverged: int = 0  # fault-free answers that differ from the oracle's
+
+    @property
+    def ratio(self) -> float:
+        """The failover chain's median tokens/s over the plain chain's."""
+        return slowdown_ratio(self.none_tok_s, self.failover_tok_s)
+
+    @property
+    def slowdown(self) -> float:
+        """How much slower the failover chain decodes (0.05: 5 % slower; negative: faster)."""
+        return 1.0 - self.ratio
+
+
+def slowdown_ratio(baseline: list[float], contender: list[float]) -> float:
+    """The contender's median over the baseline's (NaN without figures)."""
+    if not baseline or not contender or statistics.median(baseline) <= 0:
+        return float("nan")
+    return statistics.median(contender) / statistics.median(baseline)
+
+
+def measure_overhead(
+    base: Scenario, requests: int, oracle: Callable[[str], list[int]], log: Callable[[str], None]
+) -> Overhead:
+    """Two chains on the same model, policy none and failover, no faults: a warm-up request each, then ``requests``
+    each, interleaved (in turns, neither always first)."""
+    from ppharness.run.orchestrator import Chain, decode_tok_s
+
+    res = Overhead(requests=requests)
+    prompt, tokens = base.request.prompt, base.request.max_tokens
+    chains: list[Chain] = []
+    with ExitStack() as stack:
+        contenders: tuple[tuple[Literal["none", "failover"], int], ...] = (("none", 0), ("failover", 1))
+        for policy, spares in contenders:
+            scenario = with_policy(base, policy, spares, None, OVERHEAD_DEAD_AFTER_S)
+            chains.append(stack.enter_context(Chain(scenario, progress=_chain_lines(log))))
+        plain, guarded = chains
+        want = oracle(plain.model_path)
+        for chain in (plain, guarded):
+            chain.request(prompt, tokens)
+        for i in range(requests):
+            pairs = [(plain, res.none_tok_s), (guarded, res.failover_tok_s)]
+            for chain, into in pairs if i % 2 == 0 else pairs[::-1]:  # neither always goes first
+                response, _ = chain.request(prompt, tokens)
+                res.diverged += list(response.token_ids) != want
+                into.append(decode_tok_s(response))
+            log(
+                f"overhead {i + 1}/{requests}: none {res.none_tok_s[-1]:.1f} tok/s, "
+                f"failover {res.failover_tok_s[-1]:.1f} tok/s"
+            )
+    return res
+
+
+# --- the bench ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChaosResult:
+    num_stages: int
+    tokens: int
+    seed: int
+    trials: list[Trial] = field(default_factory=list)
+    overhead: Overhead | None = None
+    oracle_tokens: list[int] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def diverged(self) -> int:
+        fault_free = self.overhead.diverged if self.overhead is not None else 0
+        return sum(t.outcome == "diverged" for t in self.trials) + fault_free
+
+    @property
+    def failed(self) -> int:
+        return sum(t.outcome == "failed" for t in self.trials)
+
+
+class _Oracle:
+    """The unsplit model's tokens for the bench's request, computed once (the model path comes from the first chain
+    to resolve it)."""
+
+    def __init__(self, prompt: str, tokens: int, max_context: int, log: Callable[[str], None]):
+        self.prompt, self.tokens, self.max_context, self.log = prompt, tokens, max_context, log
+        self.token_ids: list[int] | None = None
+
+    def __call__(self, model_path: str) -> list[int]:
+        if self.token_ids is None:
+            from ppharness.model.oracle import oracle_decode
+
+            self.log("running the unsplit model in this process (the oracle, once)")
+            self.token_ids = list(oracle_decode(model_path, self.prompt, self.tokens, self.max_context).token_ids)
+        return self.token_ids
+
+
+def run_chaos_bench(
+    trials: int,
+    seed: int,
+    num_stages: int,
+    tokens: int,
+    overhead_requests: int,
+    progress: Callable[[str], None],
+) -> ChaosResult:
+    """``trials`` requests under random fault schedules (seeds ``seed`` .. ``seed + trials - 1``), then the fault-free
+    overhead of the policy."""
+    t0 = time.monotonic()
+    base = base_scenario(num_stages, tokens)
+    oracle = _Oracle(base.request.prompt, tokens, base.model.max_context, progress)
+    res = ChaosResult(num_stages=num_stages, tokens=tokens, seed=seed)
+    for k in range(trials):
+        faults = draw_schedule(random.Random(seed + k), num_stages)
+        progress(f"trial {k + 1}/{trials} (seed {seed + k}): " + "; ".join(f.describe() for f in faults))
+        trial = run_trial(base, k, seed + k, oracle, progress)
+        res.trials.append(trial)
+        progress(f"trial {k + 1}/{trials}: {trial_line(trial)}")
+    if overhead_requests > 0:
+        progress(f"overhead: {overhead_requests} fault-free requests each, policy none and failover, interleaved")
+        res.overhead = measure_overhead(base, overhead_requests, oracle, progress)
+    res.oracle_tokens = oracle.token_ids or []
+    res.elapsed_s = time.monotonic() - t0
+    return res
+
+
+def trial_line(t: Trial) -> str:
+    """One trial's outcome in a line."""
+    if t.outcome == "failed":
+        return f"FAILED after {t.elapsed_s:.1f} s: {t.error.splitlines()[0] if t.error else '?'}"
+    verdict = "exact" if t.outcome == "exact" else f"DIVERGED at token {t.first_divergence}"
+    nxt = ", ".join(_s(s) for s, f in zip(t.next_token_s, t.faults) if f.kind != "loss") or "-"
+    return (
+        f"{verdict}, {len(t.tokens)} tokens in {t.request_s:.2f} s; {len(t.recoveries)} failover(s); "
+        f"fault -> next token {nxt}; {t.resends} resend(s)"
+    )
+
+
+# --- figures --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    """The bench's headline figures (seconds), NaN where nothing was measured."""
+
+    trials: int
+    exact: int
+    diverged: int  # the fault-free overhead requests included
+    failed: int
+    faults: int
+    faults_after_last_token: int  # timed faults with no token after them: the request had ended (or was ending)
+    next_token_p50_s: float
+    next_token_p99_s: float
+    failovers: int
+    failovers_overtaken: int  # the request finished before the spare was ready (on a paused node, resumed)
+    detection_p50_s: float
+    reload_p50_s: float
+    replay_p50_s: float
+    recovery_p50_s: float  # detection + reload + replay, over the failovers with all three
+    slowdown: float | None
+    recovery_met: bool | None
+    slowdown_met: bool | None
+
+
+def summarise(res: ChaosResult) -> Summary:
+    """The headline figures from the trials' raw ones (the failed trials' figures left out)."""
+    done = [t for t in res.trials if t.outcome != "failed"]
+    timed = [s for t in done for f, s in zip(t.faults, t.next_token_s) if f.kind != "loss"]
+    recoveries = [r for t in done for r in t.recoveries]
+    totals = [r.total_s for r in recoveries if r.total_s is not None]
+    recovery_p50 = percentile(totals, 50)
+    slowdown = res.overhead.slowdown if res.overhead is not None else None
+    return Summary(
+        trials=len(res.trials),
+        exact=sum(t.outcome == "exact" for t in res.trials),
+        diverged=res.diverged,
+        failed=res.failed,
+        faults=sum(len(t.faults) for t in res.trials),
+        faults_after_last_token=sum(s is None for s in timed),
+        next_token_p50_s=percentile([s for s in timed if s is not None], 50),
+        next_token_p99_s=percentile([s for s in timed if s is not None], 99),
+        failovers=len(recoveries),
+        failovers_overtaken=sum(r.replay_s is None for r in recoveries),
+        detection_p50_s=percentile([r.detection_s for r in recoveries if r.detection_s is not None], 50),
+        reload_p50_s=percentile([r.reload_s for r in recoveries], 50),
+        replay_p50_s=percentile([r.replay_s for r in recoveries if r.replay_s is not None], 50),
+        recovery_p50_s=recovery_p50,
+        slowdown=slowdown,
+        recovery_met=recovery_p50 < RECOVERY_TARGET_S if totals else None,
+        slowdown_met=slowdown <= SLOWDOWN_TARGET if slowdown is not None and not math.isnan(slowdown) else None,
+    )
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None or math.isnan(v) else f"{v:.2f} s"
+
+
+def _met(ok: bool | None) -> str:
+    return "" if ok is None else ("  met" if ok else "  NOT MET")
+
+
+def _rows(res: ChaosResult) -> Iterator[str]:
+    """The per-trial table."""
+    yield f"{'trial':>5}  {'seed':>5}  {'outcome':<9} {'failovers':>9}  {'fault -> next token':<22}  faults"
+    for t in res.trials:
+        outcome = t.outcome.upper() if t.outcome != "exact" else t.outcome
+        nxt = ", ".join(_s(s) for s, f in zip(t.next_token_s, t.faults) if f.kind != "loss") or "-"
+        faults = "; ".join(f.describe() for f in t.faults)
+        yield f"{t.index + 1:>5}  {t.seed:>5}  {outcome:<9} {len(t.recoveries):>9}  {nxt:<22}  {faults}"
+        if t.outcome == "failed":
+            yield f"{'':>7}{t.error.splitlines()[0] if t.error else ''}"
+
+
+def report(res: ChaosResult) -> str:
+    """The plain-text table and the headline figures against their targets."""
+    s = summarise(res)
+    lines = [
+        f"chaos: {s.trials} trial(s), {res.num_stages} stages, {res.tokens} tokens, seeds {res.seed}.."
+        f"{res.seed + max(0, s.trials - 1)}, policy failover, heartbeats every {HEARTBEAT_S:g} s "
+        f"(dead after {DEAD_AFTER_S:g} s)",
+        "",
+        *_rows(res),
+        "",
+        f"divergent outputs: {s.diverged} (target 0){_met(s.diverged == 0)}",
+        f"failed runs:       {s.failed} (target 0 while spares remain){_met(s.failed == 0)}",
+        f"fault -> next token at the client: p50 {_s(s.next_token_p50_s)}, p99 {_s(s.next_token_p99_s)} "
+        f"({s.faults} fault(s); {s.faults_after_last_token} timed one(s) after the last token)",
+        f"failovers: {s.failovers} ({s.failovers_overtaken} overtaken: the request finished before the spare was "
+        f"ready); parts, p50: detection {_s(s.detection_p50_s)} (timeout {DEAD_AFTER_S:g} s), "
+        f"reload {_s(s.reload_p50_s)}, replay {_s(s.replay_p50_s)}",
+        f"fault -> first token after the failover (detection + reload + replay): p50 {_s(s.recovery_p50_s)} "
+        f"(target < {RECOVERY_TARGET_S:g} s){_met(s.recovery_met)}",
+    ]
+    o = res.overhead
+    if o is not None and s.slowdown is not None:
+        lines.append(
+            f"fault-free decode, {o.requests} interleaved request(s) each: none "
+            f"{_median(o.none_tok_s):.1f} tok/s, failover {_median(o.failover_tok_s):.1f} tok/s: "
+            f"{abs(s.slowdown) * 100:.1f} % {'slower' if s.slowdown >= 0 else 'faster'} "
+            f"(target <= {SLOWDOWN_TARGET * 100:g} % slower){_met(s.slowdown_met)}"
+        )
+    return "\n".join(lines)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def to_json(res: ChaosResult) -> dict[str, object]:
+    """Every raw figure, and the summary."""
+    out = asdict(res)
+    for t, raw in zip(res.trials, out["trials"]):
+        for r, raw_r in zip(t.recoveries, raw["recoveries"]):
+            raw_r["total_s"] = r.total_s
+    if res.overhead is not None:
+        out["overhead"] |= {"ratio": res.overhead.ratio, "slowdown": res.overhead.slowdown}
+    out["summary"] = asdict(summarise(res))
+    out["settings"] = {
+        "at_s": AT_S,
+        "pause_s": PAUSE_S,
+        "partition_s": PARTITION_S,
+        "faults_per_trial": FAULTS_PER_TRIAL,
+        "loss_bursts": {"p": LOSS_BURSTS.p, "r": LOSS_BURSTS.r, "loss_bad": LOSS_BURSTS.loss_bad},
+        "heartbeat_s": HEARTBEAT_S,
+        "dead_after_s": DEAD_AFTER_S,
+        "recovery_target_s": RECOVERY_TARGET_S,
+        "slowdown_target": SLOWDOWN_TARGET,
+    }
+    return out
+
+
+def write_json(res: ChaosResult, path: str) -> None:
+    # NaN is not JSON: a figure nothing measured is null
+    text = json.dumps(_nan_to_none(to_json(res)), indent=1)
+    Path(path).write_text(text + "\n")
+
+
+def _nan_to_none(v: object) -> object:
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _nan_to_none(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_nan_to_none(x) for x in v]
+    return v

@@ -1,0 +1,111 @@
+"""Fault tolerance on real pp-node processes: hops resent under loss, dead stages replaced by spares, stale nodes
+fenced off, and a run without spares left failing cleanly. Every answer is compared with the unsplit model: tokens and
+every stage-boundary hidden state."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from backends.local import labelled_pids
+from ppharness.network.spec import Event, Impairment, Network
+from ppharness.run.orchestrator import run_scenario
+from ppharness.scenario.schema import ClusterSection, FaultToleranceSection, Scenario, scenario_from_args
+
+pytestmark = pytest.mark.local
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _scenario(
+    events: tuple[Event, ...] = (),
+    loss: float = 0.0,
+    policy: str = "failover",
+    spares: int = 1,
+    max_tokens: int = 48,
+    heartbeat: bool = False,
+) -> Scenario:
+    sc = scenario_from_args(num_stages=3, max_tokens=max_tokens)
+    cluster = ClusterSection(engine="heartbeat", heartbeat_s=0.25, dead_after_s=1.5) if heartbeat else sc.cluster
+    sc = msgspec.structs.replace(
+        sc,
+        cluster=cluster,
+        fault_tolerance=FaultToleranceSection(policy=policy, spares=spares),  # type: ignore[arg-type]
+        network=Network(seed=11, default=Impairment(loss=loss), events=events),
+    )
+    return msgspec.convert(msgspec.to_builtins(sc), type=Scenario)
+
+
+def _lines(capsys) -> list[str]:
+    return capsys.readouterr().err.splitlines()
+
+
+def test_a_middle_stage_killed_mid_decode_under_loss_is_replaced_and_the_answer_is_exact(capsys):
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    sc = _scenario(events=(Event(at_s=0.4, kind="kill", nodes=("stage-1",)),), loss=0.05)
+    result = run_scenario(sc, run_label=label)
+    assert result.matches_oracle, "the run that failed over differs from the unsplit model"
+    assert [r.stage for r in result.recoveries] == [1], "stage 1 was not replaced exactly once"
+    r = result.recoveries[0]
+    assert r.reload_s > 0 and r.load_s > 0 and r.next_token_at >= r.ready_at, "a recovery's timings are missing"
+    assert labelled_pids(label) == [], "the run left processes behind, the replaced one included"
+
+
+def test_spares_exhausted_ends_the_run_with_exit_1_and_nothing_left(tmp_path):
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    sc = _scenario(events=(Event(at_s=0.3, kind="kill", nodes=("stage-1",)),), spares=0, max_tokens=120)
+    path = tmp_path / "scenario.yaml"
+    path.write_bytes(msgspec.yaml.encode(sc))
+    r = subprocess.run(
+        [sys.executable, "-m", "ppharness.cli.smoke", "--scenario", str(path), "--run-label", label, "--no-trace"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    failed = [ln for ln in out.splitlines() if ln.startswith("FAILED: ")]
+    assert len(failed) == 1 and "pp-stage-1" in failed[0], out
+    assert "no spare device is left" in out, out
+    assert labelled_pids(label) == [], "the failed run left processes behind"
+
+
+@pytest.mark.slow
+def test_stage_0_and_the_last_stage_killed_in_turn_are_replaced_and_the_answer_is_exact():
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    events = (
+        Event(at_s=0.4, kind="kill", nodes=("stage-0",)),
+        Event(at_s=6.0, kind="kill", nodes=("stage-2",)),
+    )
+    result = run_scenario(_scenario(events=events, loss=0.03, spares=2, max_tokens=100), run_label=label)
+    assert result.matches_oracle, "the run that failed over twice differs from the unsplit model"
+    assert sorted(r.stage for r in result.recoveries) == [0, 2]
+    assert [r.epoch for r in result.recoveries] == [1, 2]
+    assert labelled_pids(label) == []
+
+
+@pytest.mark.slow
+def test_a_paused_stage_is_replaced_and_fenced_off_when_it_comes_back(capsys):
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    events = (Event(at_s=0.4, kind="pause", nodes=("stage-1",), for_s=4.0),)
+    result = run_scenario(_scenario(events=events, heartbeat=True, max_tokens=150), run_label=label)
+    assert result.matches_oracle, "the run with a stale node back differs from the unsplit model"
+    assert [r.stage for r in result.recoveries] == [1]
+    assert "no heartbeat" in result.recoveries[0].cause
+    lines = _lines(capsys)
+    assert any("network event" in ln and "resume stage-1" in ln for ln in lines), "the paused node never came back"
+    assert any("fenced off" in ln for ln in lines), "nothing the stale node sent was fenced off"
+    assert labelled_pids(label) == []
+
+
+@pytest.mark.slow
+def test_a_pause_shorter_than_detection_is_ridden_out_by_retries():
+    events = (Event(at_s=0.4, kind="pause", nodes=("stage-1",), for_s=0.8),)
+    result = run_scenario(_scenario(events=events, heartbeat=True, policy="retry", spares=0))
+    assert result.matches_oracle
+    assert result.recoveries == [], "a short pause replaced a stage"
