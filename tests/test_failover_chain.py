@@ -51,7 +51,7 @@ def test_a_middle_stage_killed_mid_decode_under_loss_is_replaced_and_the_answer_
     assert result.matches_oracle, "the run that failed over differs from the unsplit model"
     assert [r.stage for r in result.recoveries] == [1], "stage 1 was not replaced exactly once"
     r = result.recoveries[0]
-    assert r.reload_s > 0 and r.load_s > 0 and r.next_token_at >= r.ready_at, "a recovery's timings are missing"
+    assert r.reload_s > 0 and r.load_s > 0 and (r.replay_s or 0) > 0, "a recovery's timings are missing"
     assert labelled_pids(label) == [], "the run left processes behind, the replaced one included"
 
 

@@ -61,11 +61,6 @@ LOSS_BURSTS = Bursty(p=0.02, r=0.3, loss_bad=0.5)  # every stage -> stage link, 
 # membership: fast enough that a pause or a partition of a couple of seconds ends in a failover
 HEARTBEAT_S = 0.25
 DEAD_AFTER_S = 1.5
-# The orchestrator reads heartbeats only while it waits on its own chain, and judges silence before it reads what
-# queued meanwhile: a chain left idle longer than its detection timeout (while the other chain serves a request, or
-# starts) would be declared dead at its next request. The overhead's two chains send the same heartbeats and give up
-# on a silent node only after this long.
-OVERHEAD_DEAD_AFTER_S = 120.0
 
 # targets
 RECOVERY_TARGET_S = 5.0  # detection + reload + replay, median
@@ -365,7 +360,7 @@ def measure_overhead(
     with ExitStack() as stack:
         contenders: tuple[tuple[Literal["none", "failover"], int], ...] = (("none", 0), ("failover", 1))
         for policy, spares in contenders:
-            scenario = with_policy(base, policy, spares, None, OVERHEAD_DEAD_AFTER_S)
+            scenario = with_policy(base, policy, spares, None, DEAD_AFTER_S)
             chains.append(stack.enter_context(Chain(scenario, progress=_chain_lines(log))))
         plain, guarded = chains
         want = oracle(plain.model_path)

@@ -49,6 +49,13 @@ class Nemesis:
         name = "pp-" + node  # stage-3 -> pp-stage-3
         return next((i for i in reversed(self.provider.instances) if i.name == name), None)
 
+    def due_in(self) -> float | None:
+        """Seconds until the next order is due (None: none left, or the clock has not started)."""
+        elapsed = self.clock.elapsed()
+        if elapsed is None or not self._pending:
+            return None
+        return max(0.0, self._pending[0].at_s - elapsed)
+
     def tick(self) -> None:
         elapsed = self.clock.elapsed()
         while elapsed is not None and self._pending and self._pending[0].at_s <= elapsed:

@@ -64,6 +64,7 @@ class HeartbeatDetector:
         )
         self.last_seen: dict[int, float] = {}
         self.num_stages = num_stages
+        self._deaf_since: float | None = None
 
     def node_env(self) -> dict[str, str]:
         return {"PP_MEMBERSHIP": "heartbeat", "PP_HEARTBEAT_S": str(self.heartbeat_s)}
@@ -75,8 +76,22 @@ class HeartbeatDetector:
             self.last_seen.setdefault(s, now)
 
     def replace(self, stage: int, name: str) -> None:
-        """A spare took over ``stage``: its clock starts again (the replaced node's beats no longer count)."""
+        """A spare took over ``stage`` (it just joined): its clock starts again (the replaced node's beats no longer
+        count)."""
         self.last_seen[stage] = self.clock()
+
+    def deaf(self) -> None:
+        """The orchestrator stops reading its messages (between requests): silence from now on is not the nodes'."""
+        if self._deaf_since is None:
+            self._deaf_since = self.clock()
+
+    def listen(self) -> None:
+        """The orchestrator reads its messages again: the clocks resume where they stopped, so beats that queued
+        unread while nobody listened are not taken for silence."""
+        if self._deaf_since is not None:
+            idle = self.clock() - self._deaf_since
+            self.last_seen = {s: t + idle for s, t in self.last_seen.items()}
+            self._deaf_since = None
 
     def on_message(self, msg: Message) -> bool:
         """Take a Heartbeat (True), or say it was not one (False)."""
@@ -134,6 +149,12 @@ class KinshipDetector:
     def replace(self, stage: int, name: str) -> None:
         """A spare took over ``stage``, gossiping under ``name``."""
         self._names[stage] = name
+
+    def deaf(self) -> None:
+        """Gossip goes on in its own thread whether or not the orchestrator reads its messages."""
+
+    def listen(self) -> None:
+        pass
 
     def on_message(self, msg: Message) -> bool:
         return isinstance(msg, Heartbeat)

@@ -114,7 +114,7 @@ class Recovery:
     detected_at: float
     ready_at: float = 0.0
     load_s: float = 0.0  # the spare's own report: loading and compiling its blocks
-    next_token_at: float = 0.0  # 0: no token came after it (the request had finished)
+    next_token_at: float | None = None  # None: no token came after it (the request had finished)
 
     @property
     def reload_s(self) -> float:
@@ -122,9 +122,10 @@ class Recovery:
         return self.ready_at - self.detected_at
 
     @property
-    def replay_s(self) -> float:
-        """The spare's Ready to the next token at the client: the replay and the token's way round."""
-        return self.next_token_at - self.ready_at if self.next_token_at else 0.0
+    def replay_s(self) -> float | None:
+        """The spare's Ready to the next token at the client: the replay and the token's way round (None: no token
+        came after it)."""
+        return self.next_token_at - self.ready_at if self.next_token_at is not None else None
 
 
 @dataclass
@@ -238,6 +239,7 @@ class Chain:
         self.outbox: Outbox | None = None
         self._replacing = False
         self._replacing_id = ""
+        self._waiting = False  # inside a wait (a failover waits within the request's wait)
         self._fenced_seen: set[str] = set()
 
     def _left(self, phase_s: float, what: str) -> float:
@@ -287,19 +289,30 @@ class Chain:
             raise self._death_error(deaths[0], phase)
 
         def poll_s() -> float:
-            due = self.outbox.due_in() if self.outbox is not None else None
-            return 0.2 if due is None else min(0.2, max(due, 0.001))
+            """At most 0.2 s, less when a resend or a network event is due sooner."""
+            dues = [d for d in (self.outbox, self.nemesis) if d is not None]
+            return min([0.2] + [max(t, 0.001) for t in (d.due_in() for d in dues) if t is not None])
 
-        wait_for(
-            self.transport.recv,
-            handle,
-            self._left(phase_s, what),
-            what,
-            check=check,
-            log=self.progress,
-            done=done,
-            poll_s=poll_s,
-        )
+        outermost = not self._waiting
+        if outermost and self.detector is not None:
+            self.detector.listen()
+        self._waiting = True
+        try:
+            wait_for(
+                self.transport.recv,
+                handle,
+                self._left(phase_s, what),
+                what,
+                check=check,
+                log=self.progress,
+                done=done,
+                poll_s=poll_s,
+            )
+        finally:
+            if outermost:
+                self._waiting = False
+                if self.detector is not None:
+                    self.detector.deaf()
 
     def _take(self, sender: str, msg: Message) -> None:
         """What the orchestrator keeps whatever it is waiting for: acknowledgements, streamed tokens, responses."""
@@ -312,7 +325,7 @@ class Chain:
                 if msg.position not in got:
                     got[msg.position] = (msg.token_id, time.monotonic())
                     for r in self.recoveries:
-                        if not r.next_token_at and r.ready_at:
+                        if r.next_token_at is None and r.ready_at:
                             r.next_token_at = time.monotonic()
             case InferenceResponse():
                 self._ack(sender, "response", msg.request_id, -1)
@@ -553,7 +566,6 @@ class Chain:
         try:
             (inst,) = self._provider.provision([spec])
             self._replacing_id = inst.id
-            self.detector.replace(stage, gossip_name(stage, epoch))
             joined: list[Join] = []
 
             def on_join(sender: str, msg: Message) -> bool:
@@ -564,6 +576,7 @@ class Chain:
             budget = self.scenario.budget
             self._wait(on_join, budget.join_s, f"the spare for {stage_name(stage)} to join", "replacing a stage")
             self.directory.replace(joined[0])
+            self.detector.replace(stage, gossip_name(stage, epoch))  # watched from its Join on, as at the start
             members = Members(names=self.directory.names, epoch=epoch)
             self.transport.send(joined[0].address, members)
             ready: list[Ready] = []
