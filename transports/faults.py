@@ -86,6 +86,13 @@ class ImpairedTransport(Transport):
                 if name.startswith(STAGE_PREFIX) and name[len(STAGE_PREFIX) :].isdigit():
                     self.learn(address, stage_node(int(name[len(STAGE_PREFIX) :])))
 
+    def become(self, node: str) -> None:
+        """This endpoint is ``node`` from now on (a standby spare that took over a stage): its links are that
+        node's."""
+        with self._cond:
+            self.node = node
+            self._links.clear()
+
     # --- Transport ---------------------------------------------------------------------------------------------------
 
     def start(self) -> str:

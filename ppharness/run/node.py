@@ -17,6 +17,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -35,6 +36,7 @@ from ppharness.seams.transport import JsonObject, Received, Transport
 from ppharness.testing.faults import with_fault
 from ppharness.trace.tracer import Tracer, now_ns
 from ppharness.wire.messages import (
+    Assign,
     ClockProbe,
     ClockReply,
     DigestReport,
@@ -54,9 +56,11 @@ from ppharness.wire.messages import (
 if TYPE_CHECKING:
     from tinygrad.apps.llm import SimpleTokenizer
 
-    from ppharness.model.slicing import ModelSlice
+    from ppharness.model.slicing import GGUFFile, ModelSlice
 
 REQUIRED_ENV = ("STAGE", "NUM_STAGES", "SEED_ADDR", "MODEL", "PLAN", "TRANSPORT")
+STANDBY_ENV = ("PP_STANDBY", "SEED_ADDR", "MODEL", "TRANSPORT")
+STANDBY_NODE = "standby"  # a standby's name in the network emulation until it becomes a stage
 
 
 def _log(stage: int | str, text: str) -> None:
@@ -115,7 +119,7 @@ def make_transport(
     transport = _plain_transport(kind, env, extra or {})
     if network is None or network.layer != "message":
         return transport
-    node = stage_node(int(env["STAGE"]))
+    node = stage_node(int(env["STAGE"])) if env.get("STAGE") else STANDBY_NODE
     return impaired_transport(transport, network, node, clock or EventClock(), {env["SEED_ADDR"]: SEED_NODE})
 
 
@@ -142,13 +146,17 @@ def start_packet_bridge(network: Network, env: dict[str, str], clock: EventClock
     return bridge, dict(options)
 
 
-def load_stage_model(model_source: str, plan: StagePlan) -> tuple[ModelSlice, SimpleTokenizer | None, float]:
-    """(ModelSlice, tokenizer or None, seconds): only this stage's tensors, decode step compiled and warmed."""
+def load_stage_model(
+    model_source: str, plan: StagePlan, gguf_file: GGUFFile | None = None
+) -> tuple[ModelSlice, SimpleTokenizer | None, float]:
+    """(ModelSlice, tokenizer or None, seconds): only this stage's tensors, decode step compiled and warmed.
+    ``gguf_file``: the model file, when already open."""
     from ppharness.model.files import resolve_model
     from ppharness.model.slicing import GGUFFile, ModelSlice
 
     t0 = time.monotonic()
-    gguf_file = GGUFFile(resolve_model(model_source))
+    if gguf_file is None:
+        gguf_file = GGUFFile(resolve_model(model_source))
     model = ModelSlice(gguf_file, plan.lo, plan.hi, plan.first, plan.last, plan.max_context)
     tokenizer = gguf_file.tokenizer if plan.first or plan.last else None
     warm_up(model)
@@ -174,7 +182,120 @@ def _reply(transport: Transport, seed: str, msg: Message, log: Callable[[str], N
         log(f"could not answer the orchestrator with {type(msg).__name__}: {exc}")
 
 
-def serve(plan: StagePlan, env: dict[str, str]) -> int:
+@dataclass
+class Standing:
+    """What a standby spare prepared before it was assigned a stage: its started transport and the open model."""
+
+    transport: Transport
+    address: str
+    clock: EventClock
+    gguf_file: GGUFFile | None
+
+
+def stand_by(env: dict[str, str]) -> int:
+    """A standby spare (``PP_STANDBY``: its device): join as a spare, pay what every node pays before its blocks
+    (starting Python and tinygrad, compiling tinygrad's own rewrite rules, opening the model file), then wait for an
+    Assign and become the stage it names; or exit 0 on Shutdown."""
+    missing = [k for k in STANDBY_ENV if not env.get(k)]
+    if missing:
+        _log("spare", f"failed: missing environment variable(s) {', '.join(missing)}")
+        return 1
+    seed, device = env["SEED_ADDR"], env["PP_STANDBY"]
+
+    def log(text: str) -> None:
+        _log(f"spare {device}", text)
+
+    parent = os.getppid()
+    clock = EventClock()
+    try:
+        transport = make_transport(env["TRANSPORT"], env, read_network(env), clock)
+        address = transport.start()
+    except HarnessError as exc:
+        log(f"failed: could not start the {env['TRANSPORT']} transport: {exc}")
+        return 1
+    try:
+        join = Join(
+            stage=-1,
+            num_stages=0,
+            address=address,
+            names=[f"spare:{device}"],
+            run_label=env.get("PP_RUN_LABEL", ""),
+            pid=os.getpid(),
+        )
+        transport.send(seed, join)
+        gguf_file = _prepare(env["MODEL"], log)
+        log("standing by")
+        assigned = _await_assignment(transport, seed, clock, parent, log)
+    except (HarnessError, msgspec.DecodeError) as exc:
+        log(f"failed: {exc}")
+        transport.close()
+        return 1
+    if assigned is None:
+        transport.close()
+        return 0
+    plan, gossip = assigned
+    log(f"assigned stage {plan.stage}: blocks [{plan.lo}, {plan.hi})")
+    rename = getattr(transport, "become", None)
+    if rename is not None:  # the network emulation: from now on this node is that stage
+        rename(stage_node(plan.stage))
+    env = env | {"STAGE": str(plan.stage), "NUM_STAGES": str(plan.num_stages)}
+    if gossip:
+        env["PP_GOSSIP_NAME"] = gossip
+    return serve(plan, env, Standing(transport, address, clock, gguf_file))
+
+
+def _await_assignment(
+    transport: Transport, seed: str, clock: EventClock, parent: int, log: Callable[[str], None]
+) -> tuple[StagePlan, str] | None:
+    """Wait for the orchestrator's Assign: (the program, the gossip name); None on Shutdown. Anything else, and
+    anything from another member, is dropped."""
+    while True:
+        try:
+            rx = transport.receive(1.0)
+        except TransportTimeout:
+            if os.getppid() != parent:
+                raise HarnessError("the process that started this node is gone") from None
+            continue
+        except CodecError as exc:
+            log(f"dropped a bad frame: {exc}")
+            continue
+        if rx.sender != seed:
+            log(f"dropped {type(rx.message).__name__} from {rx.sender[:120]}: a standby takes orders from the seed")
+            continue
+        match rx.message:
+            case Shutdown():
+                log("shutting down unused")
+                return None
+            case Assign(program=program, gossip_name=gossip):
+                return msgspec.json.decode(program, type=StagePlan), gossip
+            case NetworkStart(t0_unix_ns=t0):
+                clock.start(t0)
+            case other:
+                log(f"dropped {type(other).__name__}: a standby waits for an Assign")
+
+
+def _prepare(model: str, log: Callable[[str], None]) -> GGUFFile | None:
+    """What a node does before its blocks that does not depend on them: tinygrad's first realisation (it imports its
+    code generator and compiles its rewrite rules) and opening the model file."""
+    from ppharness.model.files import resolve_model
+    from ppharness.model.slicing import GGUFFile
+
+    try:
+        from tinygrad.tensor import Tensor
+
+        t0 = time.monotonic()
+        Tensor.ones(4, 4).cast("float16").contiguous().realize().numpy()
+        gguf_file = GGUFFile(resolve_model(model))
+        log(f"prepared in {time.monotonic() - t0:.1f} s")
+        return gguf_file
+    except Exception as exc:  # the assignment loads the model again and reports what fails then
+        log(f"preparing failed ({type(exc).__name__}: {exc}); the model is opened when assigned")
+        return None
+
+
+def serve(plan: StagePlan, env: dict[str, str], standing: Standing | None = None) -> int:
+    """Serve stage ``plan.stage`` until Shutdown; ``standing``: what a standby spare prepared (its transport is
+    started and has joined as a spare)."""
     from ppharness.run.reliable import RetryPolicy
     from ppharness.run.stage import Stage
 
@@ -185,19 +306,24 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
 
     parent = os.getppid()
     bridge: Bridge | None = None
-    try:
-        network = read_network(env)
-        clock = EventClock()
-        extra: JsonObject = {}
-        if network is not None and network.layer == "packet":
-            bridge, extra = start_packet_bridge(network, env, clock)
-        transport = make_transport(env["TRANSPORT"], env, network, clock, extra)
-        address = transport.start()
-    except HarnessError as exc:
-        log(f"failed: could not start the {env['TRANSPORT']} transport: {exc}")
-        if bridge is not None:
-            bridge.close()
-        return 1
+    gguf_file: GGUFFile | None = None
+    if standing is not None:
+        transport, address, clock, gguf_file = standing.transport, standing.address, standing.clock, standing.gguf_file
+    else:
+        try:
+            network = read_network(env)
+            clock = EventClock()
+            extra: JsonObject = {}
+            if network is not None and network.layer == "packet":
+                bridge, extra = start_packet_bridge(network, env, clock)
+            transport = make_transport(env["TRANSPORT"], env, network, clock, extra)
+            address = transport.start()
+        except HarnessError as exc:
+            log(f"failed: could not start the {env['TRANSPORT']} transport: {exc}")
+            if bridge is not None:
+                bridge.close()
+            return 1
+
     fault = env.get("PP_FAULT", "")
     membership: NodeMembership | None = None
     try:
@@ -223,7 +349,7 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
         )
         try:
             model, tokenizer, load_s = load_stage_model(
-                "/nonexistent/bad-model.gguf" if fault == "bad-model" else env["MODEL"], plan
+                "/nonexistent/bad-model.gguf" if fault == "bad-model" else env["MODEL"], plan, gguf_file
             )
         except Exception as exc:
             raise HarnessError(f"loading the model failed: {type(exc).__name__}: {exc}") from exc
@@ -337,6 +463,8 @@ def serve(plan: StagePlan, env: dict[str, str]) -> int:
 
 
 def main() -> None:
+    if os.environ.get("PP_STANDBY"):
+        sys.exit(stand_by(dict(os.environ)))
     try:
         plan, env = read_env(dict(os.environ))
     except HarnessError as exc:

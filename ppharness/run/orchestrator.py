@@ -39,11 +39,12 @@ from ppharness.plan.stages import ENTRY, EXIT, Plan, stage_name
 from ppharness.registry import impaired_transport, provider_class, transport_class
 from ppharness.run.cluster import Directory, wait_for
 from ppharness.run.locks import RunLock
-from ppharness.run.realise import Endpoints, fault_policy, gossip_name, realise, replacement
+from ppharness.run.realise import Endpoints, fault_policy, gossip_name, realise, replacement, standby
 from ppharness.run.reliable import Outbox, RetryPolicy, ack_of
 from ppharness.trace.tracer import now_ns
 from ppharness.wire.messages import (
     Ack,
+    Assign,
     ClockProbe,
     ClockReply,
     DigestReport,
@@ -126,6 +127,14 @@ class Recovery:
         """The spare's Ready to the next token at the client: the replay and the token's way round (None: no token
         came after it)."""
         return self.next_token_at - self.ready_at if self.next_token_at is not None else None
+
+
+@dataclass
+class Standby:
+    """A spare device's standby node: its instance, and its address once it joined as a spare."""
+
+    instance: Instance
+    address: str = ""
 
 
 @dataclass
@@ -227,7 +236,8 @@ class Chain:
         self.policy = "none"
         self.epoch = 0
         self.spares: list[Device] = []
-        self.spare_opts: list[JsonObject] = []
+        self.spare_opts: dict[str, JsonObject] = {}  # spare device -> its endpoint's transport options
+        self.standbys: dict[str, Standby] = {}  # spare device -> its standby node
         self.fenced: set[str] = set()
         self.retired: set[str] = set()  # instance ids
         self.streams: dict[str, dict[int, tuple[int, float]]] = {}  # request -> position -> (token, arrival)
@@ -274,6 +284,11 @@ class Chain:
             if self.outbox is not None:
                 self.outbox.tick()
             deaths = _deaths(self._provider, self.detector, self.retired) if self._provider else []
+            for d in [d for d in deaths if d.stage < 0 and d.instance is not None]:
+                if d.instance is not None and d.instance.id == self._replacing_id:
+                    raise self._death_error(d, phase)
+                self._standby_lost(d)
+            deaths = [d for d in deaths if d.stage >= 0]
             if not deaths:
                 return
             if self.policy == "failover" and self.ready and not self._replacing:
@@ -330,6 +345,11 @@ class Chain:
             case InferenceResponse():
                 self._ack(sender, "response", msg.request_id, -1)
                 self.responses.setdefault(msg.request_id, msg)
+            case Join(stage=-1, names=[name]) if msg.address == sender:
+                sb = self.standbys.get(name.removeprefix("spare:"))
+                if sb is not None and not sb.address:
+                    sb.address = sender
+                    self.progress(f"spare {name.removeprefix('spare:')} standing by")
 
     def _ack(self, to: str, kind: str, request_id: str, position: int) -> None:
         if self.policy != "none" and self.transport is not None:
@@ -337,6 +357,15 @@ class Chain:
                 self.transport.send(to, ack_of(kind, request_id, position, self.plan.plan_id))
             except HarnessError as exc:  # the stage sends it again; that copy is acknowledged again
                 self.progress(f"warning: acknowledging {kind} {position} to {to[:60]} failed: {exc}")
+
+    def _standby_lost(self, death: Death) -> None:
+        """A standby spare exited before it was needed: its device is started afresh if a stage dies."""
+        assert death.instance is not None
+        self.retired.add(death.instance.id)
+        for device, sb in list(self.standbys.items()):
+            if sb.instance.id == death.instance.id:
+                del self.standbys[device]
+                self.progress(f"warning: the standby on spare {device} {death.cause}; it is started afresh if needed")
 
     def _fenced_note(self, sender: str, msg: Message) -> None:
         key = f"{sender}|{type(msg).__name__}"
@@ -411,7 +440,7 @@ class Chain:
             transport_cls = transport_class(sc.transport.kind)
             # the spares are members from the start: their keys are among those every endpoint admits
             endpoint_opts = transport_cls.plan_endpoints(n + 1 + len(self.spares), transport_settings(sc.transport))
-            self.spare_opts = endpoint_opts[n + 1 :]
+            self.spare_opts = {d.id: o for d, o in zip(self.spares, endpoint_opts[n + 1 :], strict=True)}
             endpoint_opts = endpoint_opts[: n + 1]
             seed_opts = endpoint_opts[0] | self._provider.seed_transport_options(sc.transport.kind)
             self.network = network = plan_network(self.compiled, sc.network)
@@ -466,13 +495,22 @@ class Chain:
         specs = [
             provider.spec(r.name, r.env, **r.options) for r in realise(sc, self.compiled, endpoints, self.trace_on)
         ]
-        progress(f"starting {n} {sc.provider.kind} node(s) over {sc.transport.kind} (run {self.run_label})")
-        provider.provision(specs)
+        spares = [standby(sc, endpoints, d, self.spare_opts[d.id], k) for k, d in enumerate(self.spares)]
+        specs += [provider.spec(r.name, r.env, **r.options) for r in spares]
+        progress(
+            f"starting {n} {sc.provider.kind} node(s) over {sc.transport.kind} (run {self.run_label})"
+            + (f", and {len(spares)} standby spare(s)" if spares else "")
+        )
+        started = provider.provision(specs)
+        for d, inst in zip(self.spares, started[n:], strict=True):
+            self.standbys[d.id] = Standby(inst)
 
         self.directory = directory = Directory(n)
 
         def on_join(sender: str, msg: Message) -> bool:
-            if isinstance(msg, Join) and msg.address != sender:
+            if isinstance(msg, Join) and msg.stage < 0:  # a standby spare (_take)
+                pass
+            elif isinstance(msg, Join) and msg.address != sender:
                 progress(
                     f"warning: ignored a Join of stage {msg.stage} from {sender[:120]} naming another address "
                     f"({msg.address[:120]})"
@@ -559,13 +597,23 @@ class Chain:
         )
         recovery = Recovery(stage=stage, cause=death.cause, spare=spare.id, epoch=epoch, detected_at=detected)
         node = replacement(
-            self.scenario, self.compiled, self.endpoints, stage, spare, epoch, self.spare_opts.pop(0), self.trace_on
+            self.scenario, self.compiled, self.endpoints, stage, spare, epoch, self.spare_opts[spare.id], self.trace_on
         )
-        spec = self._provider.spec(node.name, node.env, **node.options)
+        sb = self.standbys.pop(spare.id, None)
         self._replacing = True
         try:
-            (inst,) = self._provider.provision([spec])
-            self._replacing_id = inst.id
+            if sb is not None and sb.address:  # the standby takes the stage's program
+                assert node.program is not None
+                program = msgspec.json.encode(node.program).decode()
+                self.transport.send(sb.address, Assign(program=program, gossip_name=node.env.get("PP_GOSSIP_NAME", "")))
+                self._replacing_id = sb.instance.id
+            else:  # no standby ready: the spare device gets a node of its own now
+                if sb is not None:
+                    self.retired.add(sb.instance.id)
+                    self._provider.destroy(sb.instance)
+                spec = self._provider.spec(node.name, node.env, **node.options)
+                (inst,) = self._provider.provision([spec])
+                self._replacing_id = inst.id
             joined: list[Join] = []
 
             def on_join(sender: str, msg: Message) -> bool:
@@ -624,7 +672,7 @@ class Chain:
             return self.directory.names[name]
 
         def on_join(sender: str, msg: Message) -> bool:
-            if isinstance(msg, Join):
+            if isinstance(msg, Join) and msg.stage >= 0:
                 self.directory.add(msg)
             return name in self.directory.names
 
@@ -779,6 +827,9 @@ class Chain:
                 self.progress(f"warning: resuming paused nodes failed: {heal_error}")
         try:
             if exc_type is None and self._provider is not None and self.transport is not None:
+                for sb in self.standbys.values():  # unused standbys exit without a report
+                    if sb.address:
+                        self.transport.send(sb.address, Shutdown(reason="run complete"))
                 _shutdown(self.transport, self.directory, self.reports, self._provider, self.progress)
         finally:
             try:

@@ -47,7 +47,7 @@ class NodeRequest:
     name: str
     env: dict[str, str]
     options: NodeOptions
-    program: StagePlan
+    program: StagePlan | None  # None: a standby spare, which gets its program when it takes over a stage
 
 
 def fault_policy(scenario: Scenario, compiled: Compiled) -> str:
@@ -95,6 +95,22 @@ def replacement(
     return node
 
 
+def standby(scenario: Scenario, at: Endpoints, spare: Device, transport_opts: JsonObject, k: int) -> NodeRequest:
+    """A standby spare on ``spare``: started with the run, it joins as a spare and prepares what does not depend on
+    a stage (``ppharness.run.node.stand_by``) until the orchestrator assigns it a dead stage's program."""
+    env = {
+        "PP_STANDBY": spare.id,
+        "SEED_ADDR": at.seed,
+        "MODEL": at.node_model,
+        "TRANSPORT": scenario.transport.kind,
+    } | at.membership_env
+    if at.network is not None:
+        env["PP_NETWORK"] = msgspec.json.encode(at.network).decode()
+    if transport_opts:
+        env["PP_TRANSPORT_OPTS"] = json.dumps(transport_opts)
+    return NodeRequest(f"pp-spare-{k}", env, _options(at, spare), None)
+
+
 def gossip_name(stage: int, epoch: int) -> str:
     """The name stage ``stage``'s node gossips under: a replacement's carries its epoch."""
     return stage_name(stage) if epoch == 0 else f"{stage_name(stage)}.{epoch}"
@@ -120,8 +136,12 @@ def _node(scenario: Scenario, at: Endpoints, program: StagePlan, device: Device,
         env["PP_NETWORK_DIR"] = at.bridge_dir
     if opts:
         env["PP_TRANSPORT_OPTS"] = json.dumps(opts)
+    return NodeRequest(stage_name(i), env, _options(at, device), program)
+
+
+def _options(at: Endpoints, device: Device) -> NodeOptions:
     options: NodeOptions = {"own_network": bool(at.ports)}
     if device.source.kind == "docker":
         options["cpus"] = device.source.cpus
         options["memory"] = device.source.memory_limit  # None: the run's docker settings decide
-    return NodeRequest(stage_name(i), env, options, program)
+    return options

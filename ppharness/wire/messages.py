@@ -89,7 +89,8 @@ class RequestOpen(_Msg, frozen=True):
 
 
 class Join(_Msg, frozen=True):
-    """Node -> seed: I am stage ``stage`` of ``num_stages``, reachable at ``address``, under these names."""
+    """Node -> seed: I am stage ``stage`` of ``num_stages``, reachable at ``address``, under these names. A standby
+    spare joins as stage -1, its one name ``spare:<device>``, until an Assign makes it a stage."""
 
     stage: int
     num_stages: int
@@ -244,6 +245,14 @@ class Resume(_Msg, frozen=True):
     epoch: int
 
 
+class Assign(_Msg, frozen=True):
+    """Seed -> a standby spare: take over a dead stage. ``program`` is the stage's program (a JSON StagePlan, as a
+    node's ``PLAN``); ``gossip_name`` the name it gossips under."""
+
+    program: str
+    gossip_name: str = ""
+
+
 class Error(_Msg, frozen=True):
     """Anyone -> seed / reply_to: a failure that ends the request or the run, in one line."""
 
@@ -276,6 +285,7 @@ Message: TypeAlias = (
     | StreamedToken
     | Replay
     | Resume
+    | Assign
     | Error
 )
 
