@@ -109,3 +109,18 @@ def test_a_pause_shorter_than_detection_is_ridden_out_by_retries():
     result = run_scenario(_scenario(events=events, heartbeat=True, policy="retry", spares=0))
     assert result.matches_oracle
     assert result.recoveries == [], "a short pause replaced a stage"
+
+
+@pytest.mark.slow
+def test_a_stage_replaced_twice_and_a_spare_killed_while_coming_up_still_give_the_exact_answer(capsys):
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    events = (
+        Event(at_s=0.5, kind="kill", nodes=("stage-1",)),
+        Event(at_s=0.9, kind="kill", nodes=("stage-1",)),  # the spare taking over, before it is ready
+        Event(at_s=9.0, kind="kill", nodes=("stage-1",)),  # the second spare, serving by then
+    )
+    result = run_scenario(_scenario(events=events, spares=3, max_tokens=200), run_label=label)
+    assert result.matches_oracle, "a stage replaced again and again gave another answer"
+    assert [r.stage for r in result.recoveries] == [1, 1], "stage 1 was not brought back twice"
+    assert any("before it was ready" in ln for ln in _lines(capsys)), "the spare killed coming up went unnoticed"
+    assert labelled_pids(label) == []

@@ -424,3 +424,16 @@ def test_replay_and_resume_cross_the_wire_unchanged():
     resume = Resume(request=request, tokens=[1, 2], plan_id="p", epoch=2)
     for msg in (replay, resume):
         assert codec.decode(codec.encode(msg)) == msg
+
+
+def test_a_message_waiting_for_a_replaced_node_goes_to_its_replacement_at_once():
+    box, wire, clock, where = _outbox(first_s=0.1, max_s=2.0)
+    box.put(("token", "r", 4), "next", _msg())
+    for _ in range(4):  # the receiver is dead: the waits grow to 0.8 s
+        clock.now += box.due_in() or 0.0
+        box.tick()
+    where["next"] = "addr-replacement"
+    assert box.redirect() == 1
+    assert box.due_in() == 0.0, "the message still waits out its backoff"
+    box.tick()
+    assert wire.sent[-1][0] == "addr-replacement"

@@ -31,8 +31,12 @@ class Nemesis:
         provider: Provider[Any],
         clock: EventClock,
         log: Callable[[str], None] = lambda line: None,
+        instance_of: Callable[[str], Instance | None] | None = None,
     ) -> None:
+        """``instance_of(node)``: the instance that is ``node`` (``stage-3``) now; by default the provider's instance
+        named ``pp-stage-3``."""
         self.provider, self.clock, self.log = provider, clock, log
+        self._instance_of = instance_of
         orders: list[_Order] = []
         for e in network.events:
             for node in e.nodes:
@@ -45,7 +49,9 @@ class Nemesis:
         self.done: list[tuple[float, NodeAction, str]] = []  # (seconds since the start, action, node) as carried out
 
     def _instance(self, node: str) -> Instance | None:
-        """The node's newest instance (a spare that replaced it, if any)."""
+        """The instance that is ``node`` now (a spare that replaced it, if any)."""
+        if self._instance_of is not None:
+            return self._instance_of(node)
         name = "pp-" + node  # stage-3 -> pp-stage-3
         return next((i for i in reversed(self.provider.instances) if i.name == name), None)
 

@@ -238,6 +238,8 @@ class Chain:
         self.spares: list[Device] = []
         self.spare_opts: dict[str, JsonObject] = {}  # spare device -> its endpoint's transport options
         self.standbys: dict[str, Standby] = {}  # spare device -> its standby node
+        self.stage_instances: dict[int, Instance] = {}  # stage -> the instance serving it now
+        self.instance_stages: dict[str, int] = {}  # instance id -> the stage it serves or served
         self.fenced: set[str] = set()
         self.retired: set[str] = set()  # instance ids
         self.streams: dict[str, dict[int, tuple[int, float]]] = {}  # request -> position -> (token, arrival)
@@ -283,10 +285,10 @@ class Chain:
                 self.nemesis.tick()
             if self.outbox is not None:
                 self.outbox.tick()
-            deaths = _deaths(self._provider, self.detector, self.retired) if self._provider else []
+            deaths = _deaths(self._provider, self.detector, self.retired, self) if self._provider else []
             for d in [d for d in deaths if d.stage < 0 and d.instance is not None]:
                 if d.instance is not None and d.instance.id == self._replacing_id:
-                    raise self._death_error(d, phase)
+                    raise _SpareLost(d)
                 self._standby_lost(d)
             deaths = [d for d in deaths if d.stage >= 0]
             if not deaths:
@@ -298,7 +300,7 @@ class Chain:
             if self._replacing:  # another death while a spare comes up waits for it, unless it is that spare's
                 mine = [d for d in deaths if d.instance is not None and d.instance.id == self._replacing_id]
                 if mine:
-                    raise self._death_error(mine[0], phase)
+                    raise _SpareLost(mine[0])
                 return
             self._drain(handle)  # a node's own Error, sent before it went, says more than its death
             raise self._death_error(deaths[0], phase)
@@ -455,7 +457,7 @@ class Chain:
             if network is not None:
                 if network.layer == "message":
                     self.transport = impaired_transport(self.transport, network, SEED_NODE, self.clock)
-                self.nemesis = Nemesis(network, self._provider, self.clock, progress)
+                self.nemesis = Nemesis(network, self._provider, self.clock, progress, self._instance_of_node)
                 progress(f"network emulation ({network.layer} level): {describe_network(network)}")
             self.seed = self.transport.start()
             if self.policy != "none":
@@ -502,6 +504,8 @@ class Chain:
             + (f", and {len(spares)} standby spare(s)" if spares else "")
         )
         started = provider.provision(specs)
+        self.stage_instances = {i: inst for i, inst in enumerate(started[:n])}
+        self.instance_stages = {inst.id: i for i, inst in enumerate(started[:n])}
         for d, inst in zip(self.spares, started[n:], strict=True):
             self.standbys[d.id] = Standby(inst)
 
@@ -571,6 +575,11 @@ class Chain:
             self._probe_clocks()
         self.ready = True
 
+    def _instance_of_node(self, node: str) -> Instance | None:
+        """The instance that is the network emulation's ``stage-<i>`` now."""
+        tail = node.removeprefix("stage-")
+        return self.stage_instances.get(int(tail)) if tail.isdigit() else None
+
     def _address_of(self, role: str) -> str | None:
         """Where the orchestrator's reliable messages go: ``entry`` is stage 0, whichever node that is now."""
         return self.directory.names.get(ENTRY) if role == "entry" else role
@@ -606,14 +615,16 @@ class Chain:
                 assert node.program is not None
                 program = msgspec.json.encode(node.program).decode()
                 self.transport.send(sb.address, Assign(program=program, gossip_name=node.env.get("PP_GOSSIP_NAME", "")))
-                self._replacing_id = sb.instance.id
+                inst = sb.instance
             else:  # no standby ready: the spare device gets a node of its own now
                 if sb is not None:
                     self.retired.add(sb.instance.id)
                     self._provider.destroy(sb.instance)
-                spec = self._provider.spec(node.name, node.env, **node.options)
+                name = f"pp-spare-{self.plan_doc.placement.spares.index(spare.id)}"  # a name no other node had
+                spec = self._provider.spec(name, node.env, **node.options)
                 (inst,) = self._provider.provision([spec])
-                self._replacing_id = inst.id
+            self._replacing_id = inst.id
+            self.stage_instances[stage], self.instance_stages[inst.id] = inst, stage
             joined: list[Join] = []
 
             def on_join(sender: str, msg: Message) -> bool:
@@ -636,6 +647,10 @@ class Chain:
 
             what = f"the spare for {stage_name(stage)} to load (Ready)"
             self._wait(on_ready, budget.ready_s, what, "replacing a stage")
+        except _SpareLost as lost:  # the next spare, if any, replaces the one that died coming up
+            self._replacing, self._replacing_id = False, ""
+            progress(f"failover: the spare {spare.id} for {stage_name(stage)} {lost.death.cause} before it was ready")
+            return self._failover(lost.death, "replacing a stage")
         finally:
             self._replacing, self._replacing_id = False, ""
         recovery.ready_at, recovery.load_s = time.monotonic(), ready[0].load_s
@@ -643,6 +658,8 @@ class Chain:
         for j in self.directory.joins.values():
             if j.stage != stage:
                 self.transport.send(j.address, members)
+        if self.outbox is not None:
+            self.outbox.redirect()
         self.recoveries.append(recovery)
         progress(
             f"failover: {stage_name(stage)} is back on {spare.id} after {recovery.reload_s:.2f} s "
@@ -979,18 +996,27 @@ class Death:
         return f"exited with code {self.exit_code}" if self.exit_code is not None else self.why
 
 
-def _deaths(provider: Provider[ProviderSettings | None], detector: Detector | None, retired: set[str]) -> list[Death]:
-    """Every node, not yet replaced, that exited or was declared dead."""
+def _deaths(
+    provider: Provider[ProviderSettings | None], detector: Detector | None, retired: set[str], chain: Chain
+) -> list[Death]:
+    """Every node, not yet replaced, that exited or was declared dead; a standby spare's death has stage -1."""
     out: list[Death] = []
     for inst, rc in provider.exited():
         if inst.id not in retired:
-            out.append(Death(_stage_of(inst), inst, exit_code=rc))
+            out.append(Death(chain.instance_stages.get(inst.id, -1), inst, exit_code=rc))
     for stage, why in detector.dead() if detector is not None else []:
         if any(d.stage == stage for d in out):
             continue
-        node = next((i for i in reversed(provider.instances) if i.name == stage_name(stage)), None)
-        out.append(Death(stage, node, why=why))
+        out.append(Death(stage, chain.stage_instances.get(stage), why=why))
     return out
+
+
+class _SpareLost(ClusterError):
+    """The spare coming up for a dead stage died too."""
+
+    def __init__(self, death: Death) -> None:
+        super().__init__(f"the spare for {stage_name(death.stage)} {death.cause}")
+        self.death = death
 
 
 def _no_spare(err: ClusterError, used: int) -> ClusterError:
@@ -999,11 +1025,6 @@ def _no_spare(err: ClusterError, used: int) -> ClusterError:
         "in the plan (placement.spares) or the scenario (fault_tolerance.spares)"
     )
     return err
-
-
-def _stage_of(inst: Instance) -> int:
-    tail = inst.name.removeprefix(stage_name(0)[:-1])
-    return int(tail) if tail.isdigit() else -1
 
 
 def _shutdown(

@@ -131,6 +131,16 @@ class Outbox:
         """Forget pending messages ``keep(key, role)`` rejects (a replay that carries them replaces them)."""
         self.pending = {k: v for k, v in self.pending.items() if keep(k, v.role)}
 
+    def redirect(self) -> int:
+        """Make every pending message whose role now resolves elsewhere (a spare replaced its receiver) due at once,
+        instead of after its backed-off wait; returns how many."""
+        now, moved = self.clock(), 0
+        for item in self.pending.values():
+            address = self.resolve(item.role)
+            if address is not None and address != item.address:
+                item.due, moved = now, moved + 1
+        return moved
+
     def due_in(self) -> float | None:
         """Seconds until the next resend (0 when one is due), None when nothing waits."""
         if not self.pending:

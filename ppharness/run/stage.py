@@ -212,6 +212,7 @@ class Stage:
         self.log(f"stage {self.index}: directory of epoch {epoch}")
         if self.keeps_history and self.next_addr is not None and self.next_addr != old_next:
             self._replay_to_next()
+        self.outbox.redirect()  # what waits for the replaced node goes to its replacement now, not after a backoff
 
     # --- first stage ------------------------------------------------------------------------------------------------
 
