@@ -102,6 +102,14 @@ def print_summary(result: RunResult) -> None:
     total = sum(s.params for s in result.stages)
     model = f"   (model: {result.oracle.n_params:,})" if result.oracle else ""
     click.echo(f"{'sum':>5} {'':>9} {total:>12,}{model}")
+    if result.policy != "none":
+        click.echo(f"\nfault tolerance: {result.policy}; {result.resends} message(s) the orchestrator sent again")
+    for rec in result.recoveries:
+        replay = f"{rec.replay_s:.2f} s" if rec.replay_s is not None else "none (no token came after it)"
+        click.echo(
+            f"failover: stage {rec.stage} ({rec.cause}) -> spare {rec.spare}, epoch {rec.epoch}: reload "
+            f"{rec.reload_s:.2f} s (loading {rec.load_s:.2f} s), replay to the next token {replay}"
+        )
     if result.matches_oracle is True and result.verdict is not None:
         click.echo(
             f"\nMATCH: the {len(result.plan.ranges)}-stage chain's {len(r.token_ids)} tokens equal the unsplit "
