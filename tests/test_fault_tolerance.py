@@ -437,3 +437,18 @@ def test_a_message_waiting_for_a_replaced_node_goes_to_its_replacement_at_once()
     assert box.due_in() == 0.0, "the message still waits out its backoff"
     box.tick()
     assert wire.sent[-1][0] == "addr-replacement"
+
+
+@pytest.mark.parametrize(
+    ("stage", "kind"),
+    [(1, "Replay"), (2, "Replay"), (0, "Resume"), (1, "Ack/replay"), (0, "Ack/resume")],
+)
+@pytest.mark.parametrize("copies", [0, 2], ids=["lost", "duplicated"])
+def test_a_lost_or_duplicated_replay_or_resume_changes_nothing(tiny_gguf, baseline, stage, kind, copies):
+    def fate(to: str, msg: Message, k: int) -> int:
+        return copies if _kind(msg) == kind and k == 1 else 1
+
+    trigger = ("NextToken", 4) if stage == 0 else ("decode", 4)
+    run = run_chain(tiny_gguf, fate, policy="failover", replace=(stage, *trigger), fresh_slice=_fresh(tiny_gguf))
+    _same(run, baseline)
+    assert run.delivered[kind] >= (1 if copies == 0 else 2), f"no {kind} went through"

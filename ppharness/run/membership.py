@@ -75,6 +75,10 @@ class HeartbeatDetector:
         for s in stages:
             self.last_seen.setdefault(s, now)
 
+    def forget(self, stage: int) -> None:
+        """``stage``'s node is being replaced: it is no longer watched (until ``replace``)."""
+        self.last_seen.pop(stage, None)
+
     def replace(self, stage: int, name: str) -> None:
         """A spare took over ``stage`` (it just joined): its clock starts again (the replaced node's beats no longer
         count)."""
@@ -146,9 +150,14 @@ class KinshipDetector:
     def watch(self, stages: list[int]) -> None:
         self._watched += [s for s in stages if s not in self._watched]
 
+    def forget(self, stage: int) -> None:
+        """``stage``'s node is being replaced: it is no longer watched (until ``replace``)."""
+        self._watched = [s for s in self._watched if s != stage]
+
     def replace(self, stage: int, name: str) -> None:
         """A spare took over ``stage``, gossiping under ``name``."""
         self._names[stage] = name
+        self.watch([stage])
 
     def deaf(self) -> None:
         """Gossip goes on in its own thread whether or not the orchestrator reads its messages."""

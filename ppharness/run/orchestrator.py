@@ -600,6 +600,7 @@ class Chain:
         self.fenced.add(old)
         if death.instance is not None:
             self.retired.add(death.instance.id)
+        self.detector.forget(stage)  # declared dead once; the spare is watched from its Join
         progress(
             f"failover: {stage_name(stage)} {death.cause} while {phase}; spare {spare.id} takes blocks "
             f"{list(self.plan.ranges[stage])} (epoch {epoch})"
