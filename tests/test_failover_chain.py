@@ -112,15 +112,15 @@ def test_a_pause_shorter_than_detection_is_ridden_out_by_retries():
 
 
 @pytest.mark.slow
-def test_a_stage_replaced_twice_and_a_spare_killed_while_coming_up_still_give_the_exact_answer(capsys):
+def test_a_spare_killed_in_turn_is_replaced_by_the_next_and_the_answer_is_exact(capsys):
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
-    events = (
-        Event(at_s=0.5, kind="kill", nodes=("stage-1",)),
-        Event(at_s=0.9, kind="kill", nodes=("stage-1",)),  # the spare taking over, before it is ready
-        Event(at_s=9.0, kind="kill", nodes=("stage-1",)),  # the second spare, serving by then
-    )
-    result = run_scenario(_scenario(events=events, spares=3, max_tokens=200), run_label=label)
-    assert result.matches_oracle, "a stage replaced again and again gave another answer"
-    assert [r.stage for r in result.recoveries] == [1, 1], "stage 1 was not brought back twice"
-    assert any("before it was ready" in ln for ln in _lines(capsys)), "the spare killed coming up went unnoticed"
+    # the second kill finds the first spare coming up or serving (how far it got depends on the machine): either way
+    # the next spare takes over, and the request cannot have finished without stage 1
+    events = (Event(at_s=0.5, kind="kill", nodes=("stage-1",)), Event(at_s=2.5, kind="kill", nodes=("stage-1",)))
+    result = run_scenario(_scenario(events=events, spares=2, max_tokens=200), run_label=label)
+    assert result.matches_oracle, "a stage replaced again gave another answer"
+    lines = _lines(capsys)
+    attempts = [ln for ln in lines if "failover: pp-stage-1" in ln and "takes blocks" in ln]
+    assert len(attempts) == 2, "the killed spare was not replaced by the next"
+    assert [r.spare for r in result.recoveries][-1] == "local-4", "the last spare does not serve stage 1"
     assert labelled_pids(label) == []

@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from ppharness.trace.report import Trace
 
 # what a stage reports for one request when asked (``Chain._ask_every_stage``)
+STREAM_PROGRESS_S = 2.0  # at most one progress line per this many seconds about the tokens streamed
 BUSY_RETRY_S = 0.1  # the first wait before a request stage 0 refused as busy is sent again (then longer, up to 1 s)
 _Report = TypeVar("_Report", TraceReport, DigestReport)
 
@@ -253,6 +254,7 @@ class Chain:
         self._replacing_id = ""
         self._waiting = False  # inside a wait (a failover waits within the request's wait)
         self._fenced_seen: set[str] = set()
+        self._streamed_said = time.monotonic()
 
     def _left(self, phase_s: float, what: str) -> float:
         remaining = self.deadline - time.monotonic()
@@ -341,6 +343,9 @@ class Chain:
                 got = self.streams.setdefault(msg.request_id, {})
                 if msg.position not in got:
                     got[msg.position] = (msg.token_id, time.monotonic())
+                    if time.monotonic() - self._streamed_said >= STREAM_PROGRESS_S:
+                        self._streamed_said = time.monotonic()
+                        self.progress(f"decoding: {len(got)} token(s) streamed so far")
                     for r in self.recoveries:
                         if r.next_token_at is None and r.ready_at:
                             r.next_token_at = time.monotonic()
