@@ -114,3 +114,14 @@ def test_split_check_refuses_bad_stages(tiny_model_path):
     )
     assert proc.returncode == 1
     assert "--stages: 'two' is neither a stage count nor cut points" in proc.stderr + proc.stdout
+
+
+def test_a_replaced_stage_without_digests_is_unverified_not_missing():
+    from ppharness.model.exactness import compare
+
+    ranges = [(0, 2), (2, 4), (4, 8)]
+    oracle = {1: [b"a", b"b"], 3: [b"c", b"d"]}
+    v = compare([1, 2], [1, 2], ranges, {0: [], 1: [b"c", b"d"]}, oracle, 3, replaced=[0])
+    assert v.exact and v.unverified == [0] and v.missing == [] and v.boundaries_compared == 2
+    v = compare([1, 2], [1, 2], ranges, {0: [], 1: [b"c", b"d"]}, oracle, 3)
+    assert not v.exact and v.missing == [0], "a stage that sent nothing, not replaced, must count as missing"

@@ -357,3 +357,13 @@ def test_iroh_under_packet_loss_gives_the_oracles_tokens_and_no_path_goes_around
         times = [r["parts_ms"][hop] for r in records if r["step"] > 0 and hop in r["parts_ms"]]
         assert len(times) >= len(records) - 2, f"{hop} is missing from the trace of most tokens"
         assert min(times) >= 9.5, f"{hop} took {min(times):.2f} ms under a 10 ms link: a path bypassed the emulation"
+
+
+def test_a_partition_cuts_off_the_nodes_it_began_on_not_a_spare_that_took_one_s_place():
+    from ppharness.network.spec import Event, Network
+
+    net = Network(events=(Event(at_s=1.0, kind="partition", nodes=("stage-0",), for_s=3.0),))
+    assert net.cut("stage-0", "stage-1", 2.0), "the partitioned node is not cut off"
+    assert not net.cut("stage-0", "stage-1", 2.0, src_since=1.5), "a spare that became stage-0 later is cut off"
+    assert not net.cut("stage-1", "stage-0", 2.0, dst_since=1.5), "messages to the spare are cut off"
+    assert net.cut("stage-1", "stage-0", 2.0, dst_since=0.5), "a node that was stage-0 before the partition escapes it"

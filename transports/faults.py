@@ -59,6 +59,8 @@ class ImpairedTransport(Transport):
         self.inner, self.network, self.node = inner, network, node
         self.clock = clock or EventClock()
         self._names: dict[str, str] = dict(known or {})  # address -> node name
+        self._since: dict[str, float] = {}  # address -> when it became its node (a spare), seconds into the request
+        self._own_since = 0.0
         self._links: dict[str, ShapedLink] = {}  # destination node -> the link this node -> it
         self._heap: list[_Due] = []
         self._seq = itertools.count()
@@ -75,6 +77,8 @@ class ImpairedTransport(Transport):
 
     def learn(self, address: str, node: str) -> None:
         """``address`` belongs to ``node`` (``seed`` or ``stage-<i>``)."""
+        if self._names.get(address) != node:
+            self._since[address] = self.clock.elapsed() or 0.0
         self._names[address] = node
 
     def _learn_from(self, got: Received) -> None:
@@ -91,6 +95,7 @@ class ImpairedTransport(Transport):
         node's."""
         with self._cond:
             self.node = node
+            self._own_since = self.clock.elapsed() or 0.0
             self._links.clear()
 
     # --- Transport ---------------------------------------------------------------------------------------------------
@@ -118,7 +123,9 @@ class ImpairedTransport(Transport):
         link = self._link(dst)
         link.stats.sent += 1
         elapsed = self.clock.elapsed()
-        if elapsed is not None and self.network.cut(self.node, dst, elapsed):
+        if elapsed is not None and self.network.cut(
+            self.node, dst, elapsed, self._own_since, self._since.get(address, 0.0)
+        ):
             link.stats.cut += 1
             return
         now = time.monotonic()

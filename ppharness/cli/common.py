@@ -111,10 +111,15 @@ def print_summary(result: RunResult) -> None:
             f"{rec.reload_s:.2f} s (loading {rec.load_s:.2f} s), replay to the next token {replay}"
         )
     if result.matches_oracle is True and result.verdict is not None:
+        v = result.verdict
         click.echo(
             f"\nMATCH: the {len(result.plan.ranges)}-stage chain's {len(r.token_ids)} tokens equal the unsplit "
-            f"model's, token for token, and all {result.verdict.boundaries_compared} stage-boundary hidden "
-            "states byte for byte"
+            f"model's, token for token, and all {v.boundaries_compared} stage-boundary hidden states byte for byte"
+            + (
+                f" (those of stage(s) {v.unverified} went with the node a spare replaced: not compared)"
+                if v.unverified
+                else ""
+            )
         )
 
 

@@ -53,6 +53,9 @@ class Verdict:
     boundaries_compared: int  # hidden states compared byte for byte (stage boundaries x steps)
     boundary_diff: BoundaryDiff | None = None
     missing: list[int] = field(default_factory=list)  # stages that reported no digests for this request
+    # stages whose node was replaced by a spare that never computed for this request (the request finished on the
+    # nodes it started on): their boundaries could not be collected, and are not counted as missing
+    unverified: list[int] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
@@ -71,6 +74,11 @@ class Verdict:
             parts.append(str(self.boundary_diff))
         elif self.missing:
             parts.append(f"stage(s) {self.missing} sent no hidden-state digests, so no boundary could be checked")
+        elif self.unverified:
+            parts.append(
+                f"{self.boundaries_compared} stage-boundary hidden states are equal; stage(s) {self.unverified} were "
+                "replaced after computing theirs, which went with them"
+            )
         else:
             parts.append(f"all {self.boundaries_compared} stage-boundary hidden states are equal")
         return "; ".join(parts)
@@ -91,11 +99,15 @@ def compare(
     stage_digests: dict[int, list[bytes]],
     oracle_digests: dict[int, list[bytes]],
     prompt_tokens: int,
+    replaced: Sequence[int] = (),
 ) -> Verdict:
     """Compare a chain (its tokens and ``stage_digests[stage]``) with the oracle (tokens and ``oracle_digests[block]``,
-    from ``oracle_decode(..., boundaries=True)``). ``ranges`` are the stages' block ranges."""
+    from ``oracle_decode(..., boundaries=True)``). ``ranges`` are the stages' block ranges; ``replaced``: stages a
+    spare took over during the request (one with no digests is unverified, not missing)."""
     k = first_difference(chain_tokens, oracle_tokens)
-    missing = [i for i in range(len(ranges) - 1) if not stage_digests.get(i)]
+    absent = [i for i in range(len(ranges) - 1) if not stage_digests.get(i)]
+    missing = [i for i in absent if i not in replaced]
+    unverified = [i for i in absent if i in replaced]
     compared = 0
     first: BoundaryDiff | None = None
     steps = max((len(d) for d in stage_digests.values()), default=0)
@@ -111,7 +123,12 @@ def compare(
         if first is not None:
             break
     return Verdict(
-        tokens_equal=k is None, first_token_diff=k, boundaries_compared=compared, boundary_diff=first, missing=missing
+        tokens_equal=k is None,
+        first_token_diff=k,
+        boundaries_compared=compared,
+        boundary_diff=first,
+        missing=missing,
+        unverified=unverified,
     )
 
 

@@ -148,10 +148,14 @@ class Network(_Spec, frozen=True):
         """Every node a link or an event names (to check against the run's stage count)."""
         return {n for link in self.links for n in (link.src, link.dst)} | {n for e in self.events for n in e.nodes}
 
-    def cut(self, src: str, dst: str, t_s: float) -> bool:
-        """Whether a partition separates ``src`` from ``dst`` at ``t_s`` seconds after the request started."""
+    def cut(self, src: str, dst: str, t_s: float, src_since: float = 0.0, dst_since: float = 0.0) -> bool:
+        """Whether a partition separates ``src`` from ``dst`` at ``t_s`` seconds after the request started.
+        ``src_since``/``dst_since``: when each endpoint became that node (a spare that replaced it); a partition cuts
+        off the endpoints that were its nodes when it began, not a spare that took one's place during it."""
         for e in self.events:
-            if e.kind == "partition" and e.active(t_s) and ((src in e.nodes) != (dst in e.nodes)):
+            if e.kind != "partition" or not e.active(t_s):
+                continue
+            if (src in e.nodes and src_since <= e.at_s) != (dst in e.nodes and dst_since <= e.at_s):
                 return True
         return False
 

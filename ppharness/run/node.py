@@ -32,6 +32,7 @@ from ppharness.plan.stages import StagePlan
 from ppharness.registry import impaired_transport, transport_class
 from ppharness.run.cluster import resolve_members
 from ppharness.run.membership import NodeMembership
+from ppharness.run.reliable import ack_of
 from ppharness.seams.transport import JsonObject, Received, Transport
 from ppharness.testing.faults import with_fault
 from ppharness.trace.tracer import Tracer, now_ns
@@ -361,6 +362,7 @@ def serve(plan: StagePlan, env: dict[str, str], standing: Standing | None = None
 
         early: list[tuple[str, Message]] = []
         directory = resolve_members(transport.recv, plan.resolve_s, lambda s, m: early.append((s, m)), log=log)
+        _reply(transport, seed, ack_of("members", address, plan.epoch, plan.plan_id), log)  # resent till then
         tracer = Tracer() if plan.trace else None
         stage = Stage(
             plan.stage,
@@ -429,6 +431,7 @@ def serve(plan: StagePlan, env: dict[str, str], standing: Standing | None = None
                     clock.start(msg.t0_unix_ns)
                 case Members():
                     stage.rejoin(msg.names, msg.epoch)
+                    _reply(transport, seed, ack_of("members", address, msg.epoch, plan.plan_id), log)
                 case ClockProbe():
                     _reply(
                         transport, seed, ClockReply(stage=plan.stage, t_seed_ns=msg.t_seed_ns, t_node_ns=now_ns()), log

@@ -580,6 +580,12 @@ class Chain:
             self._probe_clocks()
         self.ready = True
 
+    def _send_members(self, address: str, members: Members) -> None:
+        """A newer directory, resent until the node acknowledges it (failover is a reliable policy): a node that
+        missed it would go on talking to the replaced one."""
+        assert self.outbox is not None
+        self.outbox.put(("members", address, members.epoch), address, members)
+
     def _instance_of_node(self, node: str) -> Instance | None:
         """The instance that is the network emulation's ``stage-<i>`` now."""
         tail = node.removeprefix("stage-")
@@ -643,7 +649,7 @@ class Chain:
             self.directory.replace(joined[0])
             self.detector.replace(stage, gossip_name(stage, epoch))  # watched from its Join on, as at the start
             members = Members(names=self.directory.names, epoch=epoch)
-            self.transport.send(joined[0].address, members)
+            self._send_members(joined[0].address, members)
             ready: list[Ready] = []
 
             def on_ready(sender: str, msg: Message) -> bool:
@@ -663,7 +669,7 @@ class Chain:
         self.reports[stage].load_s = ready[0].load_s
         for j in self.directory.joins.values():
             if j.stage != stage:
-                self.transport.send(j.address, members)
+                self._send_members(j.address, members)
         if self.outbox is not None:
             self.outbox.redirect()
         self.recoveries.append(recovery)
@@ -826,6 +832,7 @@ class Chain:
             self.collect_digests(response.request_id),
             oracle.boundary_digests,
             oracle.prompt_tokens,
+            replaced=[r.stage for r in self.recoveries],
         )
 
     def collect_trace(self, request_id: str) -> list[TraceReport]:
@@ -928,6 +935,7 @@ def run_scenario(
             digests,
             result.oracle.boundary_digests,
             result.oracle.prompt_tokens,
+            replaced=[r.stage for r in chain.recoveries],
         )
     return result
 
