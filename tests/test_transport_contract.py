@@ -20,6 +20,8 @@ from ppharness.wire import codec
 from ppharness.wire.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
+    Ack,
+    Assign,
     ClockProbe,
     ClockReply,
     DigestReport,
@@ -34,11 +36,14 @@ from ppharness.wire.messages import (
     NetworkStart,
     NextToken,
     Ready,
+    Replay,
     RequestOpen,
+    Resume,
     Shutdown,
     Span,
     StageActivation,
     Stopped,
+    StreamedToken,
     TraceReport,
     TraceRequest,
 )
@@ -146,6 +151,31 @@ def realistic_messages() -> list[Message]:
         ClockReply(stage=1, t_seed_ns=123_456_789, t_node_ns=987_654_321),
         NetworkStart(t0_unix_ns=1_764_554_400_000_000_000),
         Error(stage=1, reason="activation for req-0001 has unknown wire dtype 'f8'", request_id="req-0001"),
+        Ack(kind="activation", request_id="req-0001", position=6, plan_id="plan-2stage-a1b2"),
+        StreamedToken(request_id="req-0001", token_id=12366, position=6, done=False, plan_id="plan-2stage-a1b2"),
+        Replay(
+            open=RequestOpen(
+                request_id="req-0001",
+                reply_to="tcp://10.0.0.7:5555",
+                max_tokens=32,
+                prompt_tokens=6,
+                plan_id="plan-2stage-a1b2",
+                epoch=1,
+            ),
+            activations=[activation((1, 6, 64))],
+            epoch=1,
+        ),
+        Resume(
+            request=InferenceRequest(
+                reply_to="tcp://10.0.0.7:5555", prompt="The capital of France is", max_tokens=32, request_id="req-0001"
+            ),
+            tokens=[12366, 13, 1102],
+            plan_id="plan-2stage-a1b2",
+            epoch=1,
+        ),
+        Assign(
+            program='{"plan_id":"plan-2stage-a1b2","stage":1,"num_stages":2,"lo":4,"hi":8}', gossip_name="pp-stage-1.1"
+        ),
     ]
 
 
