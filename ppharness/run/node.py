@@ -224,7 +224,7 @@ def stand_by(env: dict[str, str]) -> int:
             pid=os.getpid(),
         )
         transport.send(seed, join)
-        gguf_file = _prepare(env["MODEL"], log)
+        gguf_file = _prepare(env["MODEL"], int(env.get("PP_MAX_CONTEXT") or 256), log)
         log("standing by")
         assigned = _await_assignment(transport, seed, clock, parent, log)
     except (HarnessError, msgspec.DecodeError) as exc:
@@ -275,18 +275,22 @@ def _await_assignment(
                 log(f"dropped {type(other).__name__}: a standby waits for an Assign")
 
 
-def _prepare(model: str, log: Callable[[str], None]) -> GGUFFile | None:
-    """What a node does before its blocks that does not depend on them: tinygrad's first realisation (it imports its
-    code generator and compiles its rewrite rules) and opening the model file."""
+def _prepare(model: str, max_context: int, log: Callable[[str], None]) -> GGUFFile | None:
+    """What a node does before its blocks that does not depend on which blocks: opening the model file, then loading
+    one block with the run's context and compiling its prefill and decode step (then dropping it). Every block of a
+    model has the same shapes, and tinygrad keeps what it scheduled and compiled for the whole process, so the range
+    the standby is later assigned loads and warms up several times faster (on the tiny model, 0.3 s and 0.8 s instead
+    of 2.1 s and 2.3 s). It costs one block's memory while it lasts."""
     from ppharness.model.files import resolve_model
-    from ppharness.model.slicing import GGUFFile
+    from ppharness.model.slicing import GGUFFile, ModelSlice
 
     try:
-        from tinygrad.tensor import Tensor
-
         t0 = time.monotonic()
-        Tensor.ones(4, 4).cast("float16").contiguous().realize().numpy()
         gguf_file = GGUFFile(resolve_model(model))
+        if gguf_file.config.blocks > 0:
+            block = ModelSlice(gguf_file, 0, 1, False, False, max_context)
+            warm_up(block)
+            del block
         log(f"prepared in {time.monotonic() - t0:.1f} s")
         return gguf_file
     except Exception as exc:  # the assignment loads the model again and reports what fails then

@@ -100,6 +100,7 @@ def standby(scenario: Scenario, at: Endpoints, spare: Device, transport_opts: Js
     a stage (``ppharness.run.node.stand_by``) until the orchestrator assigns it a dead stage's program."""
     env = {
         "PP_STANDBY": spare.id,
+        "PP_MAX_CONTEXT": str(scenario.model.max_context),
         "SEED_ADDR": at.seed,
         "MODEL": at.node_model,
         "TRANSPORT": scenario.transport.kind,
