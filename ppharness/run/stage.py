@@ -459,10 +459,9 @@ class Stage:
         """A replacement of this stage's range: rebuild the KV cache from what the previous stage sent for the
         request, then pass on the output of the last position only (everything before it went round already)."""
         opened = msg.open
-        if self._is_current(opened.request_id) and self.req is not None and self.req.next_position > 0:
-            self._ack(self.prev_addr, "replay", opened.request_id, self._replay_position(msg))
-            return
         self._ack(self.prev_addr, "replay", opened.request_id, self._replay_position(msg))
+        if self._is_current(opened.request_id) and self.req is not None and self.req.next_position > 0:
+            return  # a resent replay this stage already took
         t0 = time.monotonic()
         self._take_open(opened)
         req = self.req
