@@ -11,8 +11,10 @@ A plan has three parts:
   (one-way latency, bandwidth, loss: per pair, per pair of regions, or a default), in the WAN emulation's
   ``Impairment`` vocabulary.
 - ``placement``: the graph itself: nodes (a device running an ordered list of ops: ``embed``, ``blocks [a, b)``,
-  ``head``), edges (``activation`` from node to node, ``token`` from the exit back to the entry), spare devices and
-  the objective.
+  ``head``, ``experts`` of one layer), edges (``activation`` from node to node, ``token`` from the exit back to the
+  entry, ``experts`` from a mixture-of-experts block's owner to a node computing some of its experts: the fan-out and
+  the gather), spare devices and the objective. A node whose ops are all ``experts`` is an expert node, off the loop.
+  A plan that places no experts leaves every block's experts with the node running the block.
 
 The canonical form is JSON with its keys sorted and no spaces; the plan id is the first 16 hex digits of the sha256
 of that form with ``id`` left empty, so that two equal plans have one id and an edited plan is noticed. People write
@@ -61,7 +63,15 @@ class Experts(_Doc, frozen=True):
     count: Count = 0  # routed experts in the block
     active: Count = 0  # experts each token is routed to
     shared: Count = 0  # experts every token goes through
-    bytes_per_expert: Bytes = 0
+    bytes_per_expert: Bytes = 0  # one routed expert's weights (gate, up and down), as the runtime holds them
+    # how often each routed expert is among a token's chosen ones (a probe run's measure, summing to ``active``);
+    # empty: uniform, ``active / count`` each
+    frequencies: tuple[Annotated[float, Meta(ge=0, le=1)], ...] = ()
+
+    def frequency(self, expert: int) -> float:
+        if self.frequencies:
+            return self.frequencies[expert]
+        return self.active / self.count if self.count else 0.0
 
 
 class Block(_Doc, frozen=True):
@@ -211,7 +221,19 @@ class Head(_Doc, frozen=True, tag="head", tag_field="op"):
     """Final norm, output matrix and argmax: hidden state -> next token (the exit node's last op)."""
 
 
-Op = Embed | Blocks | Head
+class ExpertGroup(_Doc, frozen=True, tag="experts", tag_field="op"):
+    """Routed experts ``ids`` of the mixture-of-experts block ``layer``, computed on this node for whichever node
+    runs the block (a fan-out edge joins the two)."""
+
+    layer: Count
+    ids: Annotated[tuple[Count, ...], Meta(min_length=1)]
+
+    def __post_init__(self) -> None:
+        if any(a >= b for a, b in zip(self.ids, self.ids[1:])):
+            raise FieldError("ids", f"{list(self.ids)[:20]} must be increasing, each expert once — sort them")
+
+
+Op = Embed | Blocks | Head | ExpertGroup
 
 
 class Node(_Doc, frozen=True):
@@ -240,16 +262,31 @@ class Node(_Doc, frozen=True):
         return any(isinstance(op, Embed) for op in self.ops)
 
     @property
+    def experts(self) -> dict[int, tuple[int, ...]]:
+        """Layer -> the routed experts of that layer this node computes (its ``experts`` ops)."""
+        out: dict[int, tuple[int, ...]] = {}
+        for op in self.ops:
+            if isinstance(op, ExpertGroup):
+                out[op.layer] = tuple(sorted({*out.get(op.layer, ()), *op.ids}))
+        return out
+
+    @property
+    def expert_only(self) -> bool:
+        """An expert node: it computes experts and nothing else (it is not on the loop)."""
+        return all(isinstance(op, ExpertGroup) for op in self.ops)
+
+    @property
     def heads(self) -> bool:
         return any(isinstance(op, Head) for op in self.ops)
 
 
 class Edge(_Doc, frozen=True, rename={"src": "from", "dst": "to"}):
-    """What flows from node to node: ``activation`` (hidden states) or ``token`` (the exit's token, to the entry)."""
+    """What flows from node to node: ``activation`` (hidden states), ``token`` (the exit's token, to the entry) or
+    ``experts`` (a MoE block's owner fans its tokens out to an expert node and gathers the results)."""
 
     src: Name
     dst: Name
-    kind: Literal["activation", "token"] = "activation"
+    kind: Literal["activation", "token", "experts"] = "activation"
 
 
 class Objective(_Doc, frozen=True):
@@ -457,6 +494,22 @@ class Hop:
     src: Node
     dst: Node
     kind: Literal["activation", "token"]
+
+
+def expert_holders(doc: PlanDoc) -> dict[tuple[int, int], list[str]]:
+    """(layer, expert) -> the labels of the nodes computing it, in node order; empty when the plan places no experts
+    (every stage then computes the experts of its own blocks)."""
+    out: dict[tuple[int, int], list[str]] = {}
+    for node in doc.placement.nodes:
+        for layer, ids in node.experts.items():
+            for e in ids:
+                out.setdefault((layer, e), []).append(node.label)
+    return out
+
+
+def expert_nodes(doc: PlanDoc) -> list[Node]:
+    """The nodes off the loop that only compute experts, in node order."""
+    return [n for n in doc.placement.nodes if n.expert_only]
 
 
 def loop(doc: PlanDoc) -> list[Node]:
