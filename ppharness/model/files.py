@@ -70,16 +70,37 @@ class ModelSpec:
     tied_embeddings: bool = False
     seed: int = 0
     type: str = "f16"
+    # mixture of experts (``arch`` qwen3moe or qwen2moe): routed experts per block, how many each token uses, one
+    # expert's FFN width, and the shared expert's width (qwen2moe; 0 for none); every block is a MoE block
+    arch: str = "llama"
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    head_dim: int = 0  # 0: dim // heads
 
     def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ModelError(f"unknown architecture {self.arch!r}: expected one of {', '.join(ARCHS)}")
+        moe = self.arch != "llama"
+        if moe and not (1 <= self.experts_used <= self.experts and self.expert_ffn >= 1):
+            raise ModelError(
+                f"{self.arch} needs experts >= experts_used >= 1 and expert_ffn >= 1 (got experts {self.experts}, "
+                f"experts_used {self.experts_used}, expert_ffn {self.expert_ffn})"
+            )
+        if not moe and (self.experts or self.experts_used or self.shared_ffn):
+            raise ModelError("experts need a mixture-of-experts architecture: arch=qwen3moe or arch=qwen2moe")
+        if self.shared_ffn and self.arch != "qwen2moe":
+            raise ModelError(f"a shared expert belongs to qwen2moe, not {self.arch}")
         wtype = str(self.type).lower()
         if wtype not in WEIGHT_TYPES:
             raise ModelError(f"unknown weight type {self.type!r}: expected one of {', '.join(WEIGHT_TYPES)}")
         object.__setattr__(self, "type", wtype)
-        if wtype != "f16" and (self.dim % QUANT_BLOCK or self.ffn % QUANT_BLOCK):
+        widths = (self.dim, self.ffn, self.expert_ffn, self.shared_ffn)
+        if wtype != "f16" and any(w % QUANT_BLOCK for w in widths):
             raise ModelError(
-                f"{wtype} stores rows in blocks of {QUANT_BLOCK}: dim {self.dim} and ffn {self.ffn} must "
-                f"be multiples of {QUANT_BLOCK}"
+                f"{wtype} stores rows in blocks of {QUANT_BLOCK}: dim {self.dim}, ffn {self.ffn}, expert_ffn "
+                f"{self.expert_ffn} and shared_ffn {self.shared_ffn} must be multiples of {QUANT_BLOCK}"
             )
         n_special = len(SPECIAL_TOKENS)
         if self.vocab < 256 + n_special:
@@ -91,26 +112,56 @@ class ModelSpec:
                 f"dim {self.dim}, heads {self.heads}, kv_heads {self.kv_heads}: dim must divide by heads "
                 "and heads by kv_heads"
             )
-        if (self.dim // self.heads) % 2:
-            raise ModelError(f"head dim {self.dim // self.heads} must be even for rotary embeddings")
+        if self.hd % 2:
+            raise ModelError(f"head dim {self.hd} must be even for rotary embeddings")
         if self.blocks < 1:
             raise ModelError(f"blocks {self.blocks} must be at least 1")
 
     @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.heads
+
+    @property
+    def moe(self) -> bool:
+        return self.arch != "llama"
+
+    @property
     def n_params(self) -> int:
-        hd = self.dim // self.heads
-        per_block = 2 * self.dim + self.dim * hd * (self.heads * 2 + self.kv_heads * 2) + 3 * self.dim * self.ffn
+        hd = self.hd
+        per_block = 2 * self.dim + self.dim * hd * (self.heads * 2 + self.kv_heads * 2)
+        if self.moe:
+            per_block += self.experts * (self.dim + 3 * self.dim * self.expert_ffn)
+            per_block += 3 * self.dim * self.shared_ffn + (self.dim if self.shared_ffn else 0)
+            per_block += 2 * hd if self.arch == "qwen3moe" else hd * (self.heads + 2 * self.kv_heads)
+        else:
+            per_block += 3 * self.dim * self.ffn
         head = 0 if self.tied_embeddings else self.vocab * self.dim
         return self.vocab * self.dim + self.blocks * per_block + self.dim + head
 
     def slug(self) -> str:
-        """The cache file's name: dimensions, seed, weight type (when not f16) and a digest of every field."""
+        """The cache file's name: dimensions, seed, weight type (when not f16) and a digest of every field (fields
+        added after the first files were built count only when set)."""
         fields = asdict(self)
         if self.type == "f16":  # f16 files keep the names they had before weight types existed
             del fields["type"]
+        for key, default in _LATER_FIELDS.items():
+            if fields[key] == default:
+                del fields[key]
         digest = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:12]
         wtype = "" if self.type == "f16" else f"-{self.type}"
-        return f"synthetic-{self.blocks}x{self.dim}-v{self.vocab}-s{self.seed}{wtype}-{digest}"
+        experts = f"-{self.arch}-e{self.experts}k{self.experts_used}" if self.moe else ""
+        return f"synthetic-{self.blocks}x{self.dim}{experts}-v{self.vocab}-s{self.seed}{wtype}-{digest}"
+
+
+ARCHS = ("llama", "qwen3moe", "qwen2moe")
+_LATER_FIELDS: dict[str, object] = {
+    "arch": "llama",
+    "experts": 0,
+    "experts_used": 0,
+    "expert_ffn": 0,
+    "shared_ffn": 0,
+    "head_dim": 0,
+}
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -129,6 +180,40 @@ PRESETS: dict[str, ModelSpec] = {
         context=8192,
         rope_theta=500000.0,
         tied_embeddings=True,
+    ),
+    # mixture of experts for CI: qwen3moe with 4 blocks of 8 experts, 2 per token
+    "tiny-moe": ModelSpec(blocks=4, arch="qwen3moe", experts=8, experts_used=2, expert_ffn=96),
+    # the shared-expert variant (qwen2moe: q/k/v biases, no top-k renormalisation, a sigmoid-gated shared expert)
+    "tiny-moe-shared": ModelSpec(blocks=4, arch="qwen2moe", experts=8, experts_used=2, expert_ffn=96, shared_ffn=128),
+    # more work per token, for CPU benchmarks: 8 blocks of 16 experts, 4 per token
+    "small-moe": ModelSpec(
+        blocks=8,
+        dim=256,
+        ffn=768,
+        heads=8,
+        kv_heads=4,
+        vocab=2048,
+        arch="qwen3moe",
+        experts=16,
+        experts_used=4,
+        expert_ffn=256,
+    ),
+    # Qwen3-30B-A3B's shape (48 blocks there; override blocks= to fit a disk): 128 experts of width 768, 8 per token
+    "qwen3-30b-a3b": ModelSpec(
+        blocks=48,
+        dim=2048,
+        ffn=6144,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        vocab=151936,
+        context=40960,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        arch="qwen3moe",
+        experts=128,
+        experts_used=8,
+        expert_ffn=768,
     ),
 }
 
@@ -223,7 +308,7 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
     bos, eos = tokens.index("<|begin_of_text|>"), tokens.index("<|end_of_text|>")
 
     tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")  # processes building the same model do not collide
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w = gguf.GGUFWriter(str(tmp), spec.arch)
     w.add_name(spec.slug())
     w.add_context_length(spec.context)
     w.add_embedding_length(spec.dim)
@@ -233,7 +318,16 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
     w.add_head_count_kv(spec.kv_heads)
     w.add_layer_norm_rms_eps(spec.norm_eps)
     w.add_rope_freq_base(spec.rope_theta)
-    w.add_rope_dimension_count(spec.dim // spec.heads)
+    w.add_rope_dimension_count(spec.hd)
+    if spec.head_dim:
+        w.add_key_length(spec.hd)
+        w.add_value_length(spec.hd)
+    if spec.moe:
+        w.add_expert_count(spec.experts)
+        w.add_expert_used_count(spec.experts_used)
+        w.add_expert_feed_forward_length(spec.expert_ffn)
+        if spec.shared_ffn:
+            w.add_expert_shared_feed_forward_length(spec.shared_ffn)
     w.add_vocab_size(spec.vocab)
     ggml_type, file_type = WEIGHT_TYPES[spec.type]
     qtype = gguf.GGMLQuantizationType[ggml_type]
@@ -248,13 +342,16 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
     w.add_add_bos_token(True)
 
     rng = np.random.default_rng(spec.seed)
-    hd = spec.dim // spec.heads
+    hd = spec.hd
 
     def rand(*shape: int, std: float) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float16)
 
-    def norm_weight() -> np.ndarray:
-        return (1.0 + rng.standard_normal(spec.dim, dtype=np.float32) * 0.1).astype(np.float32)
+    def norm_weight(n: int = spec.dim) -> np.ndarray:
+        return (1.0 + rng.standard_normal(n, dtype=np.float32) * 0.1).astype(np.float32)
+
+    def vector(n: int, std: float) -> np.ndarray:
+        return (rng.standard_normal(n, dtype=np.float32) * std).astype(np.float32)
 
     def matrix(name: str, arr: np.ndarray) -> None:
         if qtype == gguf.GGMLQuantizationType.F16:
@@ -271,10 +368,19 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
         matrix(f"blk.{i}.attn_k.weight", rand(spec.kv_heads * hd, spec.dim, std=lin))
         matrix(f"blk.{i}.attn_v.weight", rand(spec.kv_heads * hd, spec.dim, std=lin))
         matrix(f"blk.{i}.attn_output.weight", rand(spec.dim, spec.heads * hd, std=lin))
+        if spec.arch == "qwen3moe":
+            w.add_tensor(f"blk.{i}.attn_q_norm.weight", norm_weight(hd))
+            w.add_tensor(f"blk.{i}.attn_k_norm.weight", norm_weight(hd))
+        if spec.arch == "qwen2moe":
+            for name, n in (("q", spec.heads), ("k", spec.kv_heads), ("v", spec.kv_heads)):
+                w.add_tensor(f"blk.{i}.attn_{name}.bias", vector(n * hd, 0.02))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", norm_weight())
-        matrix(f"blk.{i}.ffn_gate.weight", rand(spec.ffn, spec.dim, std=lin))
-        matrix(f"blk.{i}.ffn_up.weight", rand(spec.ffn, spec.dim, std=lin))
-        matrix(f"blk.{i}.ffn_down.weight", rand(spec.dim, spec.ffn, std=1.0 / np.sqrt(spec.ffn)))
+        if spec.moe:
+            _write_experts(spec, i, rng, rand, vector, matrix, w.add_tensor)
+        else:
+            matrix(f"blk.{i}.ffn_gate.weight", rand(spec.ffn, spec.dim, std=lin))
+            matrix(f"blk.{i}.ffn_up.weight", rand(spec.ffn, spec.dim, std=lin))
+            matrix(f"blk.{i}.ffn_down.weight", rand(spec.dim, spec.ffn, std=1.0 / np.sqrt(spec.ffn)))
     w.add_tensor("output_norm.weight", norm_weight())
     if not spec.tied_embeddings:
         matrix("output.weight", rand(spec.vocab, spec.dim, std=lin))
@@ -284,6 +390,25 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
     w.close()
     os.replace(tmp, path)
     return path
+
+
+def _write_experts(spec: ModelSpec, i: int, rng: Any, rand: Any, vector: Any, matrix: Any, add: Any) -> None:
+    """Block ``i``'s router and experts, as llama.cpp names them: the router ``ffn_gate_inp`` (F32, as llama.cpp's
+    converter keeps it), the stacked routed experts ``ffn_{gate,up,down}_exps`` and, for qwen2moe, the shared
+    expert ``ffn_*_shexp`` with its gate. Router rows are scaled by a seeded log-normal factor so that some experts
+    are chosen more often than others, as in trained models."""
+    lin, e, d, f = 1.0 / np.sqrt(spec.dim), spec.experts, spec.dim, spec.expert_ffn
+    hot = np.exp(rng.standard_normal((e, 1), dtype=np.float32) * 0.5)
+    add(f"blk.{i}.ffn_gate_inp.weight", (rng.standard_normal((e, d), dtype=np.float32) * lin * hot).astype(np.float32))
+    matrix(f"blk.{i}.ffn_gate_exps.weight", rand(e, f, d, std=lin))
+    matrix(f"blk.{i}.ffn_up_exps.weight", rand(e, f, d, std=lin))
+    matrix(f"blk.{i}.ffn_down_exps.weight", rand(e, d, f, std=1.0 / np.sqrt(f)))
+    if spec.shared_ffn:
+        s = spec.shared_ffn
+        add(f"blk.{i}.ffn_gate_inp_shexp.weight", vector(d, lin))
+        matrix(f"blk.{i}.ffn_gate_shexp.weight", rand(s, d, std=lin))
+        matrix(f"blk.{i}.ffn_up_shexp.weight", rand(s, d, std=lin))
+        matrix(f"blk.{i}.ffn_down_shexp.weight", rand(d, s, std=1.0 / np.sqrt(s)))
 
 
 # --- resolving a scenario's model to a local file ------------------------------------------------------------------

@@ -31,13 +31,21 @@ from numpy.typing import NDArray
 from ppharness.errors import ModelError
 
 if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this module
+    from collections.abc import Generator, Iterable, Mapping
+
     from tinygrad.apps.llm import SimpleTokenizer, TransformerBlock
     from tinygrad.device import Buffer
+    from tinygrad.engine.jit import TinyJit
     from tinygrad.engine.realize import ExecItem
     from tinygrad.tensor import Tensor
     from tinygrad.uop.ops import UOp
 
+    from ppharness.model.moe import ExpertCall
+
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# mixture-of-experts architectures this model code computes, and whether each renormalises its top-k weights when
+# the file does not say (llama.cpp's build_moe_ffn ``norm_w``)
+MOE_ARCHS = {"qwen3moe": True, "qwen2moe": False}
 
 
 @dataclass(frozen=True)
@@ -58,14 +66,49 @@ class ModelConfig:
     bos_id: int | None
     eos_id: int
     tied: bool
+    # mixture of experts (ppharness.model.moe): routed experts per MoE block, how many each token uses, one expert's
+    # FFN width, the shared expert's width (0: none), whether the top-k weights are renormalised, and which blocks
+    # are MoE blocks (those with a router); all empty for a dense model
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    norm_topk: bool = False
+    moe_blocks: frozenset[int] = frozenset()
+    qk_norm: int = 0  # RMS norm of each head's queries and keys (qwen3): the head dim, 0 for none
+    qkv_bias: bool = False  # biases on the query, key and value projections (qwen2)
+
+    @property
+    def moe(self) -> bool:
+        return bool(self.moe_blocks)
 
     @staticmethod
     def from_kv(kv: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
         try:
             arch = kv["general.architecture"]
-            if f"{arch}.expert_count" in kv:
-                raise ModelError(f"architecture {arch!r} with experts is not supported by this release of ppharness")
             dim, heads = int(kv[f"{arch}.embedding_length"]), int(kv[f"{arch}.attention.head_count"])
+            experts = int(kv.get(f"{arch}.expert_count", 0))
+            moe_blocks = frozenset(
+                int(m.group(1)) for n in tensor_names if (m := _BLK.match(n)) and m.group(2) == "ffn_gate_inp.weight"
+            )
+            if experts and arch not in MOE_ARCHS:
+                raise ModelError(
+                    f"architecture {arch!r} with experts is not supported; mixture-of-experts models load as "
+                    f"{', '.join(MOE_ARCHS)}"
+                )
+            moe = dict(
+                experts=experts,
+                experts_used=int(kv[f"{arch}.expert_used_count"]) if experts else 0,
+                expert_ffn=int(kv.get(f"{arch}.expert_feed_forward_length", kv[f"{arch}.feed_forward_length"]))
+                if experts
+                else 0,
+                shared_ffn=int(kv[f"{arch}.expert_shared_feed_forward_length"])
+                if any(n.endswith(".ffn_gate_shexp.weight") for n in tensor_names)
+                else 0,
+                norm_topk=bool(kv.get(f"{arch}.expert_weights_norm", MOE_ARCHS.get(arch, False))),
+                moe_blocks=moe_blocks if experts else frozenset(),
+            )
+            q_norm = next((n for n in sorted(tensor_names) if n.endswith(".attn_q_norm.weight")), None)
             return ModelConfig(
                 arch=arch,
                 blocks=int(kv[f"{arch}.block_count"]),
@@ -83,6 +126,9 @@ class ModelConfig:
                 else None,
                 eos_id=int(kv["tokenizer.ggml.eos_token_id"]),
                 tied="output.weight" not in tensor_names,
+                qk_norm=int(kv.get(f"{arch}.attention.key_length", dim // heads)) if q_norm else 0,
+                qkv_bias=any(n.endswith(".attn_q.bias") for n in tensor_names),
+                **moe,  # type: ignore[arg-type]
             )
         except KeyError as exc:
             raise ModelError(f"GGUF metadata lacks {exc.args[0]!r}") from None
@@ -103,19 +149,26 @@ class GGUFFile:
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.config = ModelConfig.from_kv(self.kv, set(self._tensors))
 
-    def tensor(self, name: str) -> NDArray[np.float16]:
-        """One tensor as float16 in tinygrad's (out, in) layout; llama Q/K rows reordered for half-split RoPE."""
+    def tensor(self, name: str, rows: list[int] | None = None) -> NDArray[np.float16]:
+        """One tensor as float16 in tinygrad's (out, in) layout; llama Q/K rows reordered for half-split RoPE.
+        ``rows`` picks entries of the outermost dimension (experts of a stacked expert tensor) before anything is
+        converted, so a node reads only the experts it holds."""
         import gguf
 
         try:
             t = self._tensors[name]
         except KeyError:
             raise ModelError(f"{self.path}: tensor {name!r} is missing") from None
+        shape = tuple(int(d) for d in reversed(t.shape))
+        data = np.asarray(t.data)  # the element shape (quantised: the last dimension in bytes)
+        if rows is not None:
+            data = data.reshape(shape[0], *data.shape[-(len(shape) - 1) :])[rows]
+            shape = (len(rows), *shape[1:])
         if t.tensor_type in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32):
-            arr = np.asarray(t.data)
+            arr = data
         else:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = arr.reshape(tuple(int(d) for d in reversed(t.shape))).astype(np.float16)
+            arr = gguf.quants.dequantize(data, t.tensor_type)
+        arr = arr.reshape(shape).astype(np.float16)
         cfg = self.config
         if cfg.arch == "llama" and (m := _BLK.match(name)) and m.group(2) in ("attn_q.weight", "attn_k.weight"):
             # interleaved -> half-split rotary layout, as tinygrad's Transformer.from_gguf does:
@@ -158,7 +211,7 @@ def owned_tensors(names: list[str], lo: int, hi: int, first: bool, last: bool, t
     out: dict[str, str] = {}
     for name in names:
         m = _BLK.match(name)
-        if m and lo <= int(m.group(1)) < hi:
+        if m and lo <= int(m.group(1)) < hi and not m.group(2).endswith("_exps.weight"):  # routed experts: a bank's
             out[_local_name(name, lo)] = name
     if first:
         out["token_embd.weight"] = "token_embd.weight"
@@ -173,6 +226,11 @@ class ModelSlice:
 
     ``prefill(x, 0)`` and ``decode(x, pos)`` take token ids (first stage) or a hidden state, and return a hidden state
     (1, T, D) as fp16 numpy, or, on the last stage, the greedy next token id.
+
+    A mixture-of-experts model (``ppharness.model.moe``) runs block by block: ``step(x, position)`` is a generator that
+    yields an ``ExpertCall`` at each MoE block and takes back the chosen experts' outputs, so that a stage can send
+    them to the expert nodes that hold them. ``experts`` says which routed experts of its blocks the slice holds
+    itself (default: all of them); ``prefill``/``decode`` answer every call from those.
     """
 
     def __init__(
@@ -184,10 +242,13 @@ class ModelSlice:
         last: bool,
         max_context: int | None = None,
         taps: bool = False,
+        experts: Mapping[int, Iterable[int]] | None = None,
     ):
         from tinygrad import nn
         from tinygrad.engine.jit import TinyJit
         from tinygrad.uop.ops import UOp
+
+        from ppharness.model.moe import ExpertBank, all_experts
 
         cfg = gguf_file.config
         if not 0 <= lo < hi <= cfg.blocks and not (lo == hi and first and last and cfg.blocks == 0):
@@ -196,12 +257,17 @@ class ModelSlice:
         self.max_context = min(max_context or cfg.context, cfg.context)
         self.taps = taps
         self._tapped: list[Tensor] = []  # with taps: every block's output of the last step (tinygrad tensors)
-        self.blk = [
-            _block_class()(
-                cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.norm_eps, cfg.head_dim, cfg.rope_theta, self.max_context
-            )
-            for _ in range(hi - lo)
-        ]
+        max_ctx = self.max_context
+        self.blk = (
+            [_moe_block_class()(cfg, self.max_context, lo + i in cfg.moe_blocks) for i in range(hi - lo)]
+            if cfg.moe
+            else [
+                _block_class()(
+                    cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.norm_eps, cfg.head_dim, cfg.rope_theta, max_ctx
+                )
+                for _ in range(hi - lo)
+            ]
+        )
         if first:
             self.token_embd = nn.Embedding(cfg.vocab, cfg.dim)
         if last:
@@ -211,6 +277,14 @@ class ModelSlice:
         self._pos = UOp.variable("start_pos", 1, self.max_context - 1)
         self._jit = TinyJit(self._forward)
         self._decode_in: Tensor | None = None  # (1,1) ids or (1,1,D) hidden, reused by every decode step
+        # mixture of experts: the routed experts held here, one compiled step per block and one for the head, each
+        # with its persistent decode input
+        self.bank = ExpertBank(gguf_file, all_experts(gguf_file, lo, hi) if experts is None else experts)
+        self.n_params += self.bank.n_params
+        self._steps = [TinyJit(functools.partial(self._segment, i)) for i in range(hi - lo)]
+        self._head_jit = TinyJit(self._head)
+        self._inputs: dict[int, Tensor] = {}
+        self._tapped_np: dict[int, NDArray[np.float16]] = {}
 
     def _load(self, f: GGUFFile) -> None:
         from tinygrad import nn
@@ -250,6 +324,87 @@ class ModelSlice:
         out = self.output(self.output_norm(x))[:, -1, :].argmax(-1) if self.last else x  # (B,) or (B,T,D)
         return (out, *taps) if self.taps else out
 
+    def _segment(self, i: int, x: Tensor, start_pos: int | UOp) -> tuple[Tensor, ...]:
+        """Block ``i`` of the slice (the embedding first on the first stage's block 0): a dense block's fp16 output,
+        or a MoE block's part before its routed experts (``MoEBlock.pre``)."""
+        if self.first and i == 0:
+            x = self.token_embd(x).cast("float16").contiguous()
+        block = self.blk[i]
+        if getattr(block, "routed", False):
+            return cast("tuple[Tensor, ...]", cast(Any, block).pre(x, start_pos))
+        return (block(x, start_pos),)
+
+    def _head(self, x: Tensor) -> Tensor:
+        return self.output(self.output_norm(x))[:, -1, :].argmax(-1)
+
+    def _run(self, key: int, x: NDArray[Any], position: int) -> list[NDArray[Any]]:
+        """One piece of a MoE slice's step (``key``: a block index, -1 the head): at a prefill uncompiled, at a decode
+        through its compiled step with a persistent input buffer. Its outputs as numpy arrays."""
+        from tinygrad.tensor import Tensor
+
+        outs: Tensor | tuple[Tensor, ...]
+        if position == 0:
+            t = Tensor(np.ascontiguousarray(x))
+            outs = self._segment(key, t, 0) if key >= 0 else self._head(t)
+        else:
+            arr = np.ascontiguousarray(x)
+            if key not in self._inputs:
+                self._inputs[key] = Tensor(arr).realize()
+            else:
+                cast("Buffer", self._inputs[key].uop.base.realized).copyin(arr.data.cast("B"))
+            if key >= 0:
+                outs = self._steps[key](self._inputs[key], self._pos.bind(position))
+            else:
+                outs = self._head_jit(self._inputs[key])
+        return [t.numpy() for t in (outs if isinstance(outs, tuple) else (outs,))]
+
+    def step(
+        self, x: list[int] | NDArray[np.float16], position: int
+    ) -> Generator[ExpertCall, NDArray[np.float16], NDArray[np.float16] | int]:
+        """A MoE slice's step at ``position`` (0: a prefill of every position of ``x``): yields one ``ExpertCall`` per
+        MoE block and takes back the chosen experts' outputs; returns what ``prefill``/``decode`` return."""
+        from ppharness.model.moe import ExpertCall, combine, route
+
+        cfg = self.config
+        h: NDArray[Any] = (
+            np.asarray(x, dtype=np.int32).reshape(1, -1) if self.first else np.asarray(x, dtype=np.float16)
+        )
+        for i, block in enumerate(self.blk):
+            outs = self._run(i, h, position)
+            if getattr(block, "routed", False):
+                residual, normed, logits, *shared = outs
+                t = residual.shape[1]
+                routing = route(logits.reshape(t, cfg.experts), cfg.experts_used, cfg.norm_topk)
+                got = yield ExpertCall(layer=self.lo + i, hidden=normed.reshape(t, cfg.dim), routing=routing)
+                gated = shared[0].reshape(t, cfg.dim) if shared else None
+                h = combine(residual.reshape(t, cfg.dim), got, routing.weights, gated).reshape(1, t, cfg.dim)
+            else:
+                h = outs[0]
+            if self.taps:
+                self._tapped_np[self.lo + i] = h
+        if self.last:
+            return int(self._run(-1, h, position)[0].reshape(-1)[0])
+        return cast("NDArray[np.float16]", h)
+
+    def answer(self, call: ExpertCall) -> NDArray[np.float16]:
+        """``call`` answered from the experts this slice holds (a ModelError naming one it does not)."""
+        missing = sorted(e for e in call.wanted() if not self.bank.holds(call.layer, e))
+        if missing:
+            raise ModelError(
+                f"block {call.layer} routed a token to expert(s) {missing[:8]}, which this slice does not hold; "
+                "run it with the expert nodes of its plan"
+            )
+        return self.bank.answer(call.layer, call.hidden, call.routing.ids)
+
+    def _moe_step(self, x: list[int] | NDArray[np.float16], position: int) -> NDArray[np.float16] | int:
+        gen = self.step(x, position)
+        try:
+            call = next(gen)
+            while True:
+                call = gen.send(self.answer(call))
+        except StopIteration as stop:
+            return cast("NDArray[np.float16] | int", stop.value)
+
     def _input(self, x: list[int] | NDArray[np.int32] | NDArray[np.float16]) -> Tensor:
         from tinygrad.tensor import Tensor
 
@@ -259,6 +414,8 @@ class ModelSlice:
 
     def prefill(self, x: list[int] | NDArray[np.float16]) -> NDArray[np.float16] | int:
         """Run positions [0, T). Ids (first stage) or hidden (1,T,D) in; hidden (1,T,D) or a token id out."""
+        if self.config.moe:
+            return self._moe_step(x, 0)
         return self._output(self._forward(self._input(x), 0))
 
     def decode(self, x: list[int] | NDArray[np.float16], position: int) -> NDArray[np.float16] | int:
@@ -269,6 +426,8 @@ class ModelSlice:
         """
         if not 1 <= position < self.max_context:
             raise ModelError(f"position {position} is outside the context of {self.max_context}")
+        if self.config.moe:
+            return self._moe_step(x, position)
         arr = np.asarray(x, dtype=np.int32).reshape(1, 1) if self.first else np.asarray(x, dtype=np.float16)
         if self._decode_in is None:
             self._decode_in = self._input(arr if not self.first else arr[0]).realize()
@@ -280,7 +439,6 @@ class ModelSlice:
     def decode_kernels(self) -> list[str]:
         """The source of every kernel the compiled decode step runs, in order, with kernel names left out (they number
         identical kernels apart within one process). Empty before the step is compiled."""
-        captured = self._jit.captured
         out: list[str] = []
 
         def walk(items: list[ExecItem]) -> None:
@@ -297,7 +455,12 @@ class ModelSlice:
                     else type(prg).__name__
                 )
 
-        walk(captured.jit_cache if captured is not None else [])
+        jits: list[TinyJit[Any]] = [self._jit, *self._steps, self._head_jit]
+        if self.bank.n:
+            jits.append(self.bank._jit)
+        for jit in jits:
+            captured = jit.captured
+            walk(captured.jit_cache if captured is not None else [])
         return out
 
     def _output(self, out: Tensor | tuple[Tensor, ...]) -> NDArray[np.float16] | int:
@@ -307,6 +470,8 @@ class ModelSlice:
 
     def tapped(self) -> dict[int, NDArray[np.float16]]:
         """With ``taps``: block index (in the file) -> its output (1,T,D) at the last prefill or decode step."""
+        if self.config.moe:
+            return dict(self._tapped_np)
         return {self.lo + i: t.numpy() for i, t in enumerate(self._tapped)}
 
 
@@ -320,3 +485,66 @@ def _block_class() -> type[TransformerBlock]:
             return self._feed_forward(self._attention(x, start_pos)).cast("float16").contiguous()
 
     return Block
+
+
+@functools.cache
+def _moe_block_class() -> Any:
+    """A block of a mixture-of-experts architecture (qwen3moe, qwen2moe): tinygrad's attention (with per-head q/k norm
+    or q/k/v biases where the architecture has them); a MoE block computes only its part before the routed experts
+    (``pre``), a dense block the whole block with the fp16 boundary."""
+    from tinygrad import nn
+    from tinygrad.apps.llm import TransformerBlock
+    from tinygrad.tensor import Tensor
+
+    class Vector:
+        def __init__(self, n: int):
+            self.weight = Tensor.zeros(n)
+
+    class MoEBlock(TransformerBlock):
+        def __init__(self, cfg: ModelConfig, max_context: int, routed: bool):
+            super().__init__(
+                cfg.dim,
+                cfg.ffn,
+                cfg.heads,
+                cfg.kv_heads,
+                cfg.norm_eps,
+                cfg.head_dim,
+                cfg.rope_theta,
+                max_context,
+                qk_norm=cfg.qk_norm,
+            )
+            self.routed = routed
+            if cfg.qkv_bias:
+                self.attn_q = nn.Linear(cfg.dim, cfg.heads * cfg.head_dim, bias=True)
+                self.attn_k = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=True)
+                self.attn_v = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=True)
+            if routed:
+                del self.ffn_gate, self.ffn_up, self.ffn_down
+                self.ffn_gate_inp = nn.Linear(cfg.dim, cfg.experts, bias=False)
+                self.shared = bool(cfg.shared_ffn)
+                if self.shared:
+                    self.ffn_gate_inp_shexp = Vector(cfg.dim)
+                    self.ffn_gate_shexp = nn.Linear(cfg.dim, cfg.shared_ffn, bias=False)
+                    self.ffn_up_shexp = nn.Linear(cfg.dim, cfg.shared_ffn, bias=False)
+                    self.ffn_down_shexp = nn.Linear(cfg.shared_ffn, cfg.dim, bias=False)
+
+        def __call__(self, x: Tensor, start_pos: int | UOp) -> Tensor:
+            return self._feed_forward(self._attention(x, start_pos)).cast("float16").contiguous()
+
+        def pre(self, x: Tensor, start_pos: int | UOp) -> tuple[Tensor, ...]:
+            """Attention and what precedes the routed experts: the residual (fp32), the normed input of the experts
+            (fp16), the router's logits (fp32), and with a shared expert its gated output (fp32)."""
+            return self.moe_inputs(self._attention(x, start_pos))
+
+        def moe_inputs(self, h: Tensor) -> tuple[Tensor, ...]:
+            """From the residual ``h`` after attention: ``pre``'s outputs."""
+            normed = self.ffn_norm(h).cast("float16").contiguous()
+            out = [h.float().contiguous(), normed, self.ffn_gate_inp(normed).float().contiguous()]
+            if self.shared:
+                gate = (normed.float() * self.ffn_gate_inp_shexp.weight.float()).sum(-1, keepdim=True).sigmoid()
+                act = cast(Any, self.ffn_gate_shexp(normed)).silu().contiguous()  # silu is unannotated
+                y = self.ffn_down_shexp(act * self.ffn_up_shexp(normed))
+                out.append((y.float() * gate).contiguous())
+            return tuple(out)
+
+    return MoEBlock

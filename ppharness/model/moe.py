@@ -1,0 +1,193 @@
+"""Mixture-of-experts blocks: the router, the combine, and a bank of expert FFNs that any node can hold.
+
+A MoE block's feed-forward part is computed in three steps, so that its experts can live on other nodes:
+
+1. on the block's owner, in tinygrad: attention, the residual ``h``, the normed ``h_norm`` (fp16: what goes to the
+   experts), the router's logits (fp32) and, for an architecture with one, the shared expert's gated output;
+2. on the host: the routing (``route``): softmax over every expert, the ``k`` largest (ties to the lower index),
+   their weights renormalised to sum 1 where the architecture says so; then each chosen expert's FFN
+   ``down(silu(gate(x)) * up(x))`` of its row, computed by whichever node holds that expert (an ``ExpertBank``) as
+   an fp16 vector;
+3. on the host again: ``combine``: ``h + sum_j w_j * y_j (+ shared)`` in float32, in the routing's order, rounded to
+   the fp16 block boundary.
+
+What each architecture computes, as llama.cpp's ``build_moe_ffn`` and HF transformers do:
+
+- ``qwen3moe``: softmax over all experts, top-k, weights renormalised (``norm_topk_prob``); no shared expert.
+- ``qwen2moe``: softmax, top-k, weights *not* renormalised; plus the shared expert, ``sigmoid(w_g . x) *
+  down(silu(gate(x)) * up(x))`` with its own width.
+
+Split == unsplit, bit for bit, by the same construction as the block boundary (``ppharness.model.slicing``): an
+expert's output is its own fp16 buffer computed by one compiled kernel sequence whatever node runs it, and the
+routing and the combine are numpy float32 element-wise arithmetic in a fixed order, which every machine rounds alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ppharness.errors import ModelError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+    from tinygrad.device import Buffer
+    from tinygrad.tensor import Tensor
+    from tinygrad.uop.ops import UOp
+
+    from ppharness.model.slicing import GGUFFile
+
+F16 = np.float16
+F32 = np.float32
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Each row's chosen experts (``ids``: (T, k), best first) and their weights ((T, k) float32)."""
+
+    ids: NDArray[np.int64]
+    weights: NDArray[np.float32]
+
+
+def route(logits: NDArray[np.float32], k: int, renormalise: bool) -> Routing:
+    """The router: softmax over every expert of each row of ``logits`` (T, E), the ``k`` most probable (ties to the
+    lower expert index), their probabilities as weights, renormalised to sum 1 when ``renormalise``."""
+    z = logits.astype(F32) - logits.max(axis=-1, keepdims=True).astype(F32)
+    e = np.exp(z, dtype=F32)
+    probs = (e / e.sum(axis=-1, keepdims=True, dtype=F32)).astype(F32)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, ids, axis=-1).astype(F32)
+    if renormalise:
+        weights = (weights / weights.sum(axis=-1, keepdims=True, dtype=F32)).astype(F32)
+    return Routing(ids=ids.astype(np.int64), weights=weights)
+
+
+def combine(
+    h: NDArray[np.float32],
+    outputs: NDArray[np.float16],
+    weights: NDArray[np.float32],
+    shared: NDArray[np.float32] | None = None,
+) -> NDArray[np.float16]:
+    """The block's output (T, D) fp16: the residual ``h`` (T, D) plus the experts' ``outputs`` (T, k, D) weighted by
+    ``weights`` (T, k), summed in routing order, plus the gated shared expert's output when there is one."""
+    moe = np.zeros(h.shape, dtype=F32)
+    for j in range(outputs.shape[1]):
+        moe += weights[:, j : j + 1] * outputs[:, j, :].astype(F32)
+    if shared is not None:
+        moe += shared
+    return (h.astype(F32) + moe).astype(F16)
+
+
+@dataclass(frozen=True)
+class ExpertCall:
+    """A MoE block's request for its routed experts: ``hidden`` (T, D) fp16 rows (the normed input of the block's
+    feed-forward part) and each row's ``routing``. Answered with the chosen experts' outputs, (T, k, D) fp16 in the
+    routing's order."""
+
+    layer: int
+    hidden: NDArray[np.float16]
+    routing: Routing
+
+    def wanted(self) -> set[int]:
+        return {int(e) for e in np.unique(self.routing.ids)}
+
+
+class ExpertBank:
+    """Routed expert FFNs of some (layer, expert) pairs, stacked on one tinygrad device, computed one row at a time
+    by one compiled step whose expert is a bound variable (so any held expert runs the same kernels)."""
+
+    def __init__(self, gguf_file: GGUFFile, held: Mapping[int, Iterable[int]]):
+        from tinygrad.engine.jit import TinyJit
+        from tinygrad.tensor import Tensor
+        from tinygrad.uop.ops import UOp
+
+        cfg = gguf_file.config
+        self.dim, self.ffn = cfg.dim, cfg.expert_ffn
+        self.slots: dict[tuple[int, int], int] = {}
+        gates: list[NDArray[np.float16]] = []
+        ups: list[NDArray[np.float16]] = []
+        downs: list[NDArray[np.float16]] = []
+        for layer in sorted(held):
+            ids = sorted({int(e) for e in held[layer]})
+            if not ids:
+                continue
+            if layer not in cfg.moe_blocks:
+                raise ModelError(f"{gguf_file.path}: block {layer} has no experts")
+            if ids[-1] >= cfg.experts or ids[0] < 0:
+                raise ModelError(f"{gguf_file.path}: block {layer} has experts 0..{cfg.experts - 1}, not {ids}")
+            for kind, out in (("gate", gates), ("up", ups), ("down", downs)):
+                out.append(gguf_file.tensor(f"blk.{layer}.ffn_{kind}_exps.weight", rows=ids))
+            for e in ids:
+                self.slots[(layer, e)] = len(self.slots)
+        self.n = len(self.slots)
+        self.n_params = self.n * 3 * self.dim * self.ffn
+        if not self.n:
+            return
+        self._gate = Tensor(np.concatenate(gates)).contiguous().realize()  # (n, F, D)
+        self._up = Tensor(np.concatenate(ups)).contiguous().realize()  # (n, F, D)
+        self._down = Tensor(np.concatenate(downs)).contiguous().realize()  # (n, D, F)
+        self._slot = UOp.variable("expert_slot", 0, max(self.n - 1, 1))
+        self._jit = TinyJit(self._ffn)
+        self._in: Tensor | None = None
+
+    def _ffn(self, x: Tensor, slot: UOp) -> Tensor:
+        ffn, dim = self.ffn, self.dim
+        gate = self._gate.shrink(((slot, slot + 1), None, None)).reshape(ffn, dim)
+        up = self._up.shrink(((slot, slot + 1), None, None)).reshape(ffn, dim)
+        down = self._down.shrink(((slot, slot + 1), None, None)).reshape(dim, ffn)
+        act: Tensor = cast("Any", x @ gate.T).silu().contiguous()  # tinygrad leaves silu unannotated
+        out: Tensor = (act * (x @ up.T) @ down.T).cast("float16").contiguous()  # (1, D)
+        return out
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self.slots
+
+    def held(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for layer, e in self.slots:
+            out.setdefault(layer, []).append(e)
+        return out
+
+    def run(self, layer: int, expert: int, row: NDArray[np.float16]) -> NDArray[np.float16]:
+        """Expert ``expert`` of block ``layer`` on one row (D,) fp16 -> (D,) fp16."""
+        from tinygrad.tensor import Tensor
+
+        try:
+            slot = self.slots[(layer, expert)]
+        except KeyError:
+            raise ModelError(f"expert {expert} of block {layer} is not held here") from None
+        arr = np.ascontiguousarray(row, dtype=F16).reshape(1, self.dim)
+        if self._in is None:
+            self._in = Tensor(arr).realize()
+        else:
+            cast("Buffer", self._in.uop.base.realized).copyin(arr.data.cast("B"))
+        return cast("NDArray[np.float16]", self._jit(self._in, self._slot.bind(slot)).numpy().reshape(self.dim))
+
+    def answer(self, layer: int, hidden: NDArray[np.float16], experts: NDArray[np.int64]) -> NDArray[np.float16]:
+        """Rows ``hidden`` (T, D) through each row's ``experts`` (T, j) -> (T, j, D) fp16."""
+        out = np.empty((*experts.shape, self.dim), dtype=F16)
+        for t in range(experts.shape[0]):
+            for j in range(experts.shape[1]):
+                out[t, j] = self.run(layer, int(experts[t, j]), hidden[t])
+        return out
+
+
+def all_experts(gguf_file: GGUFFile, lo: int, hi: int) -> dict[int, list[int]]:
+    """Every routed expert of the MoE blocks in [lo, hi)."""
+    cfg = gguf_file.config
+    return {b: list(range(cfg.experts)) for b in range(lo, hi) if b in cfg.moe_blocks}
+
+
+def expert_params(dim: int, expert_ffn: int) -> int:
+    return 3 * dim * expert_ffn
+
+
+def routing_entropy(frequencies: list[float]) -> float:
+    """How evenly a layer's tokens spread over its experts: the entropy of the normalised frequencies, in bits."""
+    total = sum(frequencies)
+    return -sum(f / total * math.log2(f / total) for f in frequencies if f > 0) if total else 0.0
