@@ -247,6 +247,8 @@ def strategy_for(tp: object) -> st.SearchStrategy[typing.Any]:
         return st.binary(max_size=64)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         return st.lists(strategy_for(args[0]), max_size=4).map(tuple)
+    if origin is tuple:
+        return st.tuples(*(strategy_for(a) for a in args))
     if origin is list:
         return st.lists(strategy_for(args[0]), max_size=6)
     if origin is dict:

@@ -30,6 +30,5 @@ def warm_up(model: ModelSlice) -> None:
     import numpy as np
 
     x = [0] if model.first else np.zeros((1, 1, model.config.dim), dtype=np.float16)
-    model.prefill(x)
-    for pos in (1, 2, 3):
-        model.decode(x, pos)
+    for pos in (0, 1, 2, 3):
+        model.warm(x, pos)

@@ -386,24 +386,44 @@ class ModelSlice:
             return int(self._run(-1, h, position)[0].reshape(-1)[0])
         return cast("NDArray[np.float16]", h)
 
-    def answer(self, call: ExpertCall) -> NDArray[np.float16]:
-        """``call`` answered from the experts this slice holds (a ModelError naming one it does not)."""
+    def answer(self, call: ExpertCall, stand_in: bool = False) -> NDArray[np.float16]:
+        """``call`` answered from the experts this slice holds (a ModelError naming one it does not; zeros for it
+        with ``stand_in``, which only compiling the step before a request may use)."""
         missing = sorted(e for e in call.wanted() if not self.bank.holds(call.layer, e))
-        if missing:
+        if missing and not stand_in:
             raise ModelError(
                 f"block {call.layer} routed a token to expert(s) {missing[:8]}, which this slice does not hold; "
                 "run it with the expert nodes of its plan"
             )
-        return self.bank.answer(call.layer, call.hidden, call.routing.ids)
+        if not missing:
+            return self.bank.answer(call.layer, call.hidden, call.routing.ids)
+        out = np.zeros((*call.routing.ids.shape, self.config.dim), dtype=np.float16)
+        for t, row in enumerate(call.routing.ids):
+            for j, e in enumerate(row):
+                if self.bank.holds(call.layer, int(e)):
+                    out[t, j] = self.bank.run(call.layer, int(e), call.hidden[t])
+        return out
 
-    def _moe_step(self, x: list[int] | NDArray[np.float16], position: int) -> NDArray[np.float16] | int:
+    def _moe_step(
+        self, x: list[int] | NDArray[np.float16], position: int, stand_in: bool = False
+    ) -> NDArray[np.float16] | int:
         gen = self.step(x, position)
         try:
             call = next(gen)
             while True:
-                call = gen.send(self.answer(call))
+                call = gen.send(self.answer(call, stand_in))
         except StopIteration as stop:
             return cast("NDArray[np.float16] | int", stop.value)
+
+    def warm(self, x: list[int] | NDArray[np.float16], position: int) -> None:
+        """One step to compile it before the first request; a MoE slice stands zeros in for experts held
+        elsewhere (what it computes is thrown away)."""
+        if self.config.moe:
+            self._moe_step(x, position, stand_in=True)
+        elif position == 0:
+            self.prefill(x)
+        else:
+            self.decode(x, position)
 
     def _input(self, x: list[int] | NDArray[np.int32] | NDArray[np.float16]) -> Tensor:
         from tinygrad.tensor import Tensor

@@ -19,8 +19,28 @@ import msgspec
 from ppharness.errors import PlanError
 from ppharness.network.spec import Impairment, Link, Network, stage_node
 from ppharness.plan.build import chain
-from ppharness.plan.doc import Cluster, Device, ModelGraph, Objective, PlanDoc, Source, loop
-from ppharness.plan.stages import Plan, StagePlan, StageSettings, make_plan, names_of, stage_name
+from ppharness.plan.doc import (
+    Cluster,
+    Device,
+    ModelGraph,
+    Node,
+    Objective,
+    PlanDoc,
+    Source,
+    expert_holders,
+    expert_nodes,
+    loop,
+)
+from ppharness.plan.stages import (
+    Plan,
+    StagePlan,
+    StageSettings,
+    expert_name,
+    expert_node_name,
+    make_plan,
+    names_of,
+    stage_name,
+)
 
 
 @dataclass(frozen=True)
@@ -31,10 +51,21 @@ class Compiled:
     doc: PlanDoc
     devices: tuple[Device, ...]
     runtime: Plan
+    expert_nodes: tuple[Node, ...] = ()  # off the loop; members num_stages, num_stages + 1, ...
+    expert_devices: tuple[Device, ...] = ()
 
     @property
     def num_stages(self) -> int:
         return self.runtime.num_stages
+
+    @property
+    def members(self) -> int:
+        """Every node of the run: the loop's stages, then the expert nodes."""
+        return self.runtime.num_stages + len(self.expert_nodes)
+
+    @property
+    def all_devices(self) -> tuple[Device, ...]:
+        return self.devices + self.expert_devices
 
     @property
     def provider_kind(self) -> str:
@@ -46,9 +77,13 @@ def compile_plan(doc: PlanDoc) -> Compiled:
     devices come from more than one provider (a run has one)."""
     order = loop(doc)
     devices = tuple(doc.cluster.device(n.device) for n in order)
-    kinds = sorted({d.source.kind for d in devices})
+    experts = tuple(expert_nodes(doc))
+    expert_devices = tuple(doc.cluster.device(n.device) for n in experts)
+    kinds = sorted({d.source.kind for d in devices + expert_devices})
     if len(kinds) > 1:
-        by_kind = "; ".join(f"{k}: {', '.join(d.id for d in devices if d.source.kind == k)}" for k in kinds)
+        by_kind = "; ".join(
+            f"{k}: {', '.join(d.id for d in devices + expert_devices if d.source.kind == k)}" for k in kinds
+        )
         raise PlanError(
             f"plan {doc.id}: its nodes run on devices from {len(kinds)} providers ({by_kind}) — one run uses one "
             "provider; give every placed device the same source kind"
@@ -58,13 +93,25 @@ def compile_plan(doc: PlanDoc) -> Compiled:
         r = n.blocks
         assert r is not None  # check_plan: every node runs one range
         ranges.append(r)
-    return Compiled(doc=doc, devices=devices, runtime=Plan(plan_id=doc.id, ranges=tuple(ranges)))
+    return Compiled(
+        doc=doc,
+        devices=devices,
+        runtime=Plan(plan_id=doc.id, ranges=tuple(ranges)),
+        expert_nodes=experts,
+        expert_devices=expert_devices,
+    )
 
 
 def programs(compiled: Compiled, settings: StageSettings) -> list[StagePlan]:
-    """Every node's program, in loop order."""
-    order = loop(compiled.doc)
+    """Every node's program: the loop's stages in order, then the expert nodes'.
+
+    When the plan places experts, a stage computes only the experts its own ops name, and each expert node registers
+    ``pp-experts-{j}`` and ``moe-expert-{layer}-{e}`` (``.r{k}`` for the k-th replica among expert nodes) for what it
+    computes (``ppharness.run.experts``)."""
+    doc = compiled.doc
+    order = loop(doc)
     n = len(order)
+    placed = bool(expert_holders(doc))
     out = []
     for i, node in enumerate(order):
         lo, hi = compiled.runtime.ranges[i]
@@ -80,6 +127,31 @@ def programs(compiled: Compiled, settings: StageSettings) -> list[StagePlan]:
                 names=tuple(names_of(i, n)),
                 prev=stage_name(i - 1) if i > 0 else "",
                 next=stage_name(i + 1) if i < n - 1 else "",
+                experts=node.experts if placed else None,
+                **settings,
+            )
+        )
+    owner = {b: stage_name(i) for i, (lo, hi) in enumerate(compiled.runtime.ranges) for b in range(lo, hi)}
+    replicas: dict[tuple[int, int], int] = {}
+    for j, node in enumerate(compiled.expert_nodes):
+        names = [expert_node_name(j)]
+        for layer, ids in sorted(node.experts.items()):
+            for e in ids:
+                k = replicas[(layer, e)] = replicas.get((layer, e), -1) + 1
+                names.append(expert_name(layer, e, k))
+        out.append(
+            StagePlan(
+                plan_id=doc.id,
+                stage=n + j,
+                num_stages=n,
+                lo=0,
+                hi=0,
+                node=node.label,
+                device=node.device,
+                names=tuple(names),
+                role="experts",
+                experts=node.experts,
+                owners={layer: owner[layer] for layer in node.experts},
                 **settings,
             )
         )
@@ -89,7 +161,7 @@ def programs(compiled: Compiled, settings: StageSettings) -> list[StagePlan]:
 def plan_network(compiled: Compiled, base: Network | None) -> Network | None:
     """The run's network: the cluster's links between the nodes' devices as per-link impairments between stages
     (the scenario's own ``network.links`` win for a pair both name; its default, layer, seed and events stay)."""
-    cluster, devices = compiled.doc.cluster, compiled.devices
+    cluster, devices = compiled.doc.cluster, compiled.all_devices
     links = []
     given = {(link.src, link.dst) for link in base.links} if base is not None else set()
     for i, a in enumerate(devices):

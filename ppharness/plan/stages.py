@@ -17,6 +17,17 @@ def stage_name(i: int) -> str:
     return f"pp-stage-{i}"
 
 
+def expert_node_name(j: int) -> str:
+    """The name of the run's ``j``-th expert node."""
+    return f"pp-experts-{j}"
+
+
+def expert_name(layer: int, expert: int, replica: int = 0) -> str:
+    """The directory name of the ``replica``-th holder of expert ``expert`` of block ``layer``."""
+    base = f"moe-expert-{layer}-{expert}"
+    return base if replica == 0 else f"{base}.r{replica}"
+
+
 def names_of(index: int, num_stages: int) -> list[str]:
     """The names stage ``index`` registers: its own, plus pp-entry on the first and pp-exit on the last."""
     names = [stage_name(index)]
@@ -60,6 +71,13 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     retry_max_s: float = 2.0
     retry_budget_s: float = 300.0
     epoch: int = 0
+    # mixture of experts (ppharness.run.experts): ``role`` experts for an expert node (off the loop: ``stage`` is its
+    # member index after the loop's, ``lo``/``hi`` are empty); ``experts`` the routed experts the node computes
+    # (layer -> ids; None on a stage: every expert of its blocks); ``owners`` an expert node's layer -> the name of the
+    # stage that runs that block, the only member it answers for that layer
+    role: str = "stage"
+    experts: dict[int, tuple[int, ...]] | None = None
+    owners: dict[int, str] = msgspec.field(default_factory=dict)
 
     @property
     def registers(self) -> list[str]:
@@ -68,11 +86,11 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def first(self) -> bool:
-        return self.stage == 0
+        return self.stage == 0 and self.role == "stage"
 
     @property
     def last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        return self.stage == self.num_stages - 1 and self.role == "stage"
 
 
 class StageSettings(TypedDict, total=False):

@@ -19,14 +19,15 @@ POLL_S = 0.2
 class Directory:
     """The seed's view: who joined, under which names, at which address."""
 
-    def __init__(self, num_stages: int):
+    def __init__(self, num_stages: int, expert_nodes: int = 0):
         self.num_stages = num_stages
+        self.members = num_stages + expert_nodes  # expert nodes join as members num_stages, num_stages + 1, ...
         self.joins: dict[int, Join] = {}
         self.names: dict[str, str] = {}
 
     def add(self, msg: Join) -> None:
         """Record a Join; a stage outside the plan or a name already taken is a ClusterError."""
-        if msg.num_stages != self.num_stages or not 0 <= msg.stage < self.num_stages:
+        if msg.num_stages != self.num_stages or not 0 <= msg.stage < self.members:
             raise ClusterError(
                 f"stage {msg.stage} of {msg.num_stages} from {msg.address} does not belong to this "
                 f"{self.num_stages}-stage run"
@@ -51,10 +52,10 @@ class Directory:
 
     @property
     def complete(self) -> bool:
-        return len(self.joins) == self.num_stages
+        return len(self.joins) == self.members
 
     def missing(self) -> list[int]:
-        return [i for i in range(self.num_stages) if i not in self.joins]
+        return [i for i in range(self.members) if i not in self.joins]
 
     def resolve(self, name: str) -> str:
         try:

@@ -31,6 +31,7 @@ from ppharness.network.spec import SEED_NODE, Network, stage_node
 from ppharness.plan.stages import StagePlan
 from ppharness.registry import impaired_transport, transport_class
 from ppharness.run.cluster import resolve_members
+from ppharness.run.experts import ExpertParallel, ExpertServer, warm_bank
 from ppharness.run.membership import NodeMembership
 from ppharness.run.reliable import ack_of
 from ppharness.seams.transport import JsonObject, Received, Transport
@@ -43,6 +44,7 @@ from ppharness.wire.messages import (
     DigestReport,
     DigestRequest,
     Error,
+    ExpertResult,
     Join,
     Members,
     Message,
@@ -57,6 +59,7 @@ from ppharness.wire.messages import (
 if TYPE_CHECKING:
     from tinygrad.apps.llm import SimpleTokenizer
 
+    from ppharness.model.moe import ExpertBank
     from ppharness.model.slicing import GGUFFile, ModelSlice
 
 REQUIRED_ENV = ("STAGE", "NUM_STAGES", "SEED_ADDR", "MODEL", "PLAN", "TRANSPORT")
@@ -158,10 +161,22 @@ def load_stage_model(
     t0 = time.monotonic()
     if gguf_file is None:
         gguf_file = GGUFFile(resolve_model(model_source))
-    model = ModelSlice(gguf_file, plan.lo, plan.hi, plan.first, plan.last, plan.max_context)
+    model = ModelSlice(gguf_file, plan.lo, plan.hi, plan.first, plan.last, plan.max_context, experts=plan.experts)
     tokenizer = gguf_file.tokenizer if plan.first or plan.last else None
     warm_up(model)
     return model, tokenizer, time.monotonic() - t0
+
+
+def load_expert_bank(model_source: str, plan: StagePlan) -> tuple[ExpertBank, float]:
+    """An expert node's bank: the routed experts its program names, loaded and compiled. (bank, seconds)"""
+    from ppharness.model.files import resolve_model
+    from ppharness.model.moe import ExpertBank
+    from ppharness.model.slicing import GGUFFile
+
+    t0 = time.monotonic()
+    bank = ExpertBank(GGUFFile(resolve_model(model_source)), plan.experts or {})
+    warm_bank(bank)
+    return bank, time.monotonic() - t0
 
 
 def _idle_until_orphaned(parent: int) -> int:
@@ -302,7 +317,7 @@ def serve(plan: StagePlan, env: dict[str, str], standing: Standing | None = None
     """Serve stage ``plan.stage`` until Shutdown; ``standing``: what a standby spare prepared (its transport is
     started and has joined as a spare)."""
     from ppharness.run.reliable import RetryPolicy
-    from ppharness.run.stage import Stage
+    from ppharness.run.stage import Stage, StageModel
 
     seed = env["SEED_ADDR"]
 
@@ -350,47 +365,67 @@ def serve(plan: StagePlan, env: dict[str, str], standing: Standing | None = None
         membership = NodeMembership(env, plan.stage, seed, transport, log)
         log(
             f"joined seed {seed} from {address} ({membership.engine or 'no'} membership); "
-            f"loading blocks [{plan.lo}, {plan.hi})"
-        )
-        try:
-            model, tokenizer, load_s = load_stage_model(
-                "/nonexistent/bad-model.gguf" if fault == "bad-model" else env["MODEL"], plan, gguf_file
+            + (
+                f"loading blocks [{plan.lo}, {plan.hi})"
+                if plan.role == "stage"
+                else f"loading experts of block(s) {', '.join(map(str, sorted(plan.experts or {})))}"
             )
+        )
+        bank: ExpertBank | None = None
+        try:
+            if plan.role == "experts":
+                bank, load_s = load_expert_bank(env["MODEL"], plan)
+                params, tied_params = bank.n_params, 0
+            else:
+                model, tokenizer, load_s = load_stage_model(
+                    "/nonexistent/bad-model.gguf" if fault == "bad-model" else env["MODEL"], plan, gguf_file
+                )
+                params, tied_params = model.n_params, model.tied_params
         except Exception as exc:
             raise HarnessError(f"loading the model failed: {type(exc).__name__}: {exc}") from exc
-        log(f"loaded {model.n_params} parameters and compiled the decode step in {load_s:.1f} s")
+        log(f"loaded {params} parameters and compiled the decode step in {load_s:.1f} s")
         if fault == "stall-before-ready":
             log("fault stall-before-ready: never reporting Ready")
             return _idle_until_orphaned(parent)
-        served_model = with_fault(model, fault)
 
         early: list[tuple[str, Message]] = []
         directory = resolve_members(transport.recv, plan.resolve_s, lambda s, m: early.append((s, m)), log=log)
         _reply(transport, seed, ack_of("members", address, plan.epoch, plan.plan_id), log)  # resent till then
         tracer = Tracer() if plan.trace else None
-        stage = Stage(
-            plan.stage,
-            plan.num_stages,
-            served_model,
-            transport,
-            directory,
-            plan.plan_id,
-            plan.wire_dtype,
-            tokenizer,
-            log=log,
-            tracer=tracer,
-            seed=seed,
-            route=(plan.prev, plan.next),
-            policy=plan.fault_tolerance,
-            retry=RetryPolicy(first_s=plan.ack_timeout_s, max_s=plan.retry_max_s, budget_s=plan.retry_budget_s),
-            epoch=plan.epoch,
-        )
+        fanout: ExpertParallel | None = None
+        stage: Stage | ExpertServer
+        if bank is not None:
+            stage = ExpertServer(bank, transport, directory, plan.owners, plan.plan_id, plan.wire_dtype, log, tracer)
+        else:
+            served_model: StageModel = with_fault(model, fault)
+            if plan.experts is not None and model.config.moe:  # the plan puts (some of) its blocks' experts elsewhere
+                fanout = ExpertParallel(
+                    model, transport, directory, plan.plan_id, plan.wire_dtype, log, tracer, plan.ack_timeout_s * 4
+                )
+                served_model = fanout
+            stage = Stage(
+                plan.stage,
+                plan.num_stages,
+                served_model,
+                transport,
+                directory,
+                plan.plan_id,
+                plan.wire_dtype,
+                tokenizer,
+                log=log,
+                tracer=tracer,
+                seed=seed,
+                route=(plan.prev, plan.next),
+                policy=plan.fault_tolerance,
+                retry=RetryPolicy(first_s=plan.ack_timeout_s, max_s=plan.retry_max_s, budget_s=plan.retry_budget_s),
+                epoch=plan.epoch,
+            )
         transport.send(
             seed,
             Ready(
                 stage=plan.stage,
-                params=model.n_params,
-                tied_params=model.tied_params,
+                params=params,
+                tied_params=tied_params,
                 load_s=load_s,
                 rss_bytes=peak_rss_bytes(),
             ),
@@ -398,7 +433,10 @@ def serve(plan: StagePlan, env: dict[str, str], standing: Standing | None = None
         while True:
             rx: Received | None = None
             stage.tick()  # resend what waits for an acknowledgement too long
-            if early:
+            kept = fanout.take_deferred() if fanout is not None else None
+            if kept is not None:
+                sender, msg, rx = kept
+            elif early:
                 sender, msg = early.pop(0)
             else:
                 due = stage.due_in()
@@ -435,7 +473,12 @@ def serve(plan: StagePlan, env: dict[str, str], standing: Standing | None = None
                     clock.start(msg.t0_unix_ns)
                 case Members():
                     stage.rejoin(msg.names, msg.epoch)
+                    if fanout is not None:
+                        fanout.set_directory(msg.names, msg.epoch)
                     _reply(transport, seed, ack_of("members", address, msg.epoch, plan.plan_id), log)
+                case ExpertResult():  # a copy of an answer whose step is done
+                    if fanout is not None:
+                        fanout.late += 1
                 case ClockProbe():
                     _reply(
                         transport, seed, ClockReply(stage=plan.stage, t_seed_ns=msg.t_seed_ns, t_node_ns=now_ns()), log

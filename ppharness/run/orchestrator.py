@@ -24,6 +24,7 @@ from ppharness.errors import (
     ClusterError,
     CodecError,
     HarnessError,
+    PlanError,
     StageBusy,
     StageError,
     TransportTimeout,
@@ -434,8 +435,14 @@ class Chain:
                     f"{d.id} [{lo},{hi})" for d, (lo, hi) in zip(self.compiled.devices, plan.ranges, strict=True)
                 )
             )
-            n = plan.num_stages
+            n = self.compiled.members  # the loop's stages, then the expert nodes
             self.reports = [StageReport(i, lo, hi) for i, (lo, hi) in enumerate(plan.ranges)]
+            self.reports += [StageReport(i, 0, 0) for i in range(plan.num_stages, n)]
+            if self.compiled.expert_nodes and self.policy == "failover":
+                raise PlanError(
+                    f"plan {plan.plan_id}: fault_tolerance failover does not replace expert nodes yet — run this plan "
+                    "with policy none or retry"
+                )
             provider_cls = provider_class(sc.provider.kind)
             settings: ProviderSettings | None = getattr(sc.provider, sc.provider.kind, None)
             self._provider = provider_cls(self.run_label, settings, log_dir=self.log_dir)
@@ -486,7 +493,7 @@ class Chain:
         return self
 
     def _start(self, endpoint_opts: list[JsonObject]) -> None:
-        sc, progress, n = self.scenario, self.progress, self.plan.num_stages
+        sc, progress, n = self.scenario, self.progress, self.compiled.members
         provider, transport, detector = self._provider, self.transport, self.detector
         assert provider is not None and transport is not None and detector is not None, "the chain is not started"
         budget = sc.budget
@@ -514,7 +521,7 @@ class Chain:
         for d, inst in zip(self.spares, started[n:], strict=True):
             self.standbys[d.id] = Standby(inst)
 
-        self.directory = directory = Directory(n)
+        self.directory = directory = Directory(self.plan.num_stages, len(self.compiled.expert_nodes))
 
         def on_join(sender: str, msg: Message) -> bool:
             if isinstance(msg, Join) and msg.stage < 0:  # a standby spare (_take)
@@ -531,7 +538,7 @@ class Chain:
             return directory.complete
 
         try:
-            self._wait(on_join, budget.join_s, f"all {n} stages to join", "starting up")
+            self._wait(on_join, budget.join_s, f"all {n} nodes to join", "starting up")
         except WaitTimedOut as exc:
             raise self._with_logs(
                 ClusterError(
@@ -540,7 +547,7 @@ class Chain:
                 ),
                 directory.missing(),
             ) from exc
-        for i in range(n):  # every stage's names, resolved with a bounded wait before anything is sent
+        for i in range(self.plan.num_stages):  # every stage's names, resolved (bounded) before anything is sent
             self.resolve(stage_name(i), budget.resolve_s)
         self.resolve(ENTRY, budget.resolve_s)
         self.resolve(EXIT, budget.resolve_s)
@@ -819,7 +826,7 @@ class Chain:
             "the stages' hidden-state digests",
             "collecting digests",
         )
-        return {stage: r.digests for stage, r in reports.items()}
+        return {stage: r.digests for stage, r in reports.items() if stage < self.plan.num_stages}
 
     def verdict(self, response: InferenceResponse, oracle: OracleResult) -> Verdict:
         """Compare a response this chain gave with the oracle's answer to the same request (run with boundaries)."""

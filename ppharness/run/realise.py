@@ -16,7 +16,7 @@ import msgspec
 
 from ppharness.network.packet import PortTable, encode_ports
 from ppharness.plan.compile import Compiled, programs
-from ppharness.plan.stages import StagePlan, StageSettings, stage_name
+from ppharness.plan.stages import StagePlan, StageSettings, expert_node_name, stage_name
 
 if TYPE_CHECKING:
     from ppharness.network.spec import Network
@@ -71,9 +71,10 @@ def _settings(scenario: Scenario, compiled: Compiled, trace: bool) -> StageSetti
 
 
 def realise(scenario: Scenario, compiled: Compiled, at: Endpoints, trace: bool) -> list[NodeRequest]:
-    """Every node of the run, in loop order."""
+    """Every node of the run: the loop's stages in order, then the expert nodes."""
     progs = programs(compiled, _settings(scenario, compiled, trace))
-    return [_node(scenario, at, program, compiled.devices[i], at.transport_opts[i]) for i, program in enumerate(progs)]
+    devices = compiled.all_devices
+    return [_node(scenario, at, program, devices[i], at.transport_opts[i]) for i, program in enumerate(progs)]
 
 
 def replacement(
@@ -137,7 +138,8 @@ def _node(scenario: Scenario, at: Endpoints, program: StagePlan, device: Device,
         env["PP_NETWORK_DIR"] = at.bridge_dir
     if opts:
         env["PP_TRANSPORT_OPTS"] = json.dumps(opts)
-    return NodeRequest(stage_name(i), env, _options(at, device), program)
+    name = stage_name(i) if program.role == "stage" else expert_node_name(i - n)
+    return NodeRequest(name, env, _options(at, device), program)
 
 
 def _options(at: Endpoints, device: Device) -> NodeOptions:

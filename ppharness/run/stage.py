@@ -621,6 +621,9 @@ class Stage:
 
     def _compute(self, step: int, fn: Callable[[], _T]) -> _T:
         t0 = now_ns() if self.tracer else 0
+        begin = getattr(self.model, "begin_step", None)  # a model that fans out to expert nodes keys its messages
+        if begin is not None and self.req is not None:
+            begin(self.req.request_id, step)
         try:
             out = fn()
             if self.tracer:

@@ -163,6 +163,8 @@ def build_trace(
     # (stage, step, name) -> list of (t0, t1, nbytes) in ns on the orchestrator's clock
     spans: dict[tuple[int, int, str], list[tuple[int, int, int]]] = defaultdict(list)
     for rep in reports:
+        if rep.stage >= n:  # an expert node: its work shows in its block owner's fan-out and gather
+            continue
         off = offsets_ns.get(rep.stage, 0)
         for s in rep.spans:
             spans[(rep.stage, s.step, s.name)].append((s.t0_ns - off, s.t1_ns - off, s.nbytes))

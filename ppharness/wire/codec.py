@@ -252,21 +252,24 @@ def pack_hidden(x: NDArray[np.floating], wire_dtype: str) -> tuple[bytes, tuple[
 
 def unpack_hidden(msg: StageActivation) -> NDArray[np.float16]:
     """The activation's bytes -> a float16 array of ``msg.shape``; a size or dtype mismatch is a CodecError."""
-    if msg.dtype not in _NUMPY_WIRE:
-        raise CodecError(f"activation for {msg.request_id!r} has unknown wire dtype {msg.dtype!r}")
-    wire = _NUMPY_WIRE[msg.dtype]
+    return unpack_tensor(msg.hidden, msg.shape, msg.dtype, f"activation for {msg.request_id!r}")
+
+
+def unpack_tensor(data: bytes, shape: tuple[int, ...], dtype: str, what: str) -> NDArray[np.float16]:
+    """Raw bytes in wire dtype ``dtype`` -> a float16 array of ``shape``; a size or dtype mismatch is a CodecError
+    naming ``what``."""
+    if dtype not in _NUMPY_WIRE:
+        raise CodecError(f"{what} has unknown wire dtype {dtype!r}")
+    wire = _NUMPY_WIRE[dtype]
     n = 1
-    for d in msg.shape:
+    for d in shape:
         if d < 0:
-            raise CodecError(f"activation for {msg.request_id!r} has negative dimension in shape {msg.shape}")
+            raise CodecError(f"{what} has negative dimension in shape {shape}")
         n *= d
-    if n * wire.itemsize != len(msg.hidden):
-        raise CodecError(
-            f"activation for {msg.request_id!r}: shape {msg.shape} in {msg.dtype} needs {n * wire.itemsize} bytes, "
-            f"got {len(msg.hidden)}"
-        )
-    arr = np.frombuffer(msg.hidden, dtype=wire).reshape(msg.shape)
-    if msg.dtype == "bf16":
+    if n * wire.itemsize != len(data):
+        raise CodecError(f"{what}: shape {shape} in {dtype} needs {n * wire.itemsize} bytes, got {len(data)}")
+    arr = np.frombuffer(data, dtype=wire).reshape(shape)
+    if dtype == "bf16":
         arr = (arr.astype("<u4") << 16).view("<f4")
         # bf16 rounding can carry a finite fp16 value past the fp16 maximum: saturate it there instead of making it inf
         f16_max = float(np.finfo(np.float16).max)

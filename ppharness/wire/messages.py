@@ -253,6 +253,35 @@ class Assign(_Msg, frozen=True):
     gossip_name: str = ""
 
 
+class ExpertRequest(_Msg, frozen=True):
+    """A MoE block's owner -> an expert node: rows of the block's normed hidden state (``hidden``: raw little-endian
+    (R, D), wire dtype ``dtype``) and which expert each (row, expert) pair of ``pairs`` needs. Keyed like an
+    activation by (request, position, layer): a copy is answered again, never computed twice."""
+
+    request_id: str
+    position: int
+    layer: int
+    pairs: list[tuple[int, int]]  # (row of ``hidden``, expert id), in the order the outputs come back
+    hidden: bytes
+    shape: tuple[int, ...]
+    dtype: str
+    plan_id: str
+    epoch: int = 0
+
+
+class ExpertResult(_Msg, frozen=True):
+    """An expert node -> the block's owner: each pair's expert output, (len(pairs), D) in the request's order."""
+
+    request_id: str
+    position: int
+    layer: int
+    outputs: bytes
+    shape: tuple[int, ...]
+    dtype: str
+    plan_id: str
+    compute_ns: int = 0  # how long the expert node computed (for the trace)
+
+
 class Error(_Msg, frozen=True):
     """Anyone -> seed / reply_to: a failure that ends the request or the run, in one line."""
 
@@ -286,6 +315,8 @@ Message: TypeAlias = (
     | Replay
     | Resume
     | Assign
+    | ExpertRequest
+    | ExpertResult
     | Error
 )
 

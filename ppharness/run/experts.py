@@ -1,0 +1,347 @@
+"""Expert parallelism at run time: a MoE block's owner fans its tokens out to expert nodes and gathers the results.
+
+Names. An expert node registers ``pp-experts-{j}`` and, for every routed expert it computes, ``moe-expert-{layer}-{e}``
+(the first holder in the plan's node order) or ``moe-expert-{layer}-{e}.r{k}`` (the k-th replica). A block's owner
+reads who holds what from the directory alone.
+
+The owner's side (``ExpertParallel``, a StageModel around a ModelSlice): at each MoE block the slice yields an
+``ExpertCall``; each (row, expert) pair goes to the owner's own bank when it holds that expert, else to the holder with
+the fewest pairs so far in this call (ties: the first replica). One ``ExpertRequest`` per distinct expert node goes out
+at once, the local pairs are computed while they are away, and the owner then waits for every ``ExpertResult``.
+Whatever else arrives meanwhile is kept, in order, for the stage's loop. A request unanswered after ``resend_s`` is
+sent again (the key (request, position, layer) makes the copy harmless); after ``timeout_s`` the step fails.
+
+The expert node's side (``ExpertServer``): it answers an ``ExpertRequest`` only from the member that runs that block
+(by the address the transport authenticated), only for experts it holds, and keeps its last answers so that a copy
+is answered with the same bytes without computing again.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from ppharness.errors import CodecError, HarnessError, ModelError, TransportTimeout
+from ppharness.trace.tracer import Tracer, now_ns
+from ppharness.wire import codec
+from ppharness.wire.messages import ExpertRequest, ExpertResult, Message
+
+if TYPE_CHECKING:
+    from ppharness.model.moe import ExpertBank, ExpertCall
+    from ppharness.model.slicing import ModelConfig, ModelSlice
+    from ppharness.seams.transport import Received, Transport
+
+_EXPERT_NAME = re.compile(r"^moe-expert-(\d+)-(\d+)(?:\.r(\d+))?$")
+ANSWERS_KEPT = 256  # an expert node's last answers, to answer a copy of a request again
+
+
+def holders_of(names: dict[str, str]) -> dict[tuple[int, int], list[str]]:
+    """(layer, expert) -> the addresses holding it, first replica first, read from a directory."""
+    found: dict[tuple[int, int], list[tuple[int, str]]] = {}
+    for name, address in names.items():
+        m = _EXPERT_NAME.match(name)
+        if m:
+            found.setdefault((int(m[1]), int(m[2])), []).append((int(m[3] or 0), address))
+    return {key: [a for _, a in sorted(v)] for key, v in found.items()}
+
+
+class ExpertParallel:
+    """A stage's model whose MoE blocks send their routed experts to expert nodes (see the module's docstring)."""
+
+    def __init__(
+        self,
+        model: ModelSlice,
+        transport: Transport,
+        names: dict[str, str],
+        plan_id: str,
+        wire_dtype: str = "f16",
+        log: Callable[[str], None] = print,
+        tracer: Tracer | None = None,
+        resend_s: float = 1.0,
+        timeout_s: float = 60.0,
+    ):
+        self.model, self.transport, self.plan_id, self.wire_dtype = model, transport, plan_id, wire_dtype
+        self.log, self.tracer, self.resend_s, self.timeout_s = log, tracer, resend_s, timeout_s
+        self.deferred: list[tuple[str, Message, Received | None]] = []
+        self.request_id, self.step_index, self.epoch = "", 0, 0
+        self.late = 0  # results that came after their step was done (copies of answered requests)
+        self.holders: dict[tuple[int, int], list[str]] = {}
+        self.node_of: dict[str, str] = {}
+        self.set_directory(names)
+
+    # --- StageModel -------------------------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def max_context(self) -> int:
+        return self.model.max_context
+
+    @property
+    def n_params(self) -> int:
+        return self.model.n_params
+
+    @property
+    def tied_params(self) -> int:
+        return self.model.tied_params
+
+    def prefill(self, x: list[int] | npt.NDArray[np.float16]) -> npt.NDArray[np.float16] | int:
+        return self._drive(self.model.step(x, 0), 0)
+
+    def decode(self, x: list[int] | npt.NDArray[np.float16], position: int) -> npt.NDArray[np.float16] | int:
+        if not 1 <= position < self.model.max_context:
+            raise ModelError(f"position {position} is outside the context of {self.model.max_context}")
+        return self._drive(self.model.step(x, position), position)
+
+    def begin_step(self, request_id: str, step: int) -> None:
+        """What the stage is computing now: the request and the trace's step (keys and spans of the fan-out)."""
+        self.request_id, self.step_index = request_id, step
+
+    def set_directory(self, names: dict[str, str], epoch: int = 0) -> None:
+        self.holders, self.epoch = holders_of(names), epoch
+        self.node_of = {a: name for name, a in names.items() if name.startswith("pp-experts-")}
+
+    # --- fan-out and gather -----------------------------------------------------------------------------------------
+
+    def _drive(
+        self, gen: Generator[ExpertCall, npt.NDArray[np.float16], npt.NDArray[np.float16] | int], position: int
+    ) -> npt.NDArray[np.float16] | int:
+        try:
+            call = next(gen)
+            while True:
+                call = gen.send(self._gather(call, position))
+        except StopIteration as stop:
+            out: npt.NDArray[np.float16] | int = stop.value
+            return out
+
+    def _assign(self, call: ExpertCall) -> tuple[list[tuple[int, int]], dict[str, list[tuple[int, int]]]]:
+        """Each (row, slot) pair of the call -> computed here, or by which expert node (fewest pairs so far)."""
+        local: list[tuple[int, int]] = []
+        remote: dict[str, list[tuple[int, int]]] = {}
+        bank = self.model.bank
+        ids = call.routing.ids
+        for t in range(ids.shape[0]):
+            for j in range(ids.shape[1]):
+                e = int(ids[t, j])
+                if bank.holds(call.layer, e):
+                    local.append((t, j))
+                    continue
+                holders = self.holders.get((call.layer, e))
+                if not holders:
+                    raise ModelError(
+                        f"block {call.layer} routed a token to expert {e}, which neither this stage nor any expert "
+                        "node of the directory holds"
+                    )
+                address = min(holders, key=lambda a: len(remote.get(a, ())))
+                remote.setdefault(address, []).append((t, j))
+        return local, remote
+
+    def _gather(self, call: ExpertCall, position: int) -> npt.NDArray[np.float16]:
+        t_start = now_ns()
+        ids, dim = call.routing.ids, self.model.config.dim
+        out = np.empty((*ids.shape, dim), dtype=np.float16)
+        local, remote = self._assign(call)
+        requests: dict[str, ExpertRequest] = {}
+        slots: dict[str, list[tuple[int, int]]] = {}
+        for address, pairs in remote.items():
+            rows = sorted({t for t, _ in pairs})
+            index = {t: i for i, t in enumerate(rows)}
+            data, shape = codec.pack_hidden(call.hidden[rows], self.wire_dtype)
+            requests[address] = ExpertRequest(
+                request_id=self.request_id,
+                position=position,
+                layer=call.layer,
+                pairs=[(index[t], int(ids[t, j])) for t, j in pairs],
+                hidden=data,
+                shape=shape,
+                dtype=self.wire_dtype,
+                plan_id=self.plan_id,
+                epoch=self.epoch,
+            )
+            slots[address] = pairs
+        sent_ns: dict[str, int] = {}
+        for address, req in requests.items():
+            sent_ns[address] = now_ns()
+            self.transport.send(address, req)
+        t_sent = now_ns()
+        for t, j in local:
+            out[t, j] = self.model.bank.run(call.layer, int(ids[t, j]), call.hidden[t])
+        t_local = now_ns()
+        self._wait(call.layer, position, requests, slots, out, sent_ns)
+        if self.tracer:
+            step, layer = self.step_index, call.layer
+            self.tracer.add(step, f"fanout {layer}", t_start, t_sent, sum(len(r.hidden) for r in requests.values()))
+            if local:
+                self.tracer.add(step, f"local experts {layer}", t_sent, t_local)
+            self.tracer.add(step, f"gather {layer}", t_sent, now_ns())
+        return out
+
+    def _wait(
+        self,
+        layer: int,
+        position: int,
+        requests: dict[str, ExpertRequest],
+        slots: dict[str, list[tuple[int, int]]],
+        out: npt.NDArray[np.float16],
+        sent_ns: dict[str, int],
+    ) -> None:
+        pending = dict(requests)
+        started = time.monotonic()
+        resend_at = started + self.resend_s
+        wait_s = self.resend_s
+        while pending:
+            now = time.monotonic()
+            if now - started > self.timeout_s:
+                raise ModelError(
+                    f"expert node(s) {', '.join(a[:60] for a in pending)} did not answer block {layer}'s experts "
+                    f"within {self.timeout_s:g} s"
+                )
+            if now >= resend_at:
+                for address, req in pending.items():
+                    self.log(f"no answer from expert node {address[:60]} for block {layer} yet; sending again")
+                    self.transport.send(address, req)
+                wait_s = min(wait_s * 2, 8.0)
+                resend_at = now + wait_s
+            try:
+                rx = self.transport.receive(max(0.001, min(resend_at, started + self.timeout_s) - now))
+            except TransportTimeout:
+                continue
+            except CodecError as exc:
+                self.log(f"dropped a bad frame: {exc}")
+                continue
+            msg = rx.message
+            if (
+                isinstance(msg, ExpertResult)
+                and rx.sender in pending
+                and (msg.request_id, msg.position, msg.layer, msg.plan_id)
+                == (self.request_id, position, layer, self.plan_id)
+            ):
+                outputs = codec.unpack_tensor(msg.outputs, msg.shape, msg.dtype, f"experts of block {layer}")
+                pairs = slots[rx.sender]
+                if outputs.shape != (len(pairs), out.shape[-1]):
+                    raise ModelError(
+                        f"expert node {rx.sender[:60]} answered block {layer} with shape {outputs.shape}, "
+                        f"expected {(len(pairs), out.shape[-1])}"
+                    )
+                for (t, j), y in zip(pairs, outputs, strict=True):
+                    out[t, j] = y
+                del pending[rx.sender]
+                if self.tracer:  # the round trip, and within it the expert node's own compute (placed at its end)
+                    node, t1 = self.node_of.get(rx.sender, "expert node"), now_ns()
+                    self.tracer.add(self.step_index, f"experts {layer} {node}", sent_ns[rx.sender], t1)
+                    self.tracer.add(self.step_index, f"experts {layer} {node} compute", t1 - msg.compute_ns, t1)
+            elif isinstance(msg, ExpertResult):
+                self.late += 1
+            else:
+                self.deferred.append((rx.sender, msg, rx))
+
+    def take_deferred(self) -> tuple[str, Message, Received | None] | None:
+        """The oldest message that arrived while a step waited for its experts, for the stage's loop."""
+        return self.deferred.pop(0) if self.deferred else None
+
+
+class ExpertServer:
+    """An expert node: answers the ExpertRequests of the blocks' owners from its bank (module docstring)."""
+
+    def __init__(
+        self,
+        bank: ExpertBank,
+        transport: Transport,
+        names: dict[str, str],
+        owners: dict[int, str],
+        plan_id: str,
+        wire_dtype: str = "f16",
+        log: Callable[[str], None] = print,
+        tracer: Tracer | None = None,
+    ):
+        self.bank, self.transport, self.plan_id, self.wire_dtype = bank, transport, plan_id, wire_dtype
+        self.owner_names, self.log, self.tracer = owners, log, tracer
+        self.answers: OrderedDict[tuple[str, int, int], ExpertResult] = OrderedDict()
+        self.served = 0
+        self.computed = 0
+        self.digests: dict[str, list[bytes]] = {}
+        self.owners: dict[int, str] = {}
+        self.rejoin(names, 0)
+
+    def rejoin(self, names: dict[str, str], epoch: int) -> None:
+        self.owners = {layer: names[name] for layer, name in self.owner_names.items() if name in names}
+
+    def due_in(self) -> float | None:
+        return None
+
+    def tick(self) -> None:
+        pass
+
+    def handle(self, sender: str, msg: Message, rx: Received | None = None) -> None:
+        if not isinstance(msg, ExpertRequest):
+            self.log(f"dropped unexpected {type(msg).__name__} from {sender[:120]}: an expert node answers experts")
+            return
+        if msg.plan_id != self.plan_id:
+            self.log(f"dropped ExpertRequest of plan {msg.plan_id}, this node serves {self.plan_id}")
+            return
+        if self.owners.get(msg.layer) != sender:
+            self.log(
+                f"dropped ExpertRequest for block {msg.layer} from {sender[:120]}: only that block's stage sends it"
+            )
+            return
+        key = (msg.request_id, msg.position, msg.layer)
+        answer = self.answers.get(key)
+        if answer is None:
+            try:
+                answer = self._compute(msg)
+            except (CodecError, ModelError) as exc:
+                self.log(f"refused ExpertRequest for block {msg.layer} from {sender[:120]}: {exc}")
+                return
+            self.answers[key] = answer
+            while len(self.answers) > ANSWERS_KEPT:
+                self.answers.popitem(last=False)
+        self.served += 1
+        try:
+            self.transport.send(sender, answer)
+        except HarnessError as exc:  # the owner sends its request again
+            self.log(f"answering block {msg.layer}'s experts failed: {exc}")
+
+    def _compute(self, msg: ExpertRequest) -> ExpertResult:
+        t0 = now_ns()
+        hidden = codec.unpack_tensor(msg.hidden, msg.shape, msg.dtype, f"ExpertRequest for block {msg.layer}")
+        if hidden.ndim != 2 or hidden.shape[1] != self.bank.dim:
+            raise ModelError(f"hidden rows of shape {hidden.shape}, expected (rows, {self.bank.dim})")
+        out = np.empty((len(msg.pairs), self.bank.dim), dtype=np.float16)
+        for i, (row, e) in enumerate(msg.pairs):
+            if not 0 <= row < hidden.shape[0]:
+                raise ModelError(f"pair {i} names row {row} of {hidden.shape[0]}")
+            out[i] = self.bank.run(msg.layer, e, hidden[row])
+        self.computed += 1
+        data, shape = codec.pack_hidden(out, self.wire_dtype)
+        t1 = now_ns()
+        if self.tracer:
+            if self.tracer._current is None or msg.position == 0:
+                self.tracer.begin(msg.request_id)
+            self.tracer.add(msg.position, f"expert compute {msg.layer}", t0, t1, len(msg.pairs))
+        return ExpertResult(
+            request_id=msg.request_id,
+            position=msg.position,
+            layer=msg.layer,
+            outputs=data,
+            shape=shape,
+            dtype=self.wire_dtype,
+            plan_id=msg.plan_id,
+            compute_ns=t1 - t0,
+        )
+
+
+def warm_bank(bank: ExpertBank) -> None:
+    """Compile the bank's step before the first request (its first calls run uncompiled, then it is captured)."""
+    for layer, ids in bank.held().items():
+        row = np.zeros(bank.dim, dtype=np.float16)
+        for _ in range(3):
+            bank.run(layer, ids[0], row)
+        return
