@@ -181,7 +181,7 @@ class ExpertParallel:
             self.tracer.add(step, f"fanout {layer}", t_start, t_sent, sum(len(r.hidden) for r in requests.values()))
             if local:
                 self.tracer.add(step, f"local experts {layer}", t_sent, t_local)
-            self.tracer.add(step, f"gather {layer}", t_sent, now_ns())
+            self.tracer.add(step, f"gather {layer}", t_local, now_ns())
         return out
 
     def _wait(

@@ -177,6 +177,17 @@ def build_trace(
         v = spans.get((stage, step, name))
         return v[0] if v else None
 
+    # (stage, step) -> MoE block -> the time spent sending its tokens to the expert nodes and waiting for their
+    # answers (the stage's own experts' compute excluded)
+    waits: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+    for st, sp, name in spans:
+        if name.startswith(("fanout ", "gather ")):
+            layer = int(name.split()[1])
+            waits[(st, sp)][layer] = waits[(st, sp)].get(layer, 0.0) + dur_ms(st, sp, name)
+
+    def experts_wait(stage: int, step: int) -> dict[int, float]:
+        return dict(sorted(waits.get((stage, step), {}).items()))
+
     records = []
     for k, token in enumerate(response.token_ids + ([] if response.finish_reason == "length" else [-1])):
         parts: dict[str, float] = {}
@@ -186,6 +197,9 @@ def build_trace(
                 ms = dur_ms(i, k, name)
                 if ms or name == "compute":
                     parts[f"stage {i} {name}"] = ms
+            for layer, wait_ms in experts_wait(i, k).items():  # a MoE block's fan-out and gather, out of its compute
+                parts[f"stage {i} experts {layer}"] = wait_ms
+                parts[f"stage {i} compute"] -= wait_ms
         if n > 1:
             for i in range(n):
                 j, recv_step = (i + 1) % n, k + 1 if i == n - 1 else k
@@ -203,7 +217,7 @@ def build_trace(
     events: list[dict[str, Any]] = []
     for (stage, step, name), v in sorted(spans.items()):
         for t0, t1, nbytes in v:
-            if name in STAGE_PARTS:
+            if name in STAGE_PARTS or name.startswith(("fanout ", "gather ", "local experts ", "experts ")):
                 events.append(
                     {
                         "ph": "X",
