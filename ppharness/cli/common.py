@@ -95,8 +95,9 @@ def print_summary(result: RunResult) -> None:
         )
     click.echo(f"\n{'stage':>5} {'blocks':>9} {'params':>12} {'tied':>10} {'load+compile':>13} {'peak RSS':>9}")
     for s in result.stages:
+        blocks = f"[{s.lo},{s.hi})" if s.hi > s.lo else "experts"  # an expert node runs no block range
         click.echo(
-            f"{s.index:>5} {f'[{s.lo},{s.hi})' if s.hi > s.lo else 'experts':>9} {s.params:>12,} {s.tied_params:>10,} {s.load_s:>12.1f}s "
+            f"{s.index:>5} {blocks:>9} {s.params:>12,} {s.tied_params:>10,} {s.load_s:>12.1f}s "
             f"{human_bytes(s.peak_rss_bytes):>9}"
         )
     total = sum(s.params for s in result.stages)
