@@ -137,25 +137,95 @@ def plan_text(plan_file: str) -> None:
     "blocks in proportion to device memory (exo's split).",
 )
 @click.option("--max-context", type=int, default=256, show_default=True, help="KV cache length every node holds.")
+@click.option(
+    "--experts-on",
+    "experts_on",
+    help="Comma-separated devices for the routed experts of a mixture-of-experts model: the stages are placed on the "
+    "other devices (as their blocks' dense parts), then the experts on these and in the stages' spare memory.",
+)
+@click.option(
+    "--expert-policy",
+    type=click.Choice(["optimal", "round-robin", "uniform"]),
+    default="optimal",
+    show_default=True,
+    help="optimal: the expert planner (ppharness.plan.experts); round-robin, uniform: baselines over the "
+    "--experts-on devices that ignore frequencies and links.",
+)
+@click.option("--replicas/--no-replicas", default=True, show_default=True, help="Let the planner copy hot experts.")
+@click.option(
+    "--expert-time-limit", type=float, default=10.0, show_default=True, help="Seconds for the expert planner."
+)
+@click.option(
+    "--routing",
+    "routing_file",
+    type=click.Path(dir_okay=False),
+    help='Expert frequencies: JSON {"layers": {"<block>": [share of tokens choosing each routed expert, ...]}}.',
+)
 @click.option("-o", "--out", help="Plan file to write (JSON); default: standard output.")
 def plan_make(
-    model: str, cluster_file: str, objective: str, requests: int, policy: str, max_context: int, out: str | None
+    model: str,
+    cluster_file: str,
+    objective: str,
+    requests: int,
+    policy: str,
+    max_context: int,
+    experts_on: str | None,
+    expert_policy: str,
+    replicas: bool,
+    expert_time_limit: float,
+    routing_file: str | None,
+    out: str | None,
 ) -> None:
-    """Make a plan for MODEL on a cluster: which devices, in which order, which blocks each."""
+    """Make a plan for MODEL on a cluster: which devices, in which order, which blocks each (and, with --experts-on,
+    which node computes each routed expert)."""
+    import msgspec
+
     from ppharness.plan.build import policy_plan
     from ppharness.plan.check import check_plan
-    from ppharness.plan.doc import Objective, load_cluster, pretty
+    from ppharness.plan.doc import Objective, load_cluster, pretty, with_id
+    from ppharness.plan.experts import (
+        ExpertReport,
+        baseline_experts,
+        load_routing,
+        place_experts,
+        with_frequencies,
+        without_routed_experts,
+    )
     from ppharness.plan.simulate import simulate
     from ppharness.plan.text import render
 
+    report: ExpertReport | None = None
     with exit_1_on_failure():
         cluster: Cluster = load_cluster(cluster_file)
         graph = model_for(model, max_context)
-        doc = policy_plan(policy, graph, cluster, Objective(kind=objective, requests=requests))  # type: ignore[arg-type]
+        goal = Objective(kind=objective, requests=requests)  # type: ignore[arg-type]
+        if experts_on is None:
+            doc = policy_plan(policy, graph, cluster, goal)
+        else:
+            names = [d.strip() for d in experts_on.split(",") if d.strip()]
+            stage_devices = tuple(d for d in cluster.devices if d.id not in names)
+            if not names or not stage_devices:
+                fail(
+                    f"--experts-on {experts_on}: name some of the cluster's devices for the experts and leave at "
+                    "least one for the stages"
+                )
+            stages = policy_plan(
+                policy, without_routed_experts(graph), msgspec.structs.replace(cluster, devices=stage_devices), goal
+            )
+            doc = with_id(msgspec.structs.replace(stages, model=graph, cluster=cluster))
+        if routing_file is not None:
+            doc = with_frequencies(doc, load_routing(routing_file), routing_file)
+        if experts_on is not None:
+            if expert_policy == "optimal":
+                doc, report = place_experts(doc, names, replicas=replicas, time_limit_s=expert_time_limit)
+            else:
+                doc, report = baseline_experts(doc, names, expert_policy)  # type: ignore[arg-type]
         check_plan(doc, out or "<plan>")
     _write(pretty(doc), out)
     prediction = simulate(doc, requests=requests)
     click.echo(render(doc.placement).rstrip("\n"), err=True)
+    if report is not None:
+        click.echo(report.summary(), err=True)
     click.echo(prediction.header(), err=True)
 
 

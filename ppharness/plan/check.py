@@ -1,20 +1,47 @@
 """A plan's invariants, each refused with the file, the ``$.path`` and the fix (the scenario's style).
 
 - The cluster: device ids unique; every link names known devices (``region_links``: known regions), never itself.
+- The model: a mixture-of-experts block routes each token to 1 to ``count`` experts; its ``frequencies``, when
+  given, are one per routed expert and add up to ``active``.
 - The placement: node names unique; every node on a known device, one node per device, spares unused by nodes.
 - Ops: ``embed`` first if present, one block range, ``head`` last if present; one entry (embed), one exit (head).
-- Edges join placed nodes; the activation edges form one path from the entry through every node to the exit, and one
-  token edge goes from the exit back to the entry.
+  An expert node (ops all ``experts``) has no block range. An ``experts`` op names a mixture-of-experts block and
+  expert ids below its count; a node lists a block's experts in one op; a node on the loop computes experts of its
+  own blocks only (expert nodes serve the others).
+- Edges join placed nodes; the activation edges form one path from the entry through every node but the expert
+  nodes to the exit, and one token edge goes from the exit back to the entry. Expert nodes have experts edges only,
+  at least one coming in. An experts edge goes from a node on the loop to a node computing experts of one of its
+  blocks.
 - Every block is placed exactly once along that loop, in order: no gap, no overlap.
-- Every device's weights, KV cache for ``max_context`` and runtime reserve fit its memory.
+- A plan with any ``experts`` op places the experts: every routed expert of every mixture-of-experts block is
+  computed by at least one node, and the block's owner reaches each node computing its experts (itself, or along an
+  experts edge).
+- Every device's weights, KV cache for ``max_context`` and runtime reserve fit its memory. Where the plan places the
+  experts, a node's weights are its blocks without their routed experts, and ``bytes_per_expert`` for each expert it
+  computes; an expert node holds no KV cache.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from ppharness.errors import PlanError
-from ppharness.plan.doc import Blocks, Cluster, Embed, Head, Node, PlanDoc
+from ppharness.plan.doc import (
+    Blocks,
+    Cluster,
+    Embed,
+    ExpertGroup,
+    Head,
+    ModelGraph,
+    Node,
+    PlanDoc,
+    expert_holders,
+    expert_nodes,
+    loop,
+)
+
+FREQUENCY_TOLERANCE = 1e-3  # how far (relative to ``active``) a block's frequencies may add up from ``active``
 
 
 def gib(n: float) -> str:
@@ -22,16 +49,32 @@ def gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB" if abs(n) >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
+def places_experts(doc: PlanDoc) -> bool:
+    """Whether the plan says where the experts are (any ``experts`` op); if not, each block's experts stay with it."""
+    return any(isinstance(op, ExpertGroup) for n in doc.placement.nodes for op in n.ops)
+
+
+def routed_bytes(model: ModelGraph, lo: int, hi: int) -> int:
+    """The weights of every routed expert of blocks [lo, hi)."""
+    return sum(b.experts.count * b.experts.bytes_per_expert for b in model.blocks[lo:hi])
+
+
 def node_weights(doc: PlanDoc, node: Node) -> int:
-    """Bytes of weights ``node`` loads: its blocks, plus the embedding on the entry and the head on the exit."""
+    """Bytes of weights ``node`` loads: its blocks, plus the embedding on the entry and the head on the exit; where
+    the plan places the experts, its blocks without their routed experts and each expert its ``experts`` ops list."""
     model, total = doc.model, 0
+    placed = places_experts(doc)
     for op in node.ops:
         if isinstance(op, Embed):
             total += model.embed_bytes
         elif isinstance(op, Head):
             total += model.head_bytes
-        else:
+        elif isinstance(op, Blocks):
             total += sum(b.weight_bytes for b in model.blocks[op.lo : op.hi])
+            if placed:
+                total -= routed_bytes(model, op.lo, op.hi)
+        elif op.layer < len(model.blocks):
+            total += len(op.ids) * model.blocks[op.layer].experts.bytes_per_expert
     return total
 
 
@@ -96,10 +139,36 @@ def check_cluster(cluster: Cluster, source: str, at: str = "$.cluster") -> None:
 def check_plan(doc: PlanDoc, source: str = "<plan>") -> None:
     """Raise PlanError for the first invariant ``doc`` breaks (see the module's docstring)."""
     check_cluster(doc.cluster, source)
+    _check_model(doc.model, source)
     _check_nodes(doc, source)
     _check_edges(doc, source)
     _check_blocks(doc, source)
+    _check_experts(doc, source)
     _check_memory(doc, source)
+
+
+def _check_model(model: ModelGraph, source: str) -> None:
+    for i, block in enumerate(model.blocks):
+        x = block.experts
+        at = f"{source}: $.model.blocks[{i}].experts"
+        if x.count and not 1 <= x.active <= x.count:
+            raise PlanError(
+                f"{at}.active: block {i} routes each token to {x.active} of its {x.count} experts — a "
+                f"mixture-of-experts block routes a token to 1 to {x.count} experts"
+            )
+        if not x.frequencies:
+            continue
+        if len(x.frequencies) != x.count:
+            raise PlanError(
+                f"{at}.frequencies: {len(x.frequencies)} frequencies for block {i}'s {x.count} routed experts — give "
+                "one per expert (or none: uniform)"
+            )
+        total = math.fsum(x.frequencies)
+        if abs(total - x.active) > FREQUENCY_TOLERANCE * x.active:
+            raise PlanError(
+                f"{at}.frequencies: they add up to {total:.6g} but each token chooses {x.active} experts — an expert's "
+                f"frequency is the share of tokens that choose it, so they add up to {x.active}; scale them"
+            )
 
 
 def _check_nodes(doc: PlanDoc, source: str) -> None:
@@ -121,7 +190,7 @@ def _check_nodes(doc: PlanDoc, source: str) -> None:
                 "per device; put both nodes' ops on one node"
             )
         used[node.device] = i
-        _check_ops(node, at, len(doc.model.blocks))
+        _check_ops(node, at, doc.model)
     for i, spare in enumerate(doc.placement.spares):
         if spare not in devices:
             raise PlanError(f"{source}: $.placement.spares[{i}]: unknown device {spare!r}")
@@ -141,15 +210,26 @@ def _check_nodes(doc: PlanDoc, source: str) -> None:
             )
 
 
-def _check_ops(node: Node, at: str, num_blocks: int) -> None:
-    ops = node.ops
+def _check_ops(node: Node, at: str, model: ModelGraph) -> None:
+    ops, num_blocks = node.ops, len(model.blocks)
+    if not ops:
+        raise PlanError(f"{at}.ops: node {node.label!r} has no ops — give it a block range, e.g. ops: [embed, 0..6]")
     ranges = [i for i, op in enumerate(ops) if isinstance(op, Blocks)]
-    if len(ranges) != 1:
+    if len(ranges) != 1 and not node.expert_only:
         raise PlanError(
             f"{at}.ops: node {node.label!r} has {len(ranges)} block ranges — every node runs one range of blocks, "
-            "e.g. ops: [embed, 0..6]"
+            "e.g. ops: [embed, 0..6] (a node whose ops are all experts is an expert node, with no range)"
         )
+    layers: dict[int, int] = {}
     for i, op in enumerate(ops):
+        if isinstance(op, ExpertGroup):
+            _check_group(op, f"{at}.ops[{i}]", model)
+            if op.layer in layers:
+                raise PlanError(
+                    f"{at}.ops[{i}]: node {node.label!r} lists block {op.layer}'s experts in ops[{layers[op.layer]}] "
+                    f"already — a node lists a block's experts in one op; merge the two"
+                )
+            layers[op.layer] = i
         if isinstance(op, Embed) and i != 0:
             raise PlanError(f"{at}.ops[{i}]: embed comes first, before the node's blocks")
         if isinstance(op, Head) and i != len(ops) - 1:
@@ -161,6 +241,41 @@ def _check_ops(node: Node, at: str, num_blocks: int) -> None:
             )
     if Counter(type(op) for op in ops)[Embed] > 1 or Counter(type(op) for op in ops)[Head] > 1:
         raise PlanError(f"{at}.ops: embed and head appear at most once each")
+
+
+def _check_group(op: ExpertGroup, at: str, model: ModelGraph) -> None:
+    num_blocks = len(model.blocks)
+    if op.layer >= num_blocks:
+        raise PlanError(
+            f"{at}.layer: block {op.layer} is past the model's {num_blocks} blocks — the last block is {num_blocks - 1}"
+        )
+    x = model.blocks[op.layer].experts
+    if x.count == 0:
+        moe = [i for i, b in enumerate(model.blocks) if b.experts.count]
+        which = f"its mixture-of-experts blocks are {_ranges(moe)}" if moe else "the model has none"
+        raise PlanError(
+            f"{at}.layer: block {op.layer} is dense, it has no experts to place — an experts op names a "
+            f"mixture-of-experts block; {which}"
+        )
+    if not op.ids:
+        raise PlanError(f"{at}.ids: no experts listed — list the ids of block {op.layer}'s experts this node computes")
+    if op.ids[-1] >= x.count:
+        raise PlanError(
+            f"{at}.ids: expert {op.ids[-1]} of block {op.layer}, which has {x.count} routed experts — ids run from 0 "
+            f"to {x.count - 1}"
+        )
+
+
+def _ranges(values: list[int]) -> str:
+    """``0 to 3, 5, 7 to 8`` for [0, 1, 2, 3, 5, 7, 8] (the first few runs)."""
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and runs[-1][1] == v - 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    shown = [f"{a}" if a == b else f"{a} to {b}" for a, b in runs[:8]]
+    return ", ".join(shown) + (f" and {len(runs) - 8} more" if len(runs) > 8 else "")
 
 
 def _check_edges(doc: PlanDoc, source: str) -> None:
@@ -175,6 +290,14 @@ def _check_edges(doc: PlanDoc, source: str) -> None:
         for end, name in (("from", e.src), ("to", e.dst)):
             if name not in nodes:
                 raise PlanError(f"{at}.{end}: {name!r} is not a node of the placement — nodes: {', '.join(nodes)}")
+        if e.kind == "experts":
+            continue
+        for end, name in (("from", e.src), ("to", e.dst)):
+            if nodes[name].expert_only:
+                raise PlanError(
+                    f"{at}.{end}: {name!r} is an expert node (its ops are all experts), off the loop — it has experts "
+                    f"edges only; make this an experts edge from the node running the block, or give {name!r} blocks"
+                )
         if e.kind == "token":
             tokens.append(i)
             if (e.src, e.dst) != (exit_, entry):
@@ -209,7 +332,7 @@ def _check_edges(doc: PlanDoc, source: str) -> None:
             f"{source}: $.placement.edges: the activations from the entry go {' -> '.join(path)} and never reach the "
             f"exit {exit_!r} — add an activation edge from {path[-1]!r}"
         )
-    missed = [name for name in nodes if name not in path]
+    missed = [name for name, n in nodes.items() if name not in path and not n.expert_only]
     if missed:
         raise PlanError(
             f"{source}: $.placement.edges: node(s) {', '.join(missed)} are not on the loop {' -> '.join(path)} — "
@@ -218,8 +341,6 @@ def _check_edges(doc: PlanDoc, source: str) -> None:
 
 
 def _check_blocks(doc: PlanDoc, source: str) -> None:
-    from ppharness.plan.doc import loop
-
     index = {n.label: i for i, n in enumerate(doc.placement.nodes)}
     expected, num_blocks = 0, len(doc.model.blocks)
     for node in loop(doc):
@@ -244,15 +365,90 @@ def _check_blocks(doc: PlanDoc, source: str) -> None:
         )
 
 
+def _check_experts(doc: PlanDoc, source: str) -> None:
+    nodes = doc.placement.nodes
+    index = {n.label: i for i, n in enumerate(nodes)}
+    owner = {layer: n for n in loop(doc) if n.blocks for layer in range(*n.blocks)}
+    moe = [layer for layer, b in enumerate(doc.model.blocks) if b.experts.count]
+    for i, node in enumerate(nodes):
+        if node.expert_only or node.blocks is None:
+            continue
+        lo, hi = node.blocks
+        for j, op in enumerate(node.ops):
+            if isinstance(op, ExpertGroup) and not lo <= op.layer < hi:
+                raise PlanError(
+                    f"{source}: $.placement.nodes[{i}].ops[{j}]: node {node.label!r} runs blocks {lo}..{hi} and "
+                    f"computes the experts of those only, not block {op.layer}'s — put them on an expert node (or on "
+                    f"{owner[op.layer].label!r}, which runs the block)"
+                )
+    fans: dict[tuple[str, str], int] = {}
+    for i, e in enumerate(doc.placement.edges):
+        if e.kind != "experts":
+            continue
+        at = f"{source}: $.placement.edges[{i}]"
+        src, dst = nodes[index[e.src]], nodes[index[e.dst]]
+        if src.expert_only:
+            raise PlanError(
+                f"{at}.from: {e.src!r} is an expert node — an experts edge leaves the node on the loop that runs a "
+                "mixture-of-experts block, towards a node computing some of its experts"
+            )
+        lo, hi = src.blocks or (0, 0)
+        own = [layer for layer in moe if lo <= layer < hi]
+        if not own:
+            raise PlanError(
+                f"{at}.from: node {e.src!r} runs no mixture-of-experts block (blocks {lo}..{hi}) — an experts edge "
+                "leaves the node running the block whose experts it fans out to"
+            )
+        if e.src == e.dst:
+            raise PlanError(f"{at}: an experts edge from {e.src!r} to itself — a node computes its own experts")
+        if not any(layer in dst.experts for layer in own):
+            raise PlanError(
+                f"{at}.to: node {e.dst!r} computes none of the experts of {e.src!r}'s blocks ({_ranges(own)}) — "
+                f"give {e.dst!r} an experts op for one of them, or remove the edge"
+            )
+        if (e.src, e.dst) in fans:
+            raise PlanError(
+                f"{at}: the experts edge {e.src} -> {e.dst} is edges[{fans[e.src, e.dst]}] already — keep one"
+            )
+        fans[e.src, e.dst] = i
+    fed = {dst for _, dst in fans}
+    for node in expert_nodes(doc):
+        if node.label not in fed:
+            raise PlanError(
+                f"{source}: $.placement.nodes[{index[node.label]}]: expert node {node.label!r} has no experts edge "
+                "coming in, so no block uses it — add an experts edge from the node running its blocks, or remove it"
+            )
+    if not places_experts(doc):
+        return
+    holders = expert_holders(doc)
+    for layer in moe:
+        block_owner = owner[layer].label
+        missing = [e for e in range(doc.model.blocks[layer].experts.count) if (layer, e) not in holders]
+        if missing:
+            raise PlanError(
+                f"{source}: $.placement.nodes: the plan places experts, but expert(s) {_ranges(missing)} of block "
+                f"{layer} are computed by no node — list them in an experts op (e.g. on {block_owner!r}, which runs "
+                f"the block: {{op: experts, layer: {layer}, ids: [{', '.join(map(str, missing[:4]))}]}})"
+            )
+        for holder in sorted({h for e in range(doc.model.blocks[layer].experts.count) for h in holders[layer, e]}):
+            if holder != block_owner and (block_owner, holder) not in fans:
+                raise PlanError(
+                    f"{source}: $.placement.edges: node {holder!r} computes experts of block {layer}, which "
+                    f"{block_owner!r} runs, but no experts edge goes from {block_owner!r} to {holder!r} — add "
+                    f"{{from: {block_owner}, to: {holder}, kind: experts}}"
+                )
+
+
 def _check_memory(doc: PlanDoc, source: str) -> None:
     for i, node in enumerate(doc.placement.nodes):
         device = doc.cluster.device(node.device)
         need = node_memory(doc, node)
         if need > device.memory:
+            what = "experts" if node.expert_only else "blocks or experts" if node.experts else "blocks"
             raise PlanError(
                 f"{source}: $.placement.nodes[{i}]: node {node.label!r} needs {gib(need)} (weights "
                 f"{gib(node_weights(doc, node))}, KV cache {gib(node_kv(doc, node, doc.placement.objective.requests))}"
                 f" for {doc.model.max_context} tokens, runtime {gib(device.reserve)}) but device {device.id!r} has "
-                f"{gib(device.memory)} — {gib(need - device.memory)} short; move blocks to another node or use a "
+                f"{gib(device.memory)} — {gib(need - device.memory)} short; move {what} to another node or use a "
                 "larger device"
             )

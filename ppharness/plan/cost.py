@@ -5,6 +5,14 @@ device's speed and its weight bytes over the device's memory bandwidth (decode r
 plus the head on the exit. An edge's time is the link's one-way latency, the bytes over its bandwidth, and the
 cluster's fixed cost per hop (what the trace measures for the transport).
 
+A mixture-of-experts block (``experts.count`` above 0) is two parts: its dense part (attention, router, any shared
+expert: the block's FLOPs less ``active`` routed experts', its weights less all ``count`` routed experts') and the
+``active`` routed experts a token is sent to, each reading its ``bytes_per_expert`` and doing as many FLOPs (two bytes
+and two FLOPs per parameter). Each part is the larger of FLOPs over speed and bytes over bandwidth, and a block whose
+experts stay with it costs the sum (``routed``). Where a plan places the experts on nodes of their own, the block's
+owner computes the dense part and the experts' time is the fan-out's (``ppharness.plan.experts``): one message per
+expert node chosen (``request_bytes`` out, ``reply_bytes`` back, ``remote_experts_ms`` for the round trip).
+
 A device with a CPU quota (docker's ``cpus``, below 1) runs at full speed while its share lasts, so one token still
 takes ``node_ms`` there, but the node cannot be busy more than ``cpus`` of the time: it is busy ``node_ms / cpus`` per
 token (``busy_ms``), and no loop turns faster than its busiest resource (``loop_ms``).
@@ -14,31 +22,109 @@ The planner and the simulator both use these functions, so that what is searched
 
 from __future__ import annotations
 
-from ppharness.plan.doc import Cluster, Device, ModelGraph
+from ppharness.plan.doc import Block, Cluster, Device, ModelGraph
+
+EXPERT_HEADER_BYTES = 64  # one fan-out message's header (request id, position, layer), either way
+EXPERT_ID_BYTES = 8  # one chosen expert in a request: its id and its gate weight
 
 
-def blocks_ms(model: ModelGraph, device: Device, lo: int, hi: int) -> float:
-    """Decode time of blocks [lo, hi) on ``device`` (without the fixed cost per token)."""
+def _seconds(flops: float, nbytes: float, device: Device) -> float:
+    """The larger of ``flops`` over the device's speed and ``nbytes`` over its memory bandwidth."""
+    t = flops / (device.gflops * 1e9)
+    if device.bandwidth_gbs is not None:
+        t = max(t, nbytes / (device.bandwidth_gbs * 1e9))
+    return t
+
+
+def dense_part(block: Block) -> tuple[int, int]:
+    """(FLOPs per token, weight bytes) of a block without its routed experts (the whole block when it is dense)."""
+    x = block.experts
+    return block.flops - x.active * x.bytes_per_expert, block.weight_bytes - x.count * x.bytes_per_expert
+
+
+def block_seconds(block: Block, device: Device, routed: bool = True) -> float:
+    """Decode time of one block on ``device`` in seconds: its dense part, plus its ``active`` routed experts when
+    ``routed`` (left out where the plan places the block's experts)."""
+    if block.experts.count == 0:
+        return _seconds(block.flops, block.weight_bytes, device)
+    flops, nbytes = dense_part(block)
+    t = _seconds(flops, nbytes, device)
+    return t + _expert_seconds(device, block, block.experts.active) if routed else t
+
+
+def blocks_ms(model: ModelGraph, device: Device, lo: int, hi: int, routed: bool = True) -> float:
+    """Decode time of blocks [lo, hi) on ``device`` (without the fixed cost per token); ``routed``: with the routed
+    experts of mixture-of-experts blocks."""
     total = 0.0
     for b in model.blocks[lo:hi]:
-        t = b.flops / (device.gflops * 1e9)
-        if device.bandwidth_gbs is not None:
-            t = max(t, b.weight_bytes / (device.bandwidth_gbs * 1e9))
-        total += t
+        total += block_seconds(b, device, routed)
     return total * 1e3
 
 
 def head_ms(model: ModelGraph, device: Device) -> float:
     """The final norm, output matrix and argmax on ``device``."""
-    t = model.head_flops / (device.gflops * 1e9)
+    return _seconds(model.head_flops, model.head_bytes, device) * 1e3
+
+
+def node_ms(model: ModelGraph, device: Device, lo: int, hi: int, head: bool, routed: bool = True) -> float:
+    """One token through a node on ``device`` running blocks [lo, hi) (and the head when ``head``); ``routed``: with
+    the routed experts of its mixture-of-experts blocks."""
+    return device.overhead_ms + blocks_ms(model, device, lo, hi, routed) + (head_ms(model, device) if head else 0.0)
+
+
+def _expert_seconds(device: Device, block: Block, k: float) -> float:
+    work = k * block.experts.bytes_per_expert
+    return _seconds(work, work, device)
+
+
+def expert_ms(device: Device, block: Block, k: float) -> float:
+    """``k`` routed experts of ``block`` for one token on ``device`` (no fixed cost): each reads its weights and does
+    as many FLOPs as it has bytes."""
+    return _expert_seconds(device, block, k) * 1e3
+
+
+def request_bytes(model: ModelGraph, k: int, tokens: int = 1) -> int:
+    """A fan-out request of ``tokens`` hidden states for ``k`` (token, expert) pairs: the hidden states, each pair's
+    expert id and gate weight, a header."""
+    return tokens * model.activation_bytes + EXPERT_ID_BYTES * k + EXPERT_HEADER_BYTES
+
+
+def reply_bytes(model: ModelGraph, k: int) -> int:
+    """A fan-out reply: one hidden state per (token, expert) pair computed, and a header."""
+    return k * model.activation_bytes + EXPERT_HEADER_BYTES
+
+
+def remote_experts_ms(model: ModelGraph, cluster: Cluster, owner: str, device: Device, block: Block, k: int) -> float:
+    """The round trip of one fan-out message from the block's owner (device ``owner``) to an expert node on
+    ``device`` computing ``k`` of a token's experts: the request, the node's fixed cost, the experts, the reply.
+    Nothing when ``k`` is 0 (no message is sent)."""
+    if k == 0:
+        return 0.0
+    return (
+        edge_ms(cluster, owner, device.id, request_bytes(model, k))
+        + device.overhead_ms
+        + expert_ms(device, block, k)
+        + edge_ms(cluster, device.id, owner, reply_bytes(model, k))
+    )
+
+
+def expert_prefill_ms(device: Device, block: Block, evaluations: float, distinct: float) -> float:
+    """A prompt's routed-expert work on ``device``: ``evaluations`` (token, expert) pairs at the device's batched
+    speed, or the weights of the ``distinct`` experts they touch read once, whichever is longer."""
+    per = block.experts.bytes_per_expert
+    speed = (device.prefill_gflops or device.gflops) * 1e9
+    t = evaluations * per / speed
     if device.bandwidth_gbs is not None:
-        t = max(t, model.head_bytes / (device.bandwidth_gbs * 1e9))
+        t = max(t, distinct * per / (device.bandwidth_gbs * 1e9))
     return t * 1e3
 
 
-def node_ms(model: ModelGraph, device: Device, lo: int, hi: int, head: bool) -> float:
-    """One token through a node on ``device`` running blocks [lo, hi) (and the head when ``head``)."""
-    return device.overhead_ms + blocks_ms(model, device, lo, hi) + (head_ms(model, device) if head else 0.0)
+def touched(block: Block, prompt_tokens: int, ids: range | tuple[int, ...] | None = None) -> float:
+    """The expected number of routed experts (of ``ids``, default all) that at least one of ``prompt_tokens`` tokens
+    is sent to, each token choosing expert e with probability ``frequency(e)``."""
+    x = block.experts
+    chosen = range(x.count) if ids is None else ids
+    return sum(1.0 - (1.0 - min(1.0, x.frequency(e))) ** prompt_tokens for e in chosen)
 
 
 def edge_ms(cluster: Cluster, src: str, dst: str, nbytes: int) -> float:
@@ -75,16 +161,24 @@ def loop_ms(parts_ms: float, busiest_ms: float) -> float:
     return max(parts_ms, busiest_ms)
 
 
-def prefill_ms(model: ModelGraph, device: Device, lo: int, hi: int, head: bool, prompt_tokens: int) -> float:
+def prefill_ms(
+    model: ModelGraph, device: Device, lo: int, hi: int, head: bool, prompt_tokens: int, routed: bool = True
+) -> float:
     """A prompt of ``prompt_tokens`` through a node on ``device`` (blocks [lo, hi), the head when ``head``): its fixed
     costs (per step, per prefill, per block) and, per block, the larger of its FLOPs for every prompt token at the
-    device's batched speed and its weights read once; the head once (only the last position's token is wanted)."""
+    device's batched speed and its weights read once; the head once (only the last position's token is wanted). A
+    mixture-of-experts block's routed experts (when ``routed``) add ``expert_prefill_ms`` of ``active`` experts per
+    token and the experts the prompt touches (``touched``)."""
     speed = (device.prefill_gflops or device.gflops) * 1e9
     total = 0.0
     for b in model.blocks[lo:hi]:
-        t = b.flops * prompt_tokens / speed
+        flops, nbytes = dense_part(b)
+        t = flops * prompt_tokens / speed
         if device.bandwidth_gbs is not None:
-            t = max(t, b.weight_bytes / (device.bandwidth_gbs * 1e9))
+            t = max(t, nbytes / (device.bandwidth_gbs * 1e9))
+        if routed and b.experts.count:
+            evaluations = prompt_tokens * b.experts.active
+            t += expert_prefill_ms(device, b, evaluations, touched(b, prompt_tokens)) / 1e3
         total += t
     return (
         device.overhead_ms

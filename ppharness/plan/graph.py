@@ -3,6 +3,13 @@
 Weights count as the node runtime holds them (float16, two bytes per parameter, whatever the file's quantisation);
 a block's FLOPs per token are two per weight (one multiply-add) plus attention over half the context; its KV cache per
 token is keys and values for every KV head.
+
+A mixture-of-experts block (one with a router, ``blk.N.ffn_gate_inp.weight``) weighs all its tensors, its routed
+experts' banks (``ffn_{gate,up,down}_exps``) included, but a token goes through ``experts_used`` of its routed
+experts only: its FLOPs per token are two per dense weight (attention, router, the shared expert of the qwen2moe
+variant) and two per weight of ``experts_used`` experts (3 x dim x expert_ffn each), plus attention. Its ``experts``
+say how many routed experts it has, how many a token uses, whether it has a shared expert (``*_shexp`` tensors) and
+what one routed expert weighs (its gate, up and down matrices in float16).
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-from ppharness.plan.doc import Block, ModelGraph
+from ppharness.plan.doc import Block, Experts, ModelGraph
 
 WIRE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 RUNTIME_BYTES = 2  # float16 weights and KV cache in the node runtime
@@ -50,7 +57,19 @@ def model_graph(
             per_block[int(m[1])] += n
     kv = 2 * cfg.kv_heads * cfg.head_dim * RUNTIME_BYTES
     attention_flops = 2 * 2 * cfg.heads * cfg.head_dim * (max_context // 2)  # q.k and p.v over half the context
-    blocks = tuple(Block(weight_bytes=n * RUNTIME_BYTES, flops=2 * n + attention_flops, kv_bytes=kv) for n in per_block)
+    per_expert = 3 * cfg.dim * cfg.expert_ffn  # one routed expert's parameters: gate, up, down
+    blocks = []
+    for i, n in enumerate(per_block):
+        if i not in cfg.moe_blocks:
+            blocks.append(Block(weight_bytes=n * RUNTIME_BYTES, flops=2 * n + attention_flops, kv_bytes=kv))
+            continue
+        dense = n - cfg.experts * per_expert
+        shared = int(f"blk.{i}.ffn_gate_inp_shexp.weight" in params or f"blk.{i}.ffn_gate_shexp.weight" in params)
+        experts = Experts(
+            count=cfg.experts, active=cfg.experts_used, shared=shared, bytes_per_expert=per_expert * RUNTIME_BYTES
+        )
+        flops = 2 * dense + 2 * cfg.experts_used * per_expert + attention_flops
+        blocks.append(Block(weight_bytes=n * RUNTIME_BYTES, flops=flops, kv_bytes=kv, experts=experts))
     embed = params.get("token_embd.weight", cfg.vocab * cfg.dim)
     out = params.get("output.weight", embed)
     return ModelGraph(
@@ -65,5 +84,5 @@ def model_graph(
         head_flops=2 * out,
         activation_bytes=cfg.dim * WIRE_BYTES[wire_dtype],
         token_bytes=TOKEN_MESSAGE_BYTES,
-        blocks=blocks,
+        blocks=tuple(blocks),
     )

@@ -1,8 +1,11 @@
 """A plan for people: a text table, a Mermaid flowchart, a Graphviz graph and a PNG drawing.
 
 Each shows every node (its device, its ops, what it needs of its device's memory and its predicted time per token)
-and every edge (what it carries and its predicted time per token; the token edge dashed). The times are the cost
-model's (``ppharness.plan.cost``), as ``simulate`` adds them up.
+and every edge (what it carries and its predicted time per token; the token edge dashed, experts edges dotted). The
+times are the cost model's (``ppharness.plan.cost``), as ``simulate`` adds them up. Where the plan places the experts
+of a mixture-of-experts model, a stage's time leaves out its blocks' routed experts, an expert node's time is the
+expert work it is expected to do per token, an experts edge shows one request for one expert, and the table lists
+each block's predicted fan-out time (``ppharness.plan.experts``), which the per-token total includes.
 """
 
 from __future__ import annotations
@@ -12,15 +15,14 @@ from pathlib import Path
 
 from ppharness.plan import cost
 from ppharness.plan.check import gib, node_kv, node_memory, node_weights
-from ppharness.plan.doc import Blocks, Edge, Embed, Node, PlanDoc, loop, plan_id
+from ppharness.plan.doc import Edge, Node, PlanDoc, loop, plan_id
+from ppharness.plan.experts import LayerTime, layer_times
+from ppharness.plan.text import op_text
 
 
 def ops_text(node: Node) -> str:
-    """``embed, blk[0:6]``, ``blk[6:8], head``."""
-    return ", ".join(
-        "embed" if isinstance(op, Embed) else f"blk[{op.lo}:{op.hi}]" if isinstance(op, Blocks) else "head"
-        for op in node.ops
-    )
+    """``embed, blk[0:6]``, ``blk[6:8], head``, ``experts[2][0-3,5]``."""
+    return ", ".join(op_text(op) for op in node.ops)
 
 
 def _ordered(doc: PlanDoc) -> list[Node]:
@@ -33,12 +35,18 @@ def _ordered(doc: PlanDoc) -> list[Node]:
     return order + [n for n in doc.placement.nodes if n.label not in seen]
 
 
-def _node_ms(doc: PlanDoc, node: Node) -> float:
+def _node_ms(doc: PlanDoc, node: Node, layers: list[LayerTime]) -> float:
+    """A stage's time per token (without its routed experts where the plan places them); an expert node's expected
+    expert work per token."""
+    if node.expert_only:
+        return sum(t.busy.get(node.label, 0.0) for t in layers)
     lo, hi = node.blocks or (0, 0)
-    return cost.node_ms(doc.model, doc.cluster.device(node.device), lo, hi, node.heads)
+    return cost.node_ms(doc.model, doc.cluster.device(node.device), lo, hi, node.heads, routed=not layers)
 
 
 def _edge_bytes(doc: PlanDoc, edge: Edge) -> int:
+    if edge.kind == "experts":
+        return cost.request_bytes(doc.model, 1)
     return doc.model.token_bytes if edge.kind == "token" else doc.model.activation_bytes
 
 
@@ -51,16 +59,26 @@ def _nbytes(n: int) -> str:
     return f"{n} B" if n < 1 << 10 else f"{n / (1 << 10):.1f} KiB" if n < 1 << 20 else gib(n)
 
 
-def _per_token_ms(doc: PlanDoc) -> float:
-    nodes = doc.placement.nodes
-    edges = doc.placement.edges if len(nodes) > 1 else ()
-    return sum(_node_ms(doc, n) for n in nodes) + sum(_edge_ms(doc, e) for e in edges)
+def _per_token_ms(doc: PlanDoc, layers: list[LayerTime]) -> float:
+    nodes = [n for n in doc.placement.nodes if not n.expert_only]
+    edges = [e for e in doc.placement.edges if e.kind != "experts"] if len(nodes) > 1 else []
+    total = sum(_node_ms(doc, n, layers) for n in nodes) + sum(_edge_ms(doc, e) for e in edges)
+    return total + sum(t.ms for t in layers) if layers else total
+
+
+def _layers(doc: PlanDoc) -> list[LayerTime]:
+    """The fan-out times of a plan that places experts (none otherwise, or for a plan without an entry)."""
+    try:
+        return layer_times(doc)
+    except StopIteration:
+        return []
 
 
 def table(doc: PlanDoc) -> str:
     """Nodes (along the loop) with device, ops, weights, KV cache, memory need / available and predicted ms per token;
     then the edges with their bytes and predicted ms; then the per-token total."""
     requests = doc.placement.objective.requests
+    layers = _layers(doc)
     header = (
         f"{'node':<16} {'device':<16} {'ops':<24} {'weights':>11} {'KV':>11} {'memory need/available':>25} "
         f"{'ms/token':>9}"
@@ -72,7 +90,7 @@ def table(doc: PlanDoc) -> str:
         memory = f"{gib(need)} / {gib(device.memory)}" + (" !" if need > device.memory else "")
         lines.append(
             f"{node.label:<16} {device.id:<16} {ops_text(node):<24} {gib(node_weights(doc, node)):>11} "
-            f"{gib(node_kv(doc, node, requests)):>11} {memory:>25} {_node_ms(doc, node):>9.3f}"
+            f"{gib(node_kv(doc, node, requests)):>11} {memory:>25} {_node_ms(doc, node, layers):>9.3f}"
         )
     lines.append(f"{'edge':<34} {'kind':<12} {'bytes':>10} {'ms/token':>9}")
     for edge in doc.placement.edges:
@@ -80,22 +98,27 @@ def table(doc: PlanDoc) -> str:
             f"{edge.src + ' -> ' + edge.dst:<34} {edge.kind:<12} {_nbytes(_edge_bytes(doc, edge)):>10} "
             f"{_edge_ms(doc, edge):>9.3f}"
         )
-    ms = _per_token_ms(doc)
+    if layers:
+        lines.append(f"{'experts of block':<17} {'owner':<16} {'expert nodes':<33} {'ms/token':>9}")
+        for t in layers:
+            lines.append(f"{t.layer:<17} {t.owner:<16} {', '.join(t.remote) or '(all its own)':<33} {t.ms:>9.3f}")
+    ms = _per_token_ms(doc, layers)
     lines.append(f"per token {ms:.3f} ms ({1e3 / ms if ms > 0 else math.inf:.1f} tok/s, one request)")
     return "\n".join(lines)
 
 
 def mermaid(doc: PlanDoc) -> str:
     """A Mermaid flowchart: a box per node (name, device, ops, ms per token), an arrow per edge (bytes, ms), the token
-    edge dashed."""
+    edge dashed, experts edges thick."""
     ids = {n.label: f"n{i}" for i, n in enumerate(_ordered(doc))}
+    layers = _layers(doc)
     lines = ["flowchart LR"]
     for node in _ordered(doc):
-        label = f"{node.label}<br/>device {node.device}<br/>{ops_text(node)}<br/>{_node_ms(doc, node):.3f} ms"
+        label = f"{node.label}<br/>device {node.device}<br/>{ops_text(node)}<br/>{_node_ms(doc, node, layers):.3f} ms"
         lines.append(f'    {ids[node.label]}["{label}"]')
     for edge in doc.placement.edges:
         label = f"{edge.kind} {_nbytes(_edge_bytes(doc, edge))}, {_edge_ms(doc, edge):.3f} ms"
-        arrow = "-.->" if edge.kind == "token" else "-->"
+        arrow = {"token": "-.->", "experts": "==>"}.get(edge.kind, "-->")
         lines.append(f'    {ids[edge.src]} {arrow}|"{label}"| {ids[edge.dst]}')
     return "\n".join(lines) + "\n"
 
@@ -107,12 +130,13 @@ def dot(doc: PlanDoc) -> str:
         "    rankdir=LR;",
         '    node [shape=box, fontname="monospace"];',
     ]
+    layers = _layers(doc)
     for node in _ordered(doc):
-        label = f"{node.label}\\ndevice {node.device}\\n{ops_text(node)}\\n{_node_ms(doc, node):.3f} ms"
+        label = f"{node.label}\\ndevice {node.device}\\n{ops_text(node)}\\n{_node_ms(doc, node, layers):.3f} ms"
         lines.append(f'    "{node.label}" [label="{label}"];')
     for edge in doc.placement.edges:
         label = f"{edge.kind} {_nbytes(_edge_bytes(doc, edge))}\\n{_edge_ms(doc, edge):.3f} ms"
-        style = ", style=dashed" if edge.kind == "token" else ""
+        style = {"token": ", style=dashed", "experts": ", style=dotted"}.get(edge.kind, "")
         lines.append(f'    "{edge.src}" -> "{edge.dst}" [label="{label}"{style}];')
     lines.append("}")
     return "\n".join(lines) + "\n"
@@ -120,13 +144,14 @@ def dot(doc: PlanDoc) -> str:
 
 def draw_png(doc: PlanDoc, path: str | Path) -> Path:
     """Draw the plan into a PNG at ``path``: the nodes around a circle in loop order (entry at the top, clockwise),
-    each a box with its device, ops and ms per token; an arrow per edge with its ms (the token edge dashed); the plan
-    id and predicted tokens per second in the title."""
+    each a box with its device, ops and ms per token; an arrow per edge with its ms (the token edge dashed, experts
+    edges dotted); the plan id and predicted tokens per second in the title."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import FancyBboxPatch
 
     nodes = _ordered(doc)
+    layers = _layers(doc)
     n = len(nodes)
     box_w, box_h = 1.0, 0.5
     radius = 0.0 if n == 1 else max(1.2, n * box_w * 1.8 / (2 * math.pi))
@@ -159,13 +184,13 @@ def draw_png(doc: PlanDoc, path: str | Path) -> Path:
             )
         )
         who = node.device if node.label == node.device else f"{node.label} on {node.device}"
-        text = f"{who}\n{ops_text(node)}\n{_node_ms(doc, node):.3f} ms"
+        text = f"{who}\n{ops_text(node)}\n{_node_ms(doc, node, layers):.3f} ms"
         ax.text(x, y, text, ha="center", va="center", fontsize=8, family="monospace")
     for edge in doc.placement.edges:
         a, b = centres[edge.src], centres[edge.dst]
-        dashed = edge.kind == "token"
         label = f"{_edge_ms(doc, edge):.3f} ms"
-        style = {"arrowstyle": "-|>", "color": "#335", "linestyle": "--" if dashed else "-", "lw": 1.2}
+        line = {"token": "--", "experts": ":"}.get(edge.kind, "-")
+        style = {"arrowstyle": "-|>", "color": "#335", "linestyle": line, "lw": 1.2}
         if edge.src == edge.dst:  # one node: the token comes back to itself
             x, y = a
             start, end = (x + box_w / 2, y), (x, y + box_h / 2)
@@ -176,7 +201,7 @@ def draw_png(doc: PlanDoc, path: str | Path) -> Path:
         ax.annotate("", xy=end, xytext=start, arrowprops=style | {"connectionstyle": "arc3,rad=0.15"})
         mx, my = (start[0] + end[0]) / 2, (start[1] + end[1]) / 2
         ax.text(mx, my, label, fontsize=7, ha="center", va="center", backgroundcolor="white")
-    ms = _per_token_ms(doc)
+    ms = _per_token_ms(doc, layers)
     tok_s = 1e3 / ms if ms > 0 else math.inf
     fig.suptitle(
         f"plan {doc.id or plan_id(doc)}: {tok_s:.1f} tok/s predicted ({ms:.3f} ms per token)",

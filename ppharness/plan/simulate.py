@@ -14,11 +14,18 @@ predicted here and what a traced run is compared with:
 - throughput with R requests in flight: each request takes one token per loop of L ms, and the busiest resource (a
   node's compute, or a link's serialisation of its message) serves one token at a time, so
   ``min(R / L, 1 / bottleneck)`` tokens per ms;
-- price: the hourly price of every device a node runs on, over the throughput.
+- price: the hourly price of every device a node runs on, over the throughput;
+- a plan that places the experts of a mixture-of-experts model (``ppharness.plan.experts``): each stage's compute
+  leaves out its blocks' routed experts, and each mixture-of-experts block has a row of its own, the expected time of
+  its fan-out (the owner's own experts overlapping the round trips to the expert nodes, over a fixed set of
+  routings); these rows are part of the loop. A node's busy time adds the expected expert work it serves: a stage's
+  to its compute row, an expert node's to the expert row of each block it serves (the row's busy time is its
+  busiest expert node's, over every block that node serves). Fan-out links are not counted as a bottleneck.
 
 The rows are named as the trace names its components (``stage {i} compute`` with i the position along the loop, entry
-first; ``hop {i}->{j}`` with j = (i + 1) % n, the last one the token back), so ``compare`` puts prediction and
-measurement side by side row for row.
+first; ``stage {i} experts {L}`` for block L's experts, after its owner's compute; ``hop {i}->{j}`` with
+j = (i + 1) % n, the last one the token back), so ``compare`` puts prediction and measurement side by side row for
+row.
 """
 
 from __future__ import annotations
@@ -29,21 +36,24 @@ from typing import Literal
 
 from ppharness.plan import cost
 from ppharness.plan.doc import PlanDoc, hops, loop, plan_id
+from ppharness.plan.experts import LayerTime, layer_times
 from ppharness.trace.report import Trace
 
-RowKind = Literal["compute", "activation", "token"]
+RowKind = Literal["compute", "activation", "token", "experts"]
 
 
 @dataclass(frozen=True)
 class Row:
-    """One component of the per-token time: a node's compute or one edge of the loop."""
+    """One component of the per-token time: a node's compute, one block's expert fan-out or one edge of the loop."""
 
-    name: str  # "stage 0 compute", "hop 0->1"
+    name: str  # "stage 0 compute", "stage 0 experts 3", "hop 0->1"
     ms: float  # decode, one token
     prefill_ms: float  # the first token (prefill of the prompt)
     kind: RowKind
-    device: str  # compute: the node's device; hop: "src->dst" device ids
-    node: str = ""  # compute: the node's label
+    # compute: the node's device; experts: the owner's device, then "->" and the expert nodes' devices when any;
+    # hop: "src->dst" device ids
+    device: str
+    node: str = ""  # compute, experts: the (owner) node's label
     nbytes: int = 0  # hop: bytes of one decode message
     busy_ms: float = 0.0  # how long one token occupies the resource (node: its compute; link: serialisation)
 
@@ -141,14 +151,21 @@ def simulate(doc: PlanDoc, prompt_tokens: int = 8, requests: int | None = None) 
     model, cluster = doc.model, doc.cluster
     order = loop(doc)
     position = {n.label: i for i, n in enumerate(order)}
+    layers = layer_times(doc, prompt_tokens)
+    routed = not layers
+    serving: dict[str, float] = {}  # node label -> expected expert work per token it does, over every block
+    for t in layers:
+        for label, ms in t.busy.items():
+            serving[label] = serving.get(label, 0.0) + ms
     rows: list[Row] = []
     for i, node in enumerate(order):
         device = cluster.device(node.device)
         lo, hi = node.blocks or (0, 0)
-        ms = cost.node_ms(model, device, lo, hi, node.heads)
-        prefill = cost.busy_ms(cost.prefill_ms(model, device, lo, hi, node.heads, prompt_tokens), device)
-        busy = cost.busy_ms(ms, device)
+        ms = cost.node_ms(model, device, lo, hi, node.heads, routed)
+        prefill = cost.busy_ms(cost.prefill_ms(model, device, lo, hi, node.heads, prompt_tokens, routed), device)
+        busy = cost.busy_ms(ms + serving.get(node.label, 0.0), device)
         rows.append(Row(f"stage {i} compute", ms, prefill, "compute", device.id, node.label, busy_ms=busy))
+        rows += [_experts_row(doc, t, serving) for t in layers if t.stage == i]
     if len(order) > 1:  # one node: the token stays on its device, and the trace has no hop either
         for hop in hops(doc):
             i, j = position[hop.src.label], position[hop.dst.label]
@@ -168,7 +185,7 @@ def simulate(doc: PlanDoc, prompt_tokens: int = 8, requests: int | None = None) 
             )
     busiest = max(rows, key=lambda row: row.busy_ms)
     per_token = cost.loop_ms(sum(row.ms for row in rows), busiest.busy_ms)
-    price = sum(cluster.device(n.device).usd_per_hour for n in order)
+    price = sum(cluster.device(n.device).usd_per_hour for n in doc.placement.nodes)
     return Prediction(
         plan_id=doc.id or plan_id(doc),
         rows=tuple(rows),
@@ -180,6 +197,28 @@ def simulate(doc: PlanDoc, prompt_tokens: int = 8, requests: int | None = None) 
         bottleneck_ms=busiest.busy_ms,
         throughput_tok_s=throughput_tok_s(per_token, busiest.busy_ms, r),
         usd_per_hour=price,
+    )
+
+
+def _experts_row(doc: PlanDoc, t: LayerTime, serving: dict[str, float]) -> Row:
+    """Block ``t.layer``'s fan-out as a row: its expected time, and the busiest expert node it uses (over all the
+    blocks that node serves)."""
+    nodes = {n.label: n for n in doc.placement.nodes}
+    home = nodes[t.owner].device
+    device = home + ("->" + ",".join(nodes[label].device for label in t.remote) if t.remote else "")
+    busy = [
+        cost.busy_ms(serving.get(label, 0.0), doc.cluster.device(nodes[label].device))
+        for label in t.remote
+        if nodes[label].expert_only
+    ]
+    return Row(
+        f"stage {t.stage} experts {t.layer}",
+        t.ms,
+        t.prefill_ms,
+        "experts",
+        device,
+        t.owner,
+        busy_ms=max(busy, default=0.0),
     )
 
 

@@ -4,7 +4,8 @@
 
     # a comment; blank lines and comments are dropped
     gpu-a: embed, blk[0:6] -> gpu-b
-    gpu-b: blk[6:16], head -> gpu-a
+    gpu-b: blk[6:16], experts[8][0-5,9], head -> gpu-a => x1
+    x1: experts[8][6-8,10]
     spares: cpu-1, cpu-2
     objective: throughput x4
     policy: memory
@@ -12,10 +13,14 @@
 
 Grammar (one line each; spaces and tabs between tokens are free; ``#`` starts a comment to the end of the line)::
 
-    node line   := label ":" op ("," op)* ["->" succ ("," succ)*]
+    node line   := label ":" op ("," op)* ["->" succ ("," succ)*] ["=>" target ("," target)*]
     label       := device | name "@" device | "@" device
     op          := "embed" | "blk[" lo ":" hi "]" | "head"      (also "lo..hi" on input)
+                 | "experts[" block "][" ids "]"
+    ids         := id-or-run ("," id-or-run)*                   (increasing, each expert once)
+    id-or-run   := id | first "-" last                          (first to last, both included)
     succ        := a node's label: its name, or its device when it has none
+    target      := a node's label
     spares line := "spares:" device ("," device)*
     objective   := "objective:" ("latency" | "throughput" | "cost") ["x" requests]
     policy line := "policy:" word
@@ -25,18 +30,24 @@ Grammar (one line each; spaces and tabs between tokens are free; ``#`` starts a 
   name is then what edges and successors use). A node without a name on a device called ``spares``, ``objective``
   or ``policy`` is written ``@device``, so that it is not read as one of those lines.
 - ``blk[a:b]`` runs blocks ``a`` to ``b - 1``; ``b`` is more than ``a``, and each has at most 9 digits.
-- The successors of a node are the destinations of its outgoing edges, in the order of ``placement.edges``. An edge
-  out of a node whose ops include ``head`` is a ``token`` edge; every other edge is an ``activation`` edge.
+- ``experts[b][ids]`` computes the routed experts ``ids`` of the mixture-of-experts block ``b`` (an ``experts`` op);
+  ``render`` writes a run of three or more consecutive ids as ``first-last``. A node whose ops are all experts ops is
+  an expert node.
+- The successors of a node (after ``->``) are the destinations of its outgoing loop edges, in the order of
+  ``placement.edges``: an edge out of a node whose ops include ``head`` is a ``token`` edge, every other one an
+  ``activation`` edge. Its targets (after ``=>``) are the destinations of its ``experts`` edges (the fan-out from the
+  node running a mixture-of-experts block to the nodes computing its experts), in the same order.
 - ``render`` writes the nodes in their order, each with its edges (so the edges come out grouped by source node, in
-  node order), then ``spares:`` (only when there are spares), ``objective:`` (only when it is not the default,
-  latency with one request; ``xN`` only when N requests are more than one), ``policy:`` and ``fault_tolerance:``
-  (only when set), each
-  line ending in a newline. ``parse`` reads the extra lines anywhere, at most once each, and makes the edges in the
-  same grouped order. So ``parse(render(p)) == p`` for a placement whose edges are grouped that way (as
-  ``ppharness.plan.build.chain`` makes them), and ``render(parse(t)) == t`` for any text ``render`` wrote.
+  node order, a node's loop edges before its experts edges), then ``spares:`` (only when there are spares),
+  ``objective:`` (only when it is not the default, latency with one request; ``xN`` only when N requests are more
+  than one), ``policy:`` and ``fault_tolerance:`` (only when set), each line ending in a newline. ``parse`` reads
+  the extra lines anywhere, at most once each, and makes the edges in the same grouped order. So
+  ``parse(render(p)) == p`` for a placement whose edges are grouped that way (as ``ppharness.plan.build.chain`` and
+  ``ppharness.plan.experts`` make them), and ``render(parse(t)) == t`` for any text ``render`` wrote.
 - Input sugar: a whole loop on one line, ``a: embed, blk[0:6] -> b: blk[6:16], head -> a``. Each ``->`` that is
   followed by ``label: ops`` defines the next node and makes it the previous node's one successor; a last segment
-  without a colon lists the last node's successors.
+  without a colon lists the last node's successors. A line has at most one ``=>``, at its end: its targets belong to
+  the last node the line defines. Expert ids may also be written in any runs on input (``0,1,2`` for ``0-2``).
 
 Every problem is a ``PlanError`` naming the source, the line and column, what is wrong and the fix. The text is
 bounded: at most ``MAX_TEXT_BYTES`` in all and ``MAX_LINE_CHARS`` per line.
@@ -50,19 +61,34 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ppharness.errors import PlanError
-from ppharness.plan.doc import ID_NAME, Blocks, Edge, Embed, Head, Node, Objective, Op, Placement, PlanDoc
+from ppharness.plan.doc import (
+    ID_NAME,
+    Blocks,
+    Edge,
+    Embed,
+    ExpertGroup,
+    Head,
+    Node,
+    Objective,
+    Op,
+    Placement,
+    PlanDoc,
+)
 from ppharness.scenario.yaml_limits import short
 
 MAX_TEXT_BYTES = 1 << 20  # 1 MiB
 MAX_LINE_CHARS = 4096
 MAX_INDEX_DIGITS = 9
+MAX_EXPERT_IDS = 1 << 16  # experts in one experts op, at most
 MAX_REQUESTS = 4096
 KEYWORDS = ("spares", "objective", "policy", "fault_tolerance")
 FAULT_POLICIES: tuple[Literal["none", "retry", "failover"], ...] = ("none", "retry", "failover")
 Kind = Literal["latency", "throughput", "cost"]
 OBJECTIVES: tuple[Kind, ...] = ("latency", "throughput", "cost")
-_OPS = ("embed", "head", "blk[a:b]")
+_OPS = ("embed", "head", "blk[a:b]", "experts[block][ids]")
 _BLK = re.compile(r"blk[ \t]*\[[ \t]*([0-9]+)[ \t]*:[ \t]*([0-9]+)[ \t]*\]")
+_EXPERTS = re.compile(r"experts[ \t]*\[[ \t]*([0-9]+)[ \t]*\][ \t]*\[(.*)\]")
+_ID = re.compile(r"([0-9]+)(?:[ \t]*-[ \t]*([0-9]+))?")
 _DOTS = re.compile(r"([0-9]+)[ \t]*\.\.[ \t]*([0-9]+)")
 _LABEL = re.compile(r"[^\s:,\[\]#]*")
 _OBJECTIVE = re.compile(r"([a-z]+)(?:[ \t]+x([0-9]+))?")
@@ -79,10 +105,13 @@ def render(placement: Placement) -> str:
     _writable(placement)
     lines = []
     for node in placement.nodes:
-        line = f"{_label(node)}: {', '.join(_op(op) for op in node.ops)}"
-        successors = [e.dst for e in placement.edges if e.src == node.label]
+        line = f"{_label(node)}: {', '.join(op_text(op) for op in node.ops)}"
+        successors = [e.dst for e in placement.edges if e.src == node.label and e.kind != "experts"]
         if successors:
             line += f" -> {', '.join(successors)}"
+        targets = [e.dst for e in placement.edges if e.src == node.label and e.kind == "experts"]
+        if targets:
+            line += f" => {', '.join(targets)}"
         lines.append(line)
     if placement.spares:
         lines.append(f"spares: {', '.join(placement.spares)}")
@@ -111,12 +140,26 @@ def _label(node: Node) -> str:
     return f"@{node.device}" if node.device in KEYWORDS else node.device
 
 
-def _op(op: Op) -> str:
+def op_text(op: Op) -> str:
+    """One op as the text form writes it: ``embed``, ``blk[0:6]``, ``head``, ``experts[2][0-3,5]``."""
     if isinstance(op, Embed):
         return "embed"
     if isinstance(op, Head):
         return "head"
+    if isinstance(op, ExpertGroup):
+        return f"experts[{op.layer}][{ids_text(op.ids)}]"
     return f"blk[{op.lo}:{op.hi}]"
+
+
+def ids_text(ids: tuple[int, ...]) -> str:
+    """``0-3,5,7,8`` for (0, 1, 2, 3, 5, 7, 8): runs of three or more as first-last."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs)
 
 
 def _writable(placement: Placement) -> None:
@@ -144,6 +187,8 @@ def _writable(placement: Placement) -> None:
                     f"{at}.ops[{j}]: blocks {op.lo}..{op.hi} are out of range — a block index is a whole number of "
                     f"at most {MAX_INDEX_DIGITS} digits"
                 )
+            if isinstance(op, ExpertGroup):
+                _writable_group(op, f"{at}.ops[{j}]", fix)
         heads[node.label] = node.heads
     for i, edge in enumerate(placement.edges):
         at = f"$.placement.edges[{i}]"
@@ -151,10 +196,10 @@ def _writable(placement: Placement) -> None:
             if name not in heads:
                 raise PlanError(f"{at}.{end}: {short(name, 40)} is not a node of the placement — {fix}")
         kind = "token" if heads[edge.src] else "activation"
-        if edge.kind != kind:
+        if edge.kind not in (kind, "experts"):
             raise PlanError(
-                f"{at}.kind: an edge out of {edge.src!r} is a {kind} edge in the text form (token edges leave the "
-                f"node that runs head), not {short(str(edge.kind), 20)} — {fix}"
+                f"{at}.kind: an edge out of {edge.src!r} is a {kind} or an experts edge in the text form (token "
+                f"edges leave the node that runs head), not {short(str(edge.kind), 20)} — {fix}"
             )
     for i, spare in enumerate(placement.spares):
         if not ID_NAME.fullmatch(spare):
@@ -172,6 +217,24 @@ def _writable(placement: Placement) -> None:
         )
 
 
+def _writable_group(op: ExpertGroup, at: str, fix: str) -> None:
+    def index(value: object) -> bool:
+        return isinstance(value, int) and 0 <= value and len(str(value)) <= MAX_INDEX_DIGITS
+
+    if not index(op.layer):
+        raise PlanError(
+            f"{at}.layer: {short(str(op.layer), 20)} is not a block — a block index is a whole number of at most "
+            f"{MAX_INDEX_DIGITS} digits; {fix}"
+        )
+    if not op.ids or len(op.ids) > MAX_EXPERT_IDS or not all(index(i) for i in op.ids):
+        raise PlanError(
+            f"{at}.ids: {len(op.ids)} expert ids — an experts op lists 1 to {MAX_EXPERT_IDS:,} ids, each a whole "
+            f"number of at most {MAX_INDEX_DIGITS} digits; {fix}"
+        )
+    if any(a >= b for a, b in zip(op.ids, op.ids[1:])):
+        raise PlanError(f"{at}.ids: the ids are not increasing — list each expert once, in order; {fix}")
+
+
 # --- reading ----------------------------------------------------------------------------------------------------
 
 
@@ -183,6 +246,7 @@ class _Node:
     line: int
     column: int
     successors: list[tuple[str, int]] = field(default_factory=list)
+    targets: list[tuple[str, int]] = field(default_factory=list)  # after "=>": its experts edges
 
 
 @dataclass
@@ -216,15 +280,20 @@ class _Line:
         return stripped, start + (len(raw) - len(raw.lstrip(_SPACE)))
 
     def items(self, start: int, end: int) -> list[tuple[str, int]]:
-        """The comma-separated items between ``start`` and ``end``, trimmed, each with its column."""
-        out, at = [], start
-        while True:
-            comma = self.text.find(",", at, end)
-            stop = end if comma < 0 else comma
-            out.append(self.word(at, stop))
-            if comma < 0:
-                return out
-            at = comma + 1
+        """The comma-separated items between ``start`` and ``end``, trimmed, each with its column (a comma inside
+        square brackets, as in ``experts[2][0,5]``, does not separate)."""
+        out, at, depth = [], start, 0
+        for i in range(start, end):
+            c = self.text[i]
+            if c == "[":
+                depth += 1
+            elif c == "]":
+                depth = max(0, depth - 1)
+            elif c == "," and depth == 0:
+                out.append(self.word(at, i))
+                at = i + 1
+        out.append(self.word(at, end))
+        return out
 
 
 def parse(text: str, source: str = "<text>") -> Placement:
@@ -249,16 +318,21 @@ def parse(text: str, source: str = "<text>") -> Placement:
     edges = []
     for entry in reader.nodes:
         kind: Literal["activation", "token"] = "token" if entry.node.heads else "activation"
-        for name, column in entry.successors:
-            if name not in reader.labels:
-                labels = list(reader.labels)
-                known = ", ".join(labels[:10]) + (f" and {len(labels) - 10} more" if len(labels) > 10 else "")
-                raise _Line(reader, "", entry.line).error(
-                    column,
-                    f"unknown node {short(name, 40)}{_suggest(name, labels)}",
-                    f"a successor is a node of this placement ({known}); define it on a line of its own",
-                )
-            edges.append(Edge(src=entry.node.label, dst=name, kind=kind))
+        lists: tuple[tuple[list[tuple[str, int]], str, Literal["activation", "token", "experts"]], ...] = (
+            (entry.successors, "successor", kind),
+            (entry.targets, "node after '=>'", "experts"),
+        )
+        for names, what, edge_kind in lists:
+            for name, column in names:
+                if name not in reader.labels:
+                    labels = list(reader.labels)
+                    known = ", ".join(labels[:10]) + (f" and {len(labels) - 10} more" if len(labels) > 10 else "")
+                    raise _Line(reader, "", entry.line).error(
+                        column,
+                        f"unknown node {short(name, 40)}{_suggest(name, labels)}",
+                        f"a {what} is a node of this placement ({known}); define it on a line of its own",
+                    )
+                edges.append(Edge(src=entry.node.label, dst=name, kind=edge_kind))
     return Placement(
         nodes=tuple(entry.node for entry in reader.nodes),
         edges=tuple(edges),
@@ -280,31 +354,56 @@ def _bounded(text: str, source: str) -> None:
 
 def _read_line(line: _Line) -> None:
     text = line.text
+    fan = text.find("=>")
+    limit = len(text) if fan < 0 else fan
     segments, at = [], 0
     while True:
-        arrow = text.find("->", at)
-        segments.append((at, len(text) if arrow < 0 else arrow))
+        arrow = text.find("->", at, limit)
+        segments.append((at, limit if arrow < 0 else arrow))
         if arrow < 0:
             break
         at = arrow + 2
     start, end = segments[0]
     label, column, colon = _head(line, start, end)
     if label in KEYWORDS:
-        if len(segments) > 1:
+        if len(segments) > 1 or fan >= 0:
+            arrow_at = segments[1][0] - 2 if len(segments) > 1 else fan
             raise line.error(
-                segments[1][0] - 2,
-                f"'->' on the {label}: line",
+                arrow_at,
+                f"{text[arrow_at : arrow_at + 2]!r} on the {label}: line",
                 f"edges belong on node lines; a node on a device called {label} is written @{label}",
             )
         _read_extra(line, label, column, colon + 1, end)
         return
-    previous = _define(line, label, column, colon + 1, end)
+    _read_segments(line, _define(line, label, column, colon + 1, end), segments)
+    if fan >= 0:  # the targets after "=>" belong to the last node the line defines
+        _read_targets(line, fan)
+
+
+def _read_targets(line: _Line, fan: int) -> None:
+    """The experts edges after the line's ``=>`` (at column ``fan``), for the last node defined."""
+    text = line.text
+    for mark in ("=>", "->"):
+        again = text.find(mark, fan + 2)
+        if again >= 0:
+            raise line.error(
+                again,
+                f"{mark!r} after '=>'",
+                "write a node's successors (-> ...) first and the nodes computing its experts (=> ...) last, once",
+            )
+    if not text[fan + 2 :].strip(_SPACE):
+        raise line.error(fan, "nothing after '=>'", "name the node(s) that compute this node's experts")
+    line.reader.nodes[-1].targets.extend(_successors(line, fan + 2, len(text), "node after '=>'"))
+
+
+def _read_segments(line: _Line, previous: _Node, segments: list[tuple[int, int]]) -> None:
+    """The segments after a node line's first ``->`` (successors, or the next nodes of a loop on one line)."""
     for k, (start, end) in enumerate(segments[1:], start=1):
         arrow = start - 2
         if not line.text[start:end].strip(_SPACE):
             raise line.error(arrow, "nothing after '->'", "name the node(s) that receive this node's output")
         if ":" not in line.text[start:end]:
-            previous.successors.extend(_successors(line, start, end))
+            previous.successors.extend(_successors(line, start, end, "successor"))
             if k != len(segments) - 1:
                 raise line.error(
                     segments[k + 1][0] - 2,
@@ -388,6 +487,8 @@ def _read_op(line: _Line, word: str, column: int) -> Op:
         return Head()
     if not word:
         raise line.error(column, "an op is missing", f"list the node's ops separated by commas: {', '.join(_OPS)}")
+    if word.startswith("experts"):
+        return _read_experts(line, word, column)
     match = _BLK.fullmatch(word) or _DOTS.fullmatch(word)
     if match is None:
         if word.startswith("blk") or word[:1].isdigit():
@@ -398,7 +499,7 @@ def _read_op(line: _Line, word: str, column: int) -> Op:
             )
         raise line.error(
             column,
-            f"unknown op {short(word, 40)}{_suggest(word, ['embed', 'head', 'blk'])}",
+            f"unknown op {short(word, 40)}{_suggest(word, ['embed', 'head', 'blk', 'experts'])}",
             f"the ops are {', '.join(_OPS)}",
         )
     lo_text, hi_text = match[1], match[2]
@@ -416,16 +517,64 @@ def _read_op(line: _Line, word: str, column: int) -> Op:
     return Blocks(lo=lo, hi=hi)
 
 
-def _successors(line: _Line, start: int, end: int) -> list[tuple[str, int]]:
+def _read_experts(line: _Line, word: str, column: int) -> ExpertGroup:
+    """``experts[b][ids]``: the experts ``ids`` of block ``b`` (ids: ``5``, ``0-3``, separated by commas)."""
+    example = "e.g. experts[2][0-3,5] for experts 0, 1, 2, 3 and 5 of block 2"
+    match = _EXPERTS.fullmatch(word)
+    if match is None:
+        raise line.error(column, f"{short(word, 40)} is not an experts op", f"write experts[block][ids], {example}")
+    if len(match[1]) > MAX_INDEX_DIGITS:
+        raise line.error(
+            column + match.start(1),
+            f"the block {short(match[1], 20)} has more than {MAX_INDEX_DIGITS} digits",
+            "use the model's block numbers",
+        )
+    inside, at = match[2], column + match.start(2)
+    ids: list[int] = []
+    for piece in inside.split(","):
+        item = piece.strip(_SPACE)
+        where = at + len(piece) - len(piece.lstrip(_SPACE))
+        at += len(piece) + 1
+        if not item:
+            raise line.error(where, "an expert id is missing", f"list the ids separated by commas, {example}")
+        run = _ID.fullmatch(item)
+        if run is None:
+            raise line.error(
+                where, f"{short(item, 40)} is not an expert id or run of ids", f"write 5 or 0-3, {example}"
+            )
+        if max(len(run[1]), len(run[2] or "")) > MAX_INDEX_DIGITS:
+            raise line.error(where, f"{short(item, 40)} has an id of more than {MAX_INDEX_DIGITS} digits", example)
+        first = int(run[1])
+        last = int(run[2]) if run[2] is not None else first
+        if last < first:
+            raise line.error(where, f"the run {item} goes backwards", f"write first-last, here {last}-{first}")
+        if ids and first <= ids[-1]:
+            raise line.error(
+                where,
+                f"expert {first} comes after expert {ids[-1]}",
+                "list each expert once, in increasing order",
+            )
+        if len(ids) + last - first + 1 > MAX_EXPERT_IDS:
+            raise line.error(
+                where,
+                f"more than {MAX_EXPERT_IDS:,} experts in one op",
+                "a block has fewer experts; list the ids of this node's",
+            )
+        ids.extend(range(first, last + 1))
+    return ExpertGroup(layer=int(match[1]), ids=tuple(ids))
+
+
+def _successors(line: _Line, start: int, end: int, what: str) -> list[tuple[str, int]]:
     out = []
+    arrow = "->" if what == "successor" else "=>"
     for word, column in line.items(start, end):
         if not word:
-            raise line.error(column, "a successor is missing", "list the next nodes separated by commas: `-> gpu-b`")
+            raise line.error(column, f"a {what} is missing", f"list the nodes separated by commas: `{arrow} gpu-b`")
         if "@" in word:
             raise line.error(
                 column,
                 f"{short(word, 40)} names a device as well",
-                "a successor is a node's label: its name, or its device when it has no name",
+                f"a {what} is a node's label: its name, or its device when it has no name",
             )
         _name(line, word, column, "node label")
         out.append((word, column))
