@@ -8,7 +8,8 @@ the inner transport by one scheduler thread at their due time, in due order; a m
 caller's thread, so a perfect link costs one dictionary lookup.
 
 Which node an address belongs to is learnt from the membership messages the transport carries: a ``Join`` (at the
-seed) names a stage's address, ``Members`` (at a node) names every stage's. Addresses it does not know (a client's
+seed) names a stage's address, ``Members`` (at a node) names every stage's and every expert node's (``pp-experts-j``
+is member ``stages + j``). Addresses it does not know (a client's
 ``reply_to``) are not impaired.
 
 A send to a peer that fails on the scheduler thread (the peer is gone) is logged on stderr and raised by the next send
@@ -32,6 +33,7 @@ from ppharness.seams.transport import JsonObject, Received, Transport
 from ppharness.wire.messages import Join, Members
 
 STAGE_PREFIX = "pp-stage-"
+EXPERTS_PREFIX = "pp-experts-"
 
 
 @dataclass(order=True)
@@ -86,9 +88,14 @@ class ImpairedTransport(Transport):
         if isinstance(msg, Join) and msg.address == got.sender:
             self.learn(msg.address, stage_node(msg.stage))
         elif isinstance(msg, Members):
+            stages = 0
             for name, address in msg.names.items():
                 if name.startswith(STAGE_PREFIX) and name[len(STAGE_PREFIX) :].isdigit():
                     self.learn(address, stage_node(int(name[len(STAGE_PREFIX) :])))
+                    stages += 1
+            for name, address in msg.names.items():  # expert node j is member stages + j, after the loop's
+                if name.startswith(EXPERTS_PREFIX) and name[len(EXPERTS_PREFIX) :].isdigit():
+                    self.learn(address, stage_node(stages + int(name[len(EXPERTS_PREFIX) :])))
 
     def become(self, node: str) -> None:
         """This endpoint is ``node`` from now on (a standby spare that took over a stage): its links are that

@@ -305,6 +305,35 @@ def bench_plan(
     click.echo(f"\nwritten: {out_dir}/bench-plan.json" + (f", {out_dir}/bench-plan.png" if drawn else ""))
 
 
+@bench.command("moe")
+@click.option("--preset", default="tiny-moe", show_default=True, help="Mixture-of-experts model preset.")
+@click.option("--tokens", type=int, default=24, show_default=True, help="Tokens generated per request.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Requests per case (median).")
+@click.option("--expert-nodes", type=int, default=2, show_default=True, help="Expert nodes beside the two stages.")
+@click.option("--delays", default="0,10", show_default=True, help="One-way link delays in ms, comma-separated.")
+@click.option(
+    "--out",
+    "out_dir",
+    default="bench-results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where bench-moe.json and the plans go.",
+)
+def bench_moe(preset: str, tokens: int, repeats: int, expert_nodes: int, delays: str, out_dir: str) -> None:
+    """A mixture-of-experts model in one process against its experts on expert nodes: tok/s, the per-token
+    breakdown, and the simulator's prediction at each link delay."""
+    from ppharness.benchmarks.moe import report, run_moe_bench
+    from ppharness.run.orchestrator import Progress
+
+    with exit_1_on_failure():
+        values = [float(d) for d in delays.split(",") if d.strip()]
+        res = run_moe_bench(preset, tokens, repeats, expert_nodes, values, out_dir, Progress())
+    click.echo(report(res))
+    for case in res.cases:
+        click.echo(f"\ndelay {case.delay_ms:g} ms:\n{case.rows}")
+    click.echo(f"\nwritten: {out_dir}/bench-moe.json")
+
+
 @bench.command("planner")
 @click.option("--sizes", default="4,8,12,16", show_default=True, help="Cluster sizes (devices), comma-separated.")
 @click.option("--blocks", type=int, default=128, show_default=True, help="Blocks of the random model.")

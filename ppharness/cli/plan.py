@@ -271,14 +271,33 @@ def plan_simulate(plan_file: str, requests: int | None, prompt_tokens: int) -> N
 @click.option("--model", "model", default="small", show_default=True, help=MODEL_HELP)
 @click.option("--id", "device_id", default="this", show_default=True, help="The device entry's id.")
 @click.option("-o", "--out", help="Write the device entry (YAML) here; default: standard output.")
-def plan_probe(model: str, device_id: str, out: str | None) -> None:
+@click.option(
+    "--routing",
+    is_flag=True,
+    help="Measure a mixture-of-experts model's routing instead: how often each expert of each block is chosen "
+    "(JSON for `plan make --routing`).",
+)
+@click.option("--tokens", type=int, default=32, show_default=True, help="--routing: tokens generated per prompt.")
+@click.option("--prompt", "prompts", multiple=True, help="--routing: a prompt (repeatable; default: three built in).")
+def plan_probe(
+    model: str, device_id: str, out: str | None, routing: bool, tokens: int, prompts: tuple[str, ...]
+) -> None:
     """Time per-block decode on this machine (tinygrad's default device) and print the device entry for a
-    cluster file: speed, memory bandwidth, fixed cost per token, memory."""
+    cluster file: speed, memory bandwidth, fixed cost per token, memory. With --routing, measure which experts a
+    mixture-of-experts model's tokens choose instead."""
     import msgspec
 
     from ppharness.model.files import resolve_model
-    from ppharness.plan.probe import probe_fit
+    from ppharness.plan.probe import ROUTING_PROMPTS, probe_fit, probe_routing, routing_report
 
+    if routing:
+        with exit_1_on_failure():
+            graph = model_for(model, 256)
+            freqs, routed = probe_routing(str(resolve_model(graph.source)), prompts or ROUTING_PROMPTS, tokens)
+        click.echo(routing_report(freqs, routed), err=True)
+        body = {"layers": {str(b): [round(x, 6) for x in f] for b, f in freqs.items()}}
+        _write(msgspec.json.encode(body).decode() + "\n", out)
+        return
     with exit_1_on_failure():
         graph = model_for(model, 256)
         fit = probe_fit(str(resolve_model(graph.source)), device_id, source=graph.source)

@@ -189,3 +189,69 @@ def probe(
 ) -> Device:
     """This machine as a plan's Device, measured on ``model_path`` (``probe_fit(...).probe_report`` says how)."""
     return probe_fit(model_path, device_id, blocks, tokens, max_context, source).device
+
+
+ROUTING_PROMPTS = (
+    "Pipeline parallel inference splits a model's blocks into stages.",
+    "The quick brown fox jumps over the lazy dog; héllo wörld, 1234567890.",
+    "Experts live on other machines, and every MoE layer fans a token's activation out to the chosen experts.",
+)
+
+
+def probe_routing(
+    model_path: str, prompts: tuple[str, ...] = ROUTING_PROMPTS, tokens: int = 32, max_context: int = 256
+) -> tuple[dict[int, list[float]], int]:
+    """How often each routed expert of each MoE block is chosen when the whole model (in this process) reads
+    ``prompts`` and greedily generates ``tokens`` after each: block -> frequency per expert (the share of routed
+    tokens that chose it; a block's frequencies add up to its active count), and the number of tokens routed."""
+    import numpy as np
+
+    from ppharness.errors import ModelError
+    from ppharness.model.slicing import GGUFFile, ModelSlice
+
+    f = GGUFFile(model_path)
+    cfg = f.config
+    if not cfg.moe:
+        raise ModelError(f"{model_path}: a {cfg.arch} model without experts has no routing to measure")
+    model = ModelSlice(f, 0, cfg.blocks, True, True, max_context)
+    counts = {b: np.zeros(cfg.experts, dtype=np.int64) for b in sorted(cfg.moe_blocks)}
+    routed = 0
+
+    def run(x: list[int], position: int) -> int:
+        nonlocal routed
+        gen = model.step(x, position)
+        try:
+            call = next(gen)
+            while True:
+                np.add.at(counts[call.layer], call.routing.ids.reshape(-1), 1)
+                if call.layer == min(counts):
+                    routed += call.routing.ids.shape[0]
+                call = gen.send(model.answer(call))
+        except StopIteration as stop:
+            token: int = stop.value
+            return token
+
+    tok = f.tokenizer
+    for prompt in prompts:
+        ids = ([cfg.bos_id] if cfg.bos_id is not None else []) + tok.encode(prompt)
+        ids = ids[: max_context - tokens - 1]
+        token = run(ids, 0)
+        for i in range(tokens - 1):
+            token = run([token], len(ids) + i)
+    return {b: [float(c) / routed for c in v] for b, v in counts.items()}, routed
+
+
+def routing_report(freqs: dict[int, list[float]], routed: int) -> str:
+    """Per block: the hottest and coldest expert's share, and how even the routing is (entropy over its maximum)."""
+    import math
+
+    lines = [f"routing of {routed} token(s) per MoE block (frequency: share of tokens that chose the expert)"]
+    for block, f in freqs.items():
+        total = sum(f)
+        entropy = -sum(p / total * math.log2(p / total) for p in f if p > 0) if total else 0.0
+        hot, cold = max(range(len(f)), key=f.__getitem__), min(range(len(f)), key=f.__getitem__)
+        lines.append(
+            f"  block {block}: hottest expert {hot} {f[hot]:.3f}, coldest {cold} {f[cold]:.3f}, evenness "
+            f"{entropy / math.log2(len(f)):.2f} (1 = uniform)"
+        )
+    return "\n".join(lines)
