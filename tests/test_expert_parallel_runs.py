@@ -130,3 +130,29 @@ def test_a_plan_with_expert_nodes_runs_token_exact_on_vastai_instances(vastai_ap
     assert len(result.stages) == 6
     with client_from_env() as client:
         assert not [i for i in client.list_instances() if label in str(i.get("label", ""))], "instances left behind"
+
+
+def test_plan_probe_routing_measures_frequencies_that_a_plan_takes(tmp_path):
+    import json
+
+    from ppharness.cli import main as cli
+    from ppharness.plan.experts import load_routing, with_frequencies
+
+    out = tmp_path / "routing.json"
+    args = ["plan", "probe", "--routing", "--model", MODEL, "--tokens", "4", "--prompt", "experts, chosen", "-o"]
+    result = CliRunner().invoke(cli, [*args, str(out)])
+    assert result.exit_code == 0, result.output
+    layers = json.loads(out.read_text())["layers"]
+    assert sorted(layers) == ["0", "1", "2", "3"]
+    assert all(len(f) == 8 and abs(sum(f) - 2.0) < 1e-4 for f in layers.values()), "each token chooses 2 experts"
+    assert "hottest expert" in result.output
+    doc = with_frequencies(moe_plan("local"), load_routing(out))
+    assert doc.model.blocks[2].experts.frequencies == tuple(layers["2"])
+
+
+def test_plan_probe_routing_refuses_a_model_without_experts():
+    from ppharness.cli import main as cli
+
+    result = CliRunner().invoke(cli, ["plan", "probe", "--routing", "--model", "tiny", "--tokens", "2"])
+    assert result.exit_code == 1
+    assert "without experts has no routing to measure" in result.output
