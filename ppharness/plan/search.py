@@ -5,7 +5,9 @@ A plan is a loop over an ordered list of devices d_1 .. d_k, device i running th
 from the cost model (``ppharness.plan.cost``):
 
 - latency L (one request, ms per token) = sum of ``node_ms`` over the nodes + ``edge_ms`` of each activation edge
-  d_i -> d_{i+1} + ``edge_ms`` of the token edge d_k -> d_1;
+  d_i -> d_{i+1} + ``edge_ms`` of the token edge d_k -> d_1; a block's part of ``node_ms`` is ``block_seconds``
+  (for a mixture-of-experts block, its dense part and the ``active`` routed experts a token reads, with every expert
+  held by the block's node: what ``simulate`` predicts for a plan that places no experts);
 - bottleneck b = the largest ``node_ms`` and link ``serialization_ms`` of the loop (b <= L always);
 - with R = ``objective.requests`` in flight: ms per token = max(L / R, b) (throughput min(R / L, 1 / b));
 - a node on a device with a CPU quota below one CPU counts in b with its time over its share (``cost.busy_ms``), so
@@ -85,7 +87,16 @@ import numpy.typing as npt
 from ppharness.errors import PlanError
 from ppharness.plan.build import chain
 from ppharness.plan.check import gib
-from ppharness.plan.cost import busy_ms, cpu_share, edge_ms, head_ms, loop_ms, node_ms, serialization_ms
+from ppharness.plan.cost import (
+    block_seconds,
+    busy_ms,
+    cpu_share,
+    edge_ms,
+    head_ms,
+    loop_ms,
+    node_ms,
+    serialization_ms,
+)
 from ppharness.plan.doc import Cluster, ModelGraph, Objective, PlanDoc
 
 FloatArray = npt.NDArray[np.float64]
@@ -181,14 +192,12 @@ class _Instance:
         n, nb = len(self.ids), len(model.blocks)
         self.n, self.nb = n, nb
         devices = [cluster.device(i) for i in self.ids]
-        flops = np.array([b.flops for b in model.blocks], dtype=np.float64)
-        weights = np.array([b.weight_bytes for b in model.blocks], dtype=np.float64)
+        # each block's time on each device is ``cost.block_seconds``'s, what ``node_ms`` (and so ``evaluate`` and
+        # the simulator) adds up: a mixture-of-experts block counts its dense part and its ``active`` experts, not
+        # every routed expert's bytes
         per = np.empty((n, nb))
         for d, dev in enumerate(devices):
-            t = flops / (dev.gflops * 1e9)
-            if dev.bandwidth_gbs is not None:
-                t = np.maximum(t, weights / (dev.bandwidth_gbs * 1e9))
-            per[d] = t * 1e3
+            per[d] = [block_seconds(b, dev) * 1e3 for b in model.blocks]
         self.pc: FloatArray = np.concatenate([np.zeros((n, 1)), np.cumsum(per, axis=1)], axis=1)
         self.ov: FloatArray = np.array([d.overhead_ms for d in devices], dtype=np.float64)
         self.hd: FloatArray = np.array([head_ms(model, d) for d in devices], dtype=np.float64)
@@ -801,6 +810,8 @@ class _Heuristic:
 
     def _sets(self, seqs: Sequence[tuple[int, ...]]) -> tuple[IntArray, FloatArray]:
         """Each list's device set (a mask) and hourly price."""
+        if not seqs:  # an empty neighbourhood (``_compound`` of two devices out of two)
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
         lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
         flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
