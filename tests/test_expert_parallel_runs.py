@@ -88,6 +88,7 @@ def test_a_plan_with_expert_nodes_runs_token_exact_on_local_processes(tmp_path):
     _assert_exact_with_expert_rows(_smoke(plan_file))
 
 
+@pytest.mark.slow
 @pytest.mark.docker
 def test_a_plan_with_expert_nodes_runs_token_exact_in_docker(tmp_path):
     plan_file = tmp_path / "moe-plan.json"
@@ -104,6 +105,7 @@ def test_a_plan_with_expert_nodes_runs_token_exact_in_docker(tmp_path):
     _assert_exact_with_expert_rows(result.output)
 
 
+@pytest.mark.slow
 @pytest.mark.vastai
 def test_a_plan_with_expert_nodes_runs_token_exact_on_vastai_instances(vastai_api, tmp_path):
     from backends.vastai.provider import client_from_env

@@ -27,6 +27,8 @@ from ppharness.wire.messages import (
     DigestReport,
     DigestRequest,
     Error,
+    ExpertRequest,
+    ExpertResult,
     Heartbeat,
     InferenceRequest,
     InferenceResponse,
@@ -175,6 +177,26 @@ def realistic_messages() -> list[Message]:
         ),
         Assign(
             program='{"plan_id":"plan-2stage-a1b2","stage":1,"num_stages":2,"lo":4,"hi":8}', gossip_name="pp-stage-1.1"
+        ),
+        ExpertRequest(
+            request_id="req-0001",
+            position=7,
+            layer=2,
+            pairs=[(0, 5), (0, 17)],
+            hidden=np.arange(64, dtype="<f2").tobytes(),
+            shape=(1, 64),
+            dtype="f16",
+            plan_id="plan-2stage-a1b2",
+        ),
+        ExpertResult(
+            request_id="req-0001",
+            position=7,
+            layer=2,
+            outputs=np.arange(128, dtype="<f2").tobytes(),
+            shape=(2, 64),
+            dtype="f16",
+            plan_id="plan-2stage-a1b2",
+            compute_ns=180_000,
         ),
     ]
 
