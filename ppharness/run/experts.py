@@ -13,7 +13,8 @@ sent again (the key (request, position, layer) makes the copy harmless); after `
 
 The expert node's side (``ExpertServer``): it answers an ``ExpertRequest`` only from the member that runs that block
 (by the address the transport authenticated), only for experts it holds, and keeps its last answers so that a copy
-is answered with the same bytes without computing again.
+is answered with the same bytes without computing again. Its answer says how long it computed; the owner's trace
+records that beside the round trip, so that an expert node keeps no trace of its own.
 """
 
 from __future__ import annotations
@@ -260,10 +261,9 @@ class ExpertServer:
         plan_id: str,
         wire_dtype: str = "f16",
         log: Callable[[str], None] = print,
-        tracer: Tracer | None = None,
     ):
         self.bank, self.transport, self.plan_id, self.wire_dtype = bank, transport, plan_id, wire_dtype
-        self.owner_names, self.log, self.tracer = owners, log, tracer
+        self.owner_names, self.log = owners, log
         self.answers: OrderedDict[tuple[str, int, int], ExpertResult] = OrderedDict()
         self.served = 0
         self.computed = 0
@@ -322,10 +322,6 @@ class ExpertServer:
         self.computed += 1
         data, shape = codec.pack_hidden(out, self.wire_dtype)
         t1 = now_ns()
-        if self.tracer:
-            if self.tracer._current is None or msg.position == 0:
-                self.tracer.begin(msg.request_id)
-            self.tracer.add(msg.position, f"expert compute {msg.layer}", t0, t1, len(msg.pairs))
         return ExpertResult(
             request_id=msg.request_id,
             position=msg.position,
@@ -339,9 +335,12 @@ class ExpertServer:
 
 
 def warm_bank(bank: ExpertBank) -> None:
-    """Compile the bank's step before the first request (its first calls run uncompiled, then it is captured)."""
-    for layer, ids in bank.held().items():
-        row = np.zeros(bank.dim, dtype=np.float16)
-        for _ in range(3):
-            bank.run(layer, ids[0], row)
+    """Compile the bank's step before the first request: its first calls run uncompiled, the next is captured, and
+    the captured step serves every expert the bank holds (the expert is a bound variable of it)."""
+    held = bank.held()
+    if not held:
         return
+    layer = next(iter(held))
+    row = np.zeros(bank.dim, dtype=np.float16)
+    for _ in range(3):
+        bank.run(layer, held[layer][0], row)

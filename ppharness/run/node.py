@@ -395,7 +395,7 @@ def serve(plan: StagePlan, env: dict[str, str], standing: Standing | None = None
         fanout: ExpertParallel | None = None
         stage: Stage | ExpertServer
         if bank is not None:
-            stage = ExpertServer(bank, transport, directory, plan.owners, plan.plan_id, plan.wire_dtype, log, tracer)
+            stage = ExpertServer(bank, transport, directory, plan.owners, plan.plan_id, plan.wire_dtype, log)
         else:
             served_model: StageModel = with_fault(model, fault)
             if plan.experts is not None and model.config.moe:  # the plan puts (some of) its blocks' experts elsewhere
