@@ -134,6 +134,7 @@ def test_a_plan_with_expert_nodes_runs_token_exact_on_vastai_instances(vastai_ap
         assert not [i for i in client.list_instances() if label in str(i.get("label", ""))], "instances left behind"
 
 
+@pytest.mark.slow  # generates with the whole model
 def test_plan_probe_routing_measures_frequencies_that_a_plan_takes(tmp_path):
     import json
 

@@ -460,6 +460,7 @@ def test_gguf_metadata_as_gguf_reader_reads_it(preset):
             assert tensors[f"blk.{i}.ffn_down_shexp.weight"].shape.tolist() == [128, d]
 
 
+@pytest.mark.slow  # builds and compiles a second model
 def test_q8_0_moe_model_loads_and_decodes(moe_file):
     import gguf
 
