@@ -344,6 +344,7 @@ def test_a_lost_message_without_retries_ends_the_run_with_a_reason_not_a_hang(tm
 
 
 @pytest.mark.local
+@pytest.mark.slow  # a chain through the packet layer's bridges under loss
 def test_iroh_under_packet_loss_gives_the_oracles_tokens_and_no_path_goes_around_the_emulation(tmp_path: Path) -> None:
     """The packet layer: 5 % of QUIC datagrams lost on every stage link, 10 ms each way. QUIC recovers what is lost;
     every hop takes at least the link's delay (a hop faster than that went around the bridges)."""

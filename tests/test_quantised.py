@@ -192,6 +192,7 @@ def test_quantised_model_is_not_the_f16_model():
 
 
 @pytest.mark.local
+@pytest.mark.slow  # a chain of real processes; the splits above check the same in one process
 def test_q8_0_chain_on_pp_node_processes_over_zmq(tmp_path):
     import msgspec
 

@@ -137,6 +137,7 @@ def test_acceptance_scenario_over_iroh_without_relay(vastai_api):
 
 
 @pytest.mark.docker
+@pytest.mark.slow  # builds and starts the node image for every stage
 def test_chain_in_node_image_containers(vastai_api, monkeypatch, tmp_path):
     """Instances as containers of the node image (docker/Dockerfile), started with the create body's entrypoint,
     arguments and environment exactly, as vast.ai starts them."""

@@ -183,10 +183,6 @@ def all_experts(gguf_file: GGUFFile, lo: int, hi: int) -> dict[int, list[int]]:
     return {b: list(range(cfg.experts)) for b in range(lo, hi) if b in cfg.moe_blocks}
 
 
-def expert_params(dim: int, expert_ffn: int) -> int:
-    return 3 * dim * expert_ffn
-
-
 def routing_entropy(frequencies: list[float]) -> float:
     """How evenly a layer's tokens spread over its experts: the entropy of the normalised frequencies, in bits."""
     total = sum(frequencies)

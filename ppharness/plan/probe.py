@@ -245,10 +245,11 @@ def routing_report(freqs: dict[int, list[float]], routed: int) -> str:
     """Per block: the hottest and coldest expert's share, and how even the routing is (entropy over its maximum)."""
     import math
 
+    from ppharness.model.moe import routing_entropy
+
     lines = [f"routing of {routed} token(s) per MoE block (frequency: share of tokens that chose the expert)"]
     for block, f in freqs.items():
-        total = sum(f)
-        entropy = -sum(p / total * math.log2(p / total) for p in f if p > 0) if total else 0.0
+        entropy = routing_entropy(f)
         hot, cold = max(range(len(f)), key=f.__getitem__), min(range(len(f)), key=f.__getitem__)
         lines.append(
             f"  block {block}: hottest expert {hot} {f[hot]:.3f}, coldest {cold} {f[cold]:.3f}, evenness "
