@@ -99,6 +99,7 @@ def test_traced_chain_adds_up_and_writes_perfetto_json(tmp_path):
 
 
 @pytest.mark.local
+@pytest.mark.slow  # the CLI end to end; the traced chain above checks the trace itself
 def test_smoke_run_trace_flag_writes_both_files(tmp_path):
     out = tmp_path / "run.json"
     r = subprocess.run(

@@ -126,6 +126,7 @@ def test_chain_matches_oracle(vastai_api, num_stages, caplog, capsys):
 test_chain_matches_oracle.default_num_stages = (5,)  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # three instances over iroh
 def test_acceptance_scenario_over_iroh_without_relay(vastai_api):
     needs_emulator(vastai_api)
     pytest.importorskip("iroh", reason="the iroh Python bindings are not installed")
