@@ -281,7 +281,7 @@ class ModelSlice:
         # with its persistent decode input
         self.bank = ExpertBank(gguf_file, all_experts(gguf_file, lo, hi) if experts is None else experts)
         self.n_params += self.bank.n_params
-        self._steps = [TinyJit(functools.partial(self._segment, i)) for i in range(hi - lo)]
+        self._steps = [TinyJit(functools.partial(self._segment, i)) for i in range(hi - lo)] if cfg.moe else []
         self._head_jit = TinyJit(self._head)
         self._inputs: dict[int, Tensor] = {}
         self._tapped_np: dict[int, NDArray[np.float16]] = {}
