@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import math
 import os
 import re
 import sys
@@ -78,6 +79,27 @@ class ModelSpec:
     expert_ffn: int = 0
     shared_ffn: int = 0
     head_dim: int = 0  # 0: dim // heads
+    # deepseek2 (DeepSeek V3, Kimi K2): leading dense blocks (the rest are MoE blocks), MLA attention (queries through
+    # a rank-``q_lora_rank`` bottleneck, 0 for none; keys and values compressed to ``kv_lora_rank`` plus a shared
+    # ``rope_dim`` rotary part; ``head_dim`` = each head's no-rope + rope key width, ``v_head_dim`` its value width),
+    # ``shared_experts`` ungated shared experts of width ``expert_ffn``, sigmoid (or softmax) ``gating`` with a
+    # selection bias, grouped top-k (``expert_groups``, ``groups_used``), the routed weights' ``routed_scale``, and
+    # YaRN rope scaling (``yarn_factor`` 0: none) as the model's config states it
+    dense_blocks: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    v_head_dim: int = 0
+    shared_experts: int = 0
+    expert_groups: int = 0
+    groups_used: int = 0
+    routed_scale: float = 0.0
+    gating: str = ""
+    yarn_factor: float = 0.0
+    yarn_original_context: int = 0
+    yarn_log_mul: float = 0.0
+    yarn_beta_fast: float = 0.0
+    yarn_beta_slow: float = 0.0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -89,7 +111,16 @@ class ModelSpec:
                 f"experts_used {self.experts_used}, expert_ffn {self.expert_ffn})"
             )
         if not moe and (self.experts or self.experts_used or self.shared_ffn):
-            raise ModelError("experts need a mixture-of-experts architecture: arch=qwen3moe or arch=qwen2moe")
+            raise ModelError(
+                "experts need a mixture-of-experts architecture: arch=qwen3moe, arch=qwen2moe or arch=deepseek2"
+            )
+        mla = (self.q_lora_rank, self.kv_lora_rank, self.rope_dim, self.v_head_dim, self.dense_blocks)
+        if self.arch != "deepseek2" and (any(mla) or self.shared_experts or self.expert_groups or self.yarn_factor):
+            raise ModelError(
+                "MLA attention, leading dense blocks, shared_experts, expert groups and YaRN belong to arch=deepseek2"
+            )
+        if self.arch == "deepseek2":
+            self._check_deepseek2()
         if self.shared_ffn and self.arch != "qwen2moe":
             raise ModelError(f"a shared expert belongs to qwen2moe, not {self.arch}")
         wtype = str(self.type).lower()
@@ -117,9 +148,38 @@ class ModelSpec:
         if self.blocks < 1:
             raise ModelError(f"blocks {self.blocks} must be at least 1")
 
+    def _check_deepseek2(self) -> None:
+        if not (self.kv_lora_rank >= 1 and self.rope_dim >= 2 and self.rope_dim % 2 == 0 and self.v_head_dim >= 1):
+            raise ModelError(
+                f"deepseek2 needs kv_lora_rank >= 1, an even rope_dim >= 2 and v_head_dim >= 1 (got kv_lora_rank "
+                f"{self.kv_lora_rank}, rope_dim {self.rope_dim}, v_head_dim {self.v_head_dim})"
+            )
+        if self.hd <= self.rope_dim:
+            raise ModelError(f"deepseek2: head_dim {self.hd} must be more than rope_dim {self.rope_dim}")
+        if not 0 <= self.dense_blocks < self.blocks:
+            raise ModelError(f"deepseek2: dense_blocks {self.dense_blocks} must be in [0, blocks {self.blocks})")
+        if self.gating not in ("", "softmax", "sigmoid"):
+            raise ModelError(f"deepseek2: gating {self.gating!r} must be softmax or sigmoid")
+        if self.expert_groups and (
+            self.experts % self.expert_groups or not 1 <= self.groups_used <= self.expert_groups
+        ):
+            raise ModelError(
+                f"deepseek2: {self.experts} experts must divide into expert_groups {self.expert_groups}, and "
+                f"1 <= groups_used {self.groups_used} <= expert_groups"
+            )
+
     @property
     def hd(self) -> int:
         return self.head_dim or self.dim // self.heads
+
+    @property
+    def nope_dim(self) -> int:
+        """deepseek2: the part of each head's key without rotary embedding."""
+        return self.hd - self.rope_dim
+
+    @property
+    def gating_func(self) -> str:
+        return self.gating or ("sigmoid" if self.arch == "deepseek2" else "softmax")
 
     @property
     def moe(self) -> bool:
@@ -127,6 +187,8 @@ class ModelSpec:
 
     @property
     def n_params(self) -> int:
+        if self.arch == "deepseek2":
+            return sum(math.prod(shape) for shape in deepseek2_shapes(self).values())
         hd = self.hd
         per_block = 2 * self.dim + self.dim * hd * (self.heads * 2 + self.kv_heads * 2)
         if self.moe:
@@ -153,7 +215,7 @@ class ModelSpec:
         return f"synthetic-{self.blocks}x{self.dim}{experts}-v{self.vocab}-s{self.seed}{wtype}-{digest}"
 
 
-ARCHS = ("llama", "qwen3moe", "qwen2moe")
+ARCHS = ("llama", "qwen3moe", "qwen2moe", "deepseek2")
 _LATER_FIELDS: dict[str, object] = {
     "arch": "llama",
     "experts": 0,
@@ -161,7 +223,61 @@ _LATER_FIELDS: dict[str, object] = {
     "expert_ffn": 0,
     "shared_ffn": 0,
     "head_dim": 0,
+    "dense_blocks": 0,
+    "q_lora_rank": 0,
+    "kv_lora_rank": 0,
+    "rope_dim": 0,
+    "v_head_dim": 0,
+    "shared_experts": 0,
+    "expert_groups": 0,
+    "groups_used": 0,
+    "routed_scale": 0.0,
+    "gating": "",
+    "yarn_factor": 0.0,
+    "yarn_original_context": 0,
+    "yarn_log_mul": 0.0,
+    "yarn_beta_fast": 0.0,
+    "yarn_beta_slow": 0.0,
 }
+
+
+def deepseek2_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a deepseek2 model as the writer stores it, name -> shape in tinygrad's (out, in) order:
+    llama.cpp's names, with MLA's key and value up-projections split per head (``attn_k_b``, ``attn_v_b``) as its
+    converter writes them since it computes MLA in the compressed space."""
+    d, h, hd, r, c, v = spec.dim, spec.heads, spec.hd, spec.rope_dim, spec.kv_lora_rank, spec.v_head_dim
+    nope, e, f, q = hd - r, spec.experts, spec.expert_ffn, spec.q_lora_rank
+    out: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.vocab, d)}
+    for i in range(spec.blocks):
+        b = f"blk.{i}."
+        out[b + "attn_norm.weight"] = (d,)
+        if q:
+            out |= {b + "attn_q_a.weight": (q, d), b + "attn_q_a_norm.weight": (q,), b + "attn_q_b.weight": (h * hd, q)}
+        else:
+            out[b + "attn_q.weight"] = (h * hd, d)
+        out |= {
+            b + "attn_kv_a_mqa.weight": (c + r, d),
+            b + "attn_kv_a_norm.weight": (c,),
+            b + "attn_k_b.weight": (h, c, nope),
+            b + "attn_v_b.weight": (h, v, c),
+            b + "attn_output.weight": (d, h * v),
+            b + "ffn_norm.weight": (d,),
+        }
+        if i < spec.dense_blocks:
+            out |= {b + "ffn_gate.weight": (spec.ffn, d), b + "ffn_up.weight": (spec.ffn, d)}
+            out[b + "ffn_down.weight"] = (d, spec.ffn)
+            continue
+        out |= {b + "ffn_gate_inp.weight": (e, d), b + "exp_probs_b.bias": (e,)}
+        out |= {b + "ffn_gate_exps.weight": (e, f, d), b + "ffn_up_exps.weight": (e, f, d)}
+        out[b + "ffn_down_exps.weight"] = (e, d, f)
+        if spec.shared_experts:
+            s = f * spec.shared_experts
+            out |= {b + "ffn_gate_shexp.weight": (s, d), b + "ffn_up_shexp.weight": (s, d)}
+            out[b + "ffn_down_shexp.weight"] = (d, s)
+    out["output_norm.weight"] = (d,)
+    if not spec.tied_embeddings:
+        out["output.weight"] = (spec.vocab, d)
+    return out
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -215,7 +331,87 @@ PRESETS: dict[str, ModelSpec] = {
         experts_used=8,
         expert_ffn=768,
     ),
+    # deepseek2 for CI: 4 blocks (the first dense), 16 experts in 4 groups (2 used), top 4, one shared expert; MLA
+    # without a query bottleneck (as DeepSeek-V2-Lite), no rope scaling
+    "tiny-deepseek": ModelSpec(
+        blocks=4,
+        heads=4,
+        kv_heads=4,
+        head_dim=32,
+        arch="deepseek2",
+        experts=16,
+        experts_used=4,
+        expert_ffn=32,
+        dense_blocks=1,
+        kv_lora_rank=32,
+        rope_dim=16,
+        v_head_dim=16,
+        shared_experts=1,
+        expert_groups=4,
+        groups_used=2,
+        routed_scale=2.5,
+    ),
+    # Kimi K2's counts at width 64: 61 blocks (the first dense), 384 experts, 8 per token plus one shared, MLA with
+    # a query bottleneck, sigmoid routing with a selection bias, the routed scale and Kimi's YaRN rope settings
+    "kimi-tiny": ModelSpec(
+        blocks=61,
+        heads=4,
+        kv_heads=4,
+        head_dim=32,
+        context=131072,
+        rope_theta=50000.0,
+        norm_eps=1e-6,
+        arch="deepseek2",
+        experts=384,
+        experts_used=8,
+        expert_ffn=32,
+        dense_blocks=1,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        rope_dim=16,
+        v_head_dim=16,
+        shared_experts=1,
+        routed_scale=2.827,
+        yarn_factor=32.0,
+        yarn_original_context=4096,
+        yarn_log_mul=0.1,
+        yarn_beta_fast=1.0,
+        yarn_beta_slow=1.0,
+    ),
+    # Kimi K2 (moonshotai/Kimi-K2-Instruct's config.json), about 1.03 T parameters: for the simulator only, never
+    # written to disk (SIMULATION_ONLY)
+    "kimi-k2": ModelSpec(
+        blocks=61,
+        dim=7168,
+        ffn=18432,
+        heads=64,
+        kv_heads=64,
+        head_dim=192,
+        vocab=163840,
+        context=131072,
+        rope_theta=50000.0,
+        norm_eps=1e-6,
+        arch="deepseek2",
+        experts=384,
+        experts_used=8,
+        expert_ffn=2048,
+        dense_blocks=1,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        rope_dim=64,
+        v_head_dim=128,
+        shared_experts=1,
+        routed_scale=2.827,
+        yarn_factor=32.0,
+        yarn_original_context=4096,
+        yarn_log_mul=0.1,
+        yarn_beta_fast=1.0,
+        yarn_beta_slow=1.0,
+    ),
 }
+# presets too large to write here: the simulator and the planner take them (ppharness.plan.graph), resolve_model
+# refuses them
+SIMULATION_ONLY = frozenset({"kimi-k2"})
 
 
 def preset_spec(preset: str, **overrides: object) -> ModelSpec:
@@ -315,11 +511,14 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
     w.add_block_count(spec.blocks)
     w.add_feed_forward_length(spec.ffn)
     w.add_head_count(spec.heads)
-    w.add_head_count_kv(spec.kv_heads)
+    w.add_head_count_kv(1 if spec.arch == "deepseek2" else spec.kv_heads)  # MLA: one compressed KV "head"
     w.add_layer_norm_rms_eps(spec.norm_eps)
     w.add_rope_freq_base(spec.rope_theta)
-    w.add_rope_dimension_count(spec.hd)
-    if spec.head_dim:
+    if spec.arch == "deepseek2":
+        _deepseek2_keys(spec, w)
+    else:
+        w.add_rope_dimension_count(spec.hd)
+    if spec.head_dim and spec.arch != "deepseek2":
         w.add_key_length(spec.hd)
         w.add_value_length(spec.hd)
     if spec.moe:
@@ -362,7 +561,9 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
     # Shapes are tinygrad's (out, in); GGUF stores dimensions reversed and tinygrad reverses them back.
     matrix("token_embd.weight", rand(spec.vocab, spec.dim, std=1.0))
     lin = 1.0 / np.sqrt(spec.dim)
-    for i in range(spec.blocks):
+    if spec.arch == "deepseek2":
+        _write_deepseek2(spec, rng, rand, norm_weight, vector, matrix, w.add_tensor)
+    for i in range(spec.blocks if spec.arch != "deepseek2" else 0):
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm_weight())
         matrix(f"blk.{i}.attn_q.weight", rand(spec.heads * hd, spec.dim, std=lin))
         matrix(f"blk.{i}.attn_k.weight", rand(spec.kv_heads * hd, spec.dim, std=lin))
@@ -381,9 +582,10 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
             matrix(f"blk.{i}.ffn_gate.weight", rand(spec.ffn, spec.dim, std=lin))
             matrix(f"blk.{i}.ffn_up.weight", rand(spec.ffn, spec.dim, std=lin))
             matrix(f"blk.{i}.ffn_down.weight", rand(spec.dim, spec.ffn, std=1.0 / np.sqrt(spec.ffn)))
-    w.add_tensor("output_norm.weight", norm_weight())
-    if not spec.tied_embeddings:
-        matrix("output.weight", rand(spec.vocab, spec.dim, std=lin))
+    if spec.arch != "deepseek2":
+        w.add_tensor("output_norm.weight", norm_weight())
+        if not spec.tied_embeddings:
+            matrix("output.weight", rand(spec.vocab, spec.dim, std=lin))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
@@ -409,6 +611,62 @@ def _write_experts(spec: ModelSpec, i: int, rng: Any, rand: Any, vector: Any, ma
         matrix(f"blk.{i}.ffn_gate_shexp.weight", rand(s, d, std=lin))
         matrix(f"blk.{i}.ffn_up_shexp.weight", rand(s, d, std=lin))
         matrix(f"blk.{i}.ffn_down_shexp.weight", rand(d, s, std=1.0 / np.sqrt(s)))
+
+
+def _deepseek2_keys(spec: ModelSpec, w: Any) -> None:
+    """deepseek2's metadata as llama.cpp's converter writes it for MLA: the cache's key and value widths
+    (``key_length`` = kv_lora_rank + rope_dim, ``value_length`` = kv_lora_rank, one KV head) and each head's
+    (``key_length_mla``, ``value_length_mla``)."""
+    import gguf
+
+    w.add_rope_dimension_count(spec.rope_dim)
+    w.add_key_length(spec.kv_lora_rank + spec.rope_dim)
+    w.add_value_length(spec.kv_lora_rank)
+    w.add_key_length_mla(spec.hd)
+    w.add_value_length_mla(spec.v_head_dim)
+    w.add_leading_dense_block_count(spec.dense_blocks)
+    if spec.q_lora_rank:
+        w.add_q_lora_rank(spec.q_lora_rank)
+    w.add_kv_lora_rank(spec.kv_lora_rank)
+    w.add_expert_shared_count(spec.shared_experts)
+    w.add_expert_weights_scale(spec.routed_scale or 1.0)
+    w.add_expert_weights_norm(True)
+    gating = gguf.ExpertGatingFuncType.SIGMOID if spec.gating_func == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
+    w.add_expert_gating_func(gating)
+    if spec.expert_groups:
+        w.add_expert_group_count(spec.expert_groups)
+        w.add_expert_group_used_count(spec.groups_used)
+    if spec.yarn_factor:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(spec.yarn_original_context)
+        w.add_rope_scaling_yarn_log_mul(spec.yarn_log_mul)
+        if spec.yarn_beta_fast:
+            w.add_rope_scaling_yarn_beta_fast(spec.yarn_beta_fast)
+        if spec.yarn_beta_slow:
+            w.add_rope_scaling_yarn_beta_slow(spec.yarn_beta_slow)
+
+
+def _write_deepseek2(
+    spec: ModelSpec, rng: Any, rand: Any, norm_weight: Any, vector: Any, matrix: Any, add: Any
+) -> None:
+    """Every deepseek2 tensor but the embedding, in ``deepseek2_shapes``' order: norms F32, the router F32 (rows
+    scaled log-normally as in ``_write_experts``) with its F32 selection bias, every other matrix in the spec's
+    weight type; each matrix's scale 1/sqrt(its input width)."""
+    for name, shape in deepseek2_shapes(spec).items():
+        if name == "token_embd.weight":
+            continue
+        if name.endswith("norm.weight"):
+            add(name, norm_weight(shape[0]))
+        elif name.endswith("exp_probs_b.bias"):
+            add(name, vector(shape[0], 0.05))
+        elif name.endswith("ffn_gate_inp.weight"):
+            hot = np.exp(rng.standard_normal((shape[0], 1), dtype=np.float32) * 0.5)
+            add(name, (rng.standard_normal(shape, dtype=np.float32) * hot / np.sqrt(shape[1])).astype(np.float32))
+        elif name.endswith("attn_k_b.weight"):  # (heads, kv_lora_rank, nope): multiplies queries into the cache
+            matrix(name, rand(*shape, std=1.0 / np.sqrt(shape[2])))
+        else:
+            matrix(name, rand(*shape, std=1.0 / np.sqrt(shape[-1])))
 
 
 # --- resolving a scenario's model to a local file ------------------------------------------------------------------
@@ -491,6 +749,12 @@ def resolve_model(source: str, sha256: str | None = None) -> Path:
     http(s) URL (downloaded once with a progress bar, checked against ``sha256`` when given).
     """
     if source.startswith("synthetic:"):
+        preset = source.removeprefix("synthetic:").split(",")[0]
+        if preset in SIMULATION_ONLY:
+            raise ModelError(
+                f"{source!r} is for the simulator only ({parse_synthetic(source).n_params / 1e9:.0f} B parameters): "
+                "`ppharness plan simulate` and `plan make` take it; to run, use a preset that fits this machine"
+            )
         return synthetic_path(parse_synthetic(source))
     if source.startswith(("http://", "https://")):
         return download(source, sha256)

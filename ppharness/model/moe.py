@@ -16,6 +16,8 @@ What each architecture computes, as llama.cpp's ``build_moe_ffn`` and HF transfo
 - ``qwen3moe``: softmax over all experts, top-k, weights renormalised (``norm_topk_prob``); no shared expert.
 - ``qwen2moe``: softmax, top-k, weights *not* renormalised; plus the shared expert, ``sigmoid(w_g . x) *
   down(silu(gate(x)) * up(x))`` with its own width.
+- ``deepseek2`` (DeepSeek V3, Kimi K2): sigmoid scores, a selection bias, grouped top-k where the file says so,
+  weights renormalised and multiplied by the routed scaling factor (``route``); plus ungated shared experts.
 
 Split == unsplit, bit for bit, by the same construction as the block boundary (``ppharness.model.slicing``): an
 expert's output is its own fp16 buffer computed by one compiled kernel sequence whatever node runs it, and the
@@ -54,16 +56,53 @@ class Routing:
     weights: NDArray[np.float32]
 
 
-def route(logits: NDArray[np.float32], k: int, renormalise: bool) -> Routing:
-    """The router: softmax over every expert of each row of ``logits`` (T, E), the ``k`` most probable (ties to the
-    lower expert index), their probabilities as weights, renormalised to sum 1 when ``renormalise``."""
-    z = logits.astype(F32) - logits.max(axis=-1, keepdims=True).astype(F32)
-    e = np.exp(z, dtype=F32)
-    probs = (e / e.sum(axis=-1, keepdims=True, dtype=F32)).astype(F32)
-    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
-    weights = np.take_along_axis(probs, ids, axis=-1).astype(F32)
+# llama.cpp's floor under the sum of the chosen weights before it divides by it (build_moe_ffn, 2**-14)
+WEIGHTS_SUM_FLOOR = F32(6.103515625e-5)
+
+
+def route(
+    logits: NDArray[np.float32],
+    k: int,
+    renormalise: bool,
+    gating: str = "softmax",
+    bias: NDArray[np.float32] | None = None,
+    groups: int = 0,
+    groups_used: int = 0,
+    scale: float = 1.0,
+) -> Routing:
+    """The router, on each row of ``logits`` (T, E), as llama.cpp's ``build_moe_ffn`` computes it:
+
+    1. scores: softmax over every expert, or (``gating="sigmoid"``, DeepSeek V3 / Kimi K2) each expert's sigmoid;
+    2. the selection scores: the scores plus the selection ``bias`` where the model has one (it picks experts but is
+       not part of their weights);
+    3. with ``groups``: the experts split into that many equal groups, each group scored by the sum of its two best
+       selection scores, and only the ``groups_used`` best groups' experts stay candidates;
+    4. the ``k`` best candidates by selection score (ties to the lower expert index), their *scores* as weights,
+       renormalised to sum 1 when ``renormalise`` (the sum floored at 2**-14), then multiplied by ``scale``."""
+    x = logits.astype(F32)
+    if gating == "sigmoid":
+        scores = (F32(1) / (F32(1) + np.exp(-x, dtype=F32))).astype(F32)
+    elif gating == "softmax":
+        e = np.exp(x - x.max(axis=-1, keepdims=True), dtype=F32)
+        scores = (e / e.sum(axis=-1, keepdims=True, dtype=F32)).astype(F32)
+    else:
+        raise ModelError(f"unknown expert gating {gating!r}: expected softmax or sigmoid")
+    select = scores if bias is None else (scores + bias.astype(F32)).astype(F32)
+    if groups > 1:
+        t, n = select.shape
+        grouped = select.reshape(t, groups, n // groups)
+        best2 = -np.sort(-grouped, axis=-1)[:, :, :2].sum(axis=-1, dtype=F32)  # (T, groups)
+        kept = np.argsort(-best2, axis=-1, kind="stable")[:, :groups_used]
+        mask = np.zeros((t, groups), dtype=bool)
+        np.put_along_axis(mask, kept, True, axis=-1)
+        select = np.where(np.repeat(mask, n // groups, axis=-1), select, F32(-np.inf)).astype(F32)
+    ids = np.argsort(-select, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(scores, ids, axis=-1).astype(F32)
     if renormalise:
-        weights = (weights / weights.sum(axis=-1, keepdims=True, dtype=F32)).astype(F32)
+        total = np.maximum(weights.sum(axis=-1, keepdims=True, dtype=F32), WEIGHTS_SUM_FLOOR)
+        weights = (weights / total).astype(F32)
+    if scale != 1.0:
+        weights = (weights * F32(scale)).astype(F32)
     return Routing(ids=ids.astype(np.int64), weights=weights)
 
 

@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this m
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 # mixture-of-experts architectures this model code computes, and whether each renormalises its top-k weights when
 # the file does not say (llama.cpp's build_moe_ffn ``norm_w``)
-MOE_ARCHS = {"qwen3moe": True, "qwen2moe": False}
+MOE_ARCHS = {"qwen3moe": True, "qwen2moe": False, "deepseek2": False}
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,26 @@ class ModelConfig:
     moe_blocks: frozenset[int] = frozenset()
     qk_norm: int = 0  # RMS norm of each head's queries and keys (qwen3): the head dim, 0 for none
     qkv_bias: bool = False  # biases on the query, key and value projections (qwen2)
+    # deepseek2 (ppharness.model.mla): the router's scoring, groups and scale, whether the shared experts are gated
+    # (qwen2moe) or not, MLA's ranks and widths (``head_dim`` is then a head's key width, no-rope + rope), and YaRN
+    gating: str = "softmax"
+    expert_groups: int = 0
+    groups_used: int = 0
+    routed_scale: float = 1.0
+    shared_gate: bool = True
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    v_head_dim: int = 0
+    yarn_factor: float = 0.0
+    yarn_original_context: int = 0
+    yarn_log_mul: float = 0.0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def moe(self) -> bool:
@@ -102,13 +122,17 @@ class ModelConfig:
                 expert_ffn=int(kv.get(f"{arch}.expert_feed_forward_length", kv[f"{arch}.feed_forward_length"]))
                 if experts
                 else 0,
-                shared_ffn=int(kv[f"{arch}.expert_shared_feed_forward_length"])
+                shared_ffn=int(kv.get(f"{arch}.expert_shared_feed_forward_length", 0))
                 if any(n.endswith(".ffn_gate_shexp.weight") for n in tensor_names)
                 else 0,
                 norm_topk=bool(kv.get(f"{arch}.expert_weights_norm", MOE_ARCHS.get(arch, False))),
                 moe_blocks=moe_blocks if experts else frozenset(),
             )
             q_norm = next((n for n in sorted(tensor_names) if n.endswith(".attn_q_norm.weight")), None)
+            head_dim = int(kv.get(f"{arch}.attention.key_length", dim // heads))
+            if arch == "deepseek2":
+                mla = _deepseek2_kv(kv, tensor_names, moe)
+                head_dim = int(mla["head_dim"])
             return ModelConfig(
                 arch=arch,
                 blocks=int(kv[f"{arch}.block_count"]),
@@ -116,7 +140,7 @@ class ModelConfig:
                 ffn=int(kv[f"{arch}.feed_forward_length"]),
                 heads=heads,
                 kv_heads=int(kv.get(f"{arch}.attention.head_count_kv", heads)),
-                head_dim=int(kv.get(f"{arch}.attention.key_length", dim // heads)),
+                head_dim=head_dim,
                 vocab=len(kv["tokenizer.ggml.tokens"]),
                 context=int(kv[f"{arch}.context_length"]),
                 rope_theta=float(kv.get(f"{arch}.rope.freq_base", 10000.0)),
@@ -132,6 +156,42 @@ class ModelConfig:
             )
         except KeyError as exc:
             raise ModelError(f"GGUF metadata lacks {exc.args[0]!r}") from None
+
+
+def _deepseek2_kv(kv: dict[str, Any], tensor_names: set[str], moe: dict[str, Any]) -> dict[str, Any]:
+    """deepseek2's keys, as llama.cpp's loader reads them, into ``moe`` (updated in place); returns the head's key
+    width. A file from before llama.cpp computed MLA in the compressed space (one ``attn_kv_b`` per block instead of
+    ``attn_k_b`` and ``attn_v_b``) is refused with what to do."""
+    a = "deepseek2"
+    if any(n.endswith(".attn_kv_b.weight") for n in tensor_names):
+        raise ModelError(
+            "this deepseek2 GGUF stores MLA's key/value up-projection as one attn_kv_b per block (llama.cpp's layout "
+            "before April 2025); convert the model again with a current llama.cpp convert_hf_to_gguf.py, which "
+            "writes attn_k_b and attn_v_b"
+        )
+    gating = int(kv.get(f"{a}.expert_gating_func", 0))
+    shared = int(kv.get(f"{a}.expert_shared_count", 0))
+    moe.update(
+        gating="sigmoid" if gating == 2 else "softmax",  # 0 (not set): softmax, as llama.cpp for DeepSeek V2
+        expert_groups=int(kv.get(f"{a}.expert_group_count", 0)),
+        groups_used=int(kv.get(f"{a}.expert_group_used_count", 0)),
+        routed_scale=float(kv.get(f"{a}.expert_weights_scale", 1.0)),
+        shared_gate=False,
+        shared_ffn=moe["expert_ffn"] * shared if moe["experts"] else 0,
+        q_lora_rank=int(kv.get(f"{a}.attention.q_lora_rank", 0)),
+        kv_lora_rank=int(kv[f"{a}.attention.kv_lora_rank"]),
+        rope_dim=int(kv[f"{a}.rope.dimension_count"]),
+        v_head_dim=int(kv.get(f"{a}.attention.value_length_mla", kv.get(f"{a}.attention.value_length", 0))),
+    )
+    if str(kv.get(f"{a}.rope.scaling.type", "none")) == "yarn":
+        moe.update(
+            yarn_factor=float(kv[f"{a}.rope.scaling.factor"]),
+            yarn_original_context=int(kv[f"{a}.rope.scaling.original_context_length"]),
+            yarn_log_mul=float(kv.get(f"{a}.rope.scaling.yarn_log_multiplier", 0.0)),
+            yarn_beta_fast=float(kv.get(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+            yarn_beta_slow=float(kv.get(f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+        )
+    return {"head_dim": kv.get(f"{a}.attention.key_length_mla", kv[f"{a}.attention.key_length"])}
 
 
 class GGUFFile:
@@ -177,6 +237,14 @@ class GGUFFile:
             d = arr.shape[-1]
             arr = arr.reshape(n, -1, 2, d).transpose(0, 2, 1, 3).reshape(-1, d)
         return np.ascontiguousarray(arr)
+
+    def vector(self, name: str) -> NDArray[np.float32]:
+        """A 1-D F32 or F16 tensor as float32 (what a router's selection bias needs: not rounded to float16)."""
+        try:
+            t = self._tensors[name]
+        except KeyError:
+            raise ModelError(f"{self.path}: tensor {name!r} is missing") from None
+        return np.asarray(t.data, dtype=np.float32).reshape(-1).copy()
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -258,9 +326,15 @@ class ModelSlice:
         self.taps = taps
         self._tapped: list[Tensor] = []  # with taps: every block's output of the last step (tinygrad tensors)
         max_ctx = self.max_context
+        if cfg.mla:
+            from ppharness.model.mla import deepseek2_block_class
+
+            block_class = deepseek2_block_class()
+        else:
+            block_class = _moe_block_class()
         self.blk = (
-            [_moe_block_class()(cfg, self.max_context, lo + i in cfg.moe_blocks) for i in range(hi - lo)]
-            if cfg.moe
+            [block_class(cfg, self.max_context, lo + i in cfg.moe_blocks) for i in range(hi - lo)]
+            if cfg.moe or cfg.mla
             else [
                 _block_class()(
                     cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.norm_eps, cfg.head_dim, cfg.rope_theta, max_ctx
@@ -282,6 +356,12 @@ class ModelSlice:
         self.bank = ExpertBank(gguf_file, all_experts(gguf_file, lo, hi) if experts is None else experts)
         self.n_params += self.bank.n_params
         self._steps = [TinyJit(functools.partial(self._segment, i)) for i in range(hi - lo)] if cfg.moe else []
+        # the routers' selection biases (deepseek2's exp_probs_b), float32 as the file stores them
+        self._bias = {
+            lo + i: gguf_file.vector(f"blk.{lo + i}.exp_probs_b.bias")
+            for i in range(hi - lo)
+            if f"blk.{lo + i}.exp_probs_b.bias" in gguf_file._tensors
+        }
         self._head_jit = TinyJit(self._head)
         self._inputs: dict[int, Tensor] = {}
         self._tapped_np: dict[int, NDArray[np.float16]] = {}
@@ -374,7 +454,16 @@ class ModelSlice:
             if getattr(block, "routed", False):
                 residual, normed, logits, *shared = outs
                 t = residual.shape[1]
-                routing = route(logits.reshape(t, cfg.experts), cfg.experts_used, cfg.norm_topk)
+                routing = route(
+                    logits.reshape(t, cfg.experts),
+                    cfg.experts_used,
+                    cfg.norm_topk,
+                    gating=cfg.gating,
+                    bias=self._bias.get(self.lo + i),
+                    groups=cfg.expert_groups,
+                    groups_used=cfg.groups_used,
+                    scale=cfg.routed_scale,
+                )
                 got = yield ExpertCall(layer=self.lo + i, hidden=normed.reshape(t, cfg.dim), routing=routing)
                 gated = shared[0].reshape(t, cfg.dim) if shared else None
                 h = combine(residual.reshape(t, cfg.dim), got, routing.weights, gated).reshape(1, t, cfg.dim)
