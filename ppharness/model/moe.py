@@ -36,7 +36,7 @@ from numpy.typing import NDArray
 from ppharness.errors import ModelError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Iterable, Mapping, Sequence
 
     from tinygrad.device import Buffer
     from tinygrad.tensor import Tensor
@@ -137,8 +137,12 @@ class ExpertCall:
 
 
 class ExpertBank:
-    """Routed expert FFNs of some (layer, expert) pairs, stacked on one tinygrad device, computed one row at a time
-    by one compiled step whose expert is a bound variable (so any held expert runs the same kernels)."""
+    """Routed expert FFNs of some (layer, expert) pairs, stacked on one tinygrad device.
+
+    One compiled step computes one row through ``width`` experts at once (the architecture's experts per token),
+    each expert a bound variable of the step; fewer experts pad with the first. Every bank of a model, whatever it
+    holds, runs that same step, and each expert's output is computed by the same kernel code at any position of the
+    step, so which node computes an expert, and beside which others, never changes its bytes."""
 
     def __init__(self, gguf_file: GGUFFile, held: Mapping[int, Iterable[int]]):
         from tinygrad.engine.jit import TinyJit
@@ -146,7 +150,7 @@ class ExpertBank:
         from tinygrad.uop.ops import UOp
 
         cfg = gguf_file.config
-        self.dim, self.ffn = cfg.dim, cfg.expert_ffn
+        self.dim, self.ffn, self.width = cfg.dim, cfg.expert_ffn, max(1, cfg.experts_used)
         self.slots: dict[tuple[int, int], int] = {}
         gates: list[NDArray[np.float16]] = []
         ups: list[NDArray[np.float16]] = []
@@ -170,18 +174,24 @@ class ExpertBank:
         self._gate = Tensor(np.concatenate(gates)).contiguous().realize()  # (n, F, D)
         self._up = Tensor(np.concatenate(ups)).contiguous().realize()  # (n, F, D)
         self._down = Tensor(np.concatenate(downs)).contiguous().realize()  # (n, D, F)
-        self._slot = UOp.variable("expert_slot", 0, max(self.n - 1, 1))
+        top = max(self.n - 1, 1)
+        self._vars = [UOp.variable(f"expert_slot_{i}", 0, top) for i in range(self.width)]
         self._jit = TinyJit(self._ffn)
         self._in: Tensor | None = None
 
-    def _ffn(self, x: Tensor, slot: UOp) -> Tensor:
-        ffn, dim = self.ffn, self.dim
-        gate = self._gate.shrink(((slot, slot + 1), None, None)).reshape(ffn, dim)
-        up = self._up.shrink(((slot, slot + 1), None, None)).reshape(ffn, dim)
-        down = self._down.shrink(((slot, slot + 1), None, None)).reshape(dim, ffn)
-        act: Tensor = cast("Any", x @ gate.T).silu().contiguous()  # tinygrad leaves silu unannotated
-        out: Tensor = (act * (x @ up.T) @ down.T).cast("float16").contiguous()  # (1, D)
-        return out
+    def _ffn(self, x: Tensor, *slots: UOp) -> Tensor:
+        """One row ``x`` (1, D) through the experts in ``slots``: (width, D) fp16."""
+        from tinygrad.tensor import Tensor
+
+        def pick(t: Tensor) -> Tensor:
+            return Tensor.cat(*[t.shrink(((s, s + 1), None, None)) for s in slots])
+
+        gate, up, down = pick(self._gate), pick(self._up), pick(self._down)  # (w,F,D), (w,F,D), (w,D,F)
+        col = x.reshape(self.dim, 1)
+        act: Tensor = cast("Any", (gate @ col).reshape(self.width, self.ffn)).silu().contiguous()  # silu: unannotated
+        y = act * (up @ col).reshape(self.width, self.ffn)
+        out: Tensor = (down @ y.reshape(self.width, self.ffn, 1)).reshape(self.width, self.dim)
+        return out.cast("float16").contiguous()
 
     def holds(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self.slots
@@ -192,28 +202,50 @@ class ExpertBank:
             out.setdefault(layer, []).append(e)
         return out
 
-    def run(self, layer: int, expert: int, row: NDArray[np.float16]) -> NDArray[np.float16]:
-        """Expert ``expert`` of block ``layer`` on one row (D,) fp16 -> (D,) fp16."""
-        from tinygrad.tensor import Tensor
-
+    def _slot(self, layer: int, expert: int) -> int:
         try:
-            slot = self.slots[(layer, expert)]
+            return self.slots[(layer, expert)]
         except KeyError:
             raise ModelError(f"expert {expert} of block {layer} is not held here") from None
+
+    def _row(self, row: NDArray[np.float16], slots: list[int]) -> NDArray[np.float16]:
+        """One row through up to ``width`` held experts (slots): (len(slots), D) fp16."""
+        from tinygrad.tensor import Tensor
+
         arr = np.ascontiguousarray(row, dtype=F16).reshape(1, self.dim)
         if self._in is None:
             self._in = Tensor(arr).realize()
         else:
             cast("Buffer", self._in.uop.base.realized).copyin(arr.data.cast("B"))
-        return cast("NDArray[np.float16]", self._jit(self._in, self._slot.bind(slot)).numpy().reshape(self.dim))
+        padded = slots + [slots[0]] * (self.width - len(slots))
+        out = self._jit(self._in, *[v.bind(s) for v, s in zip(self._vars, padded)]).numpy()
+        return cast("NDArray[np.float16]", out[: len(slots)].copy())
+
+    def run(self, layer: int, expert: int, row: NDArray[np.float16]) -> NDArray[np.float16]:
+        """Expert ``expert`` of block ``layer`` on one row (D,) fp16 -> (D,) fp16."""
+        out: NDArray[np.float16] = self._row(row, [self._slot(layer, expert)])[0]
+        return out
+
+    def run_pairs(
+        self, layer: int, hidden: NDArray[np.float16], pairs: Sequence[tuple[int, int]]
+    ) -> NDArray[np.float16]:
+        """(row of ``hidden``, expert) ``pairs`` of block ``layer`` -> (len(pairs), D) fp16: each row's experts
+        ``width`` at a time."""
+        out = np.empty((len(pairs), self.dim), dtype=F16)
+        by_row: dict[int, list[int]] = {}
+        for i, (row, _) in enumerate(pairs):
+            by_row.setdefault(row, []).append(i)
+        for row, idx in by_row.items():
+            for lo in range(0, len(idx), self.width):
+                chunk = idx[lo : lo + self.width]
+                out[chunk] = self._row(hidden[row], [self._slot(layer, pairs[i][1]) for i in chunk])
+        return out
 
     def answer(self, layer: int, hidden: NDArray[np.float16], experts: NDArray[np.int64]) -> NDArray[np.float16]:
         """Rows ``hidden`` (T, D) through each row's ``experts`` (T, j) -> (T, j, D) fp16."""
-        out = np.empty((*experts.shape, self.dim), dtype=F16)
-        for t in range(experts.shape[0]):
-            for j in range(experts.shape[1]):
-                out[t, j] = self.run(layer, int(experts[t, j]), hidden[t])
-        return out
+        t, j = experts.shape
+        pairs = [(r, int(experts[r, c])) for r in range(t) for c in range(j)]
+        return self.run_pairs(layer, hidden, pairs).reshape(t, j, self.dim)
 
 
 def all_experts(gguf_file: GGUFFile, lo: int, hi: int) -> dict[int, list[int]]:

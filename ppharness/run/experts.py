@@ -173,8 +173,10 @@ class ExpertParallel:
             sent_ns[address] = now_ns()
             self.transport.send(address, req)
         t_sent = now_ns()
-        for t, j in local:
-            out[t, j] = self.model.bank.run(call.layer, int(ids[t, j]), call.hidden[t])
+        if local:
+            got = self.model.bank.run_pairs(call.layer, call.hidden, [(t, int(ids[t, j])) for t, j in local])
+            for (t, j), y in zip(local, got):
+                out[t, j] = y
         t_local = now_ns()
         self._wait(call.layer, position, requests, slots, out, sent_ns)
         if self.tracer:
@@ -314,11 +316,10 @@ class ExpertServer:
         hidden = codec.unpack_tensor(msg.hidden, msg.shape, msg.dtype, f"ExpertRequest for block {msg.layer}")
         if hidden.ndim != 2 or hidden.shape[1] != self.bank.dim:
             raise ModelError(f"hidden rows of shape {hidden.shape}, expected (rows, {self.bank.dim})")
-        out = np.empty((len(msg.pairs), self.bank.dim), dtype=np.float16)
-        for i, (row, e) in enumerate(msg.pairs):
+        for i, (row, _) in enumerate(msg.pairs):
             if not 0 <= row < hidden.shape[0]:
                 raise ModelError(f"pair {i} names row {row} of {hidden.shape[0]}")
-            out[i] = self.bank.run(msg.layer, e, hidden[row])
+        out = self.bank.run_pairs(msg.layer, hidden, [(int(r), int(e)) for r, e in msg.pairs])
         self.computed += 1
         data, shape = codec.pack_hidden(out, self.wire_dtype)
         t1 = now_ns()
