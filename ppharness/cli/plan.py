@@ -20,12 +20,16 @@ MODEL_HELP = (
 )
 
 
-def model_for(model: str, max_context: int) -> ModelGraph:
-    """The plan's model part for ``model`` (a preset name, a synthetic: spec, a path or a URL)."""
-    from ppharness.model.files import PRESETS, preset_spec, resolve_model, synthetic_source
-    from ppharness.plan.graph import model_graph
+def model_for(model: str, max_context: int, weights: str = "f16") -> ModelGraph:
+    """The plan's model part for ``model`` (a preset name, a synthetic: spec, a path or a URL), its weights counted
+    as ``weights`` says (``ppharness.plan.graph``). A synthetic model this machine does not write (``kimi-k2``) is
+    derived from its spec, for the simulator only."""
+    from ppharness.model.files import PRESETS, parse_synthetic, preset_spec, resolve_model, synthetic_source
+    from ppharness.plan.graph import model_graph, simulation_only, spec_graph
 
-    if model in PRESETS:
+    if model in PRESETS and simulation_only(f"synthetic:{model}"):
+        source = f"synthetic:{model}"
+    elif model in PRESETS:
         source = synthetic_source(preset_spec(model))
     elif model.startswith("synthetic:") or "://" in model:
         source = model
@@ -34,7 +38,27 @@ def model_for(model: str, max_context: int) -> ModelGraph:
         if not path.is_file():
             fail(f"--model {model}: no such file, and not a preset ({', '.join(PRESETS)}) or a URL")
         source = str(path.resolve())
-    return model_graph(resolve_model(source), source, max_context)
+    if simulation_only(source):
+        return spec_graph(parse_synthetic(source), source, max_context, weights=weights)
+    return model_graph(resolve_model(source), source, max_context, weights=weights)
+
+
+def expert_device_names(experts_on: str, devices: list[str]) -> list[str]:
+    """The devices ``--experts-on`` names, in the cluster's order: comma-separated ids, each of which may be a
+    shell-style pattern (``us-east-4090-[1-3]?``) standing for every device it matches; a name that is neither a
+    device nor matches one stays as given (the expert planner then says it is unknown)."""
+    import fnmatch
+
+    out: list[str] = []
+    for item in (d.strip() for d in experts_on.split(",")):
+        if not item:
+            continue
+        if not any(ch in item for ch in "*?["):
+            out.append(item)
+            continue
+        matched = [d for d in devices if fnmatch.fnmatchcase(d, item)]
+        out += [name for name in matched if name not in out] if matched else [item]
+    return out
 
 
 def _load(plan_file: str) -> PlanDoc:
@@ -140,8 +164,9 @@ def plan_text(plan_file: str) -> None:
 @click.option(
     "--experts-on",
     "experts_on",
-    help="Comma-separated devices for the routed experts of a mixture-of-experts model: the stages are placed on the "
-    "other devices (as their blocks' dense parts), then the experts on these and in the stages' spare memory.",
+    help="Comma-separated devices for the routed experts of a mixture-of-experts model (each may be a shell-style "
+    "pattern, e.g. 'us-east-4090-[1-3]?'): the stages are placed on the other devices (as their blocks' dense parts), "
+    "then the experts on these and in the stages' spare memory.",
 )
 @click.option(
     "--expert-policy",
@@ -161,6 +186,13 @@ def plan_text(plan_file: str) -> None:
     type=click.Path(dir_okay=False),
     help='Expert frequencies: JSON {"layers": {"<block>": [share of tokens choosing each routed expert, ...]}}.',
 )
+@click.option(
+    "--weights",
+    default="f16",
+    show_default=True,
+    help="How weight bytes count: f16 (what the node runtime holds), or a quantised GGUF's for the simulator only: "
+    "q8_0 (8.5 bits per weight), q4_k (4.5), q4_0 (4.5), or bits per weight (e.g. 4.85).",
+)
 @click.option("-o", "--out", help="Plan file to write (JSON); default: standard output.")
 def plan_make(
     model: str,
@@ -174,6 +206,7 @@ def plan_make(
     replicas: bool,
     expert_time_limit: float,
     routing_file: str | None,
+    weights: str,
     out: str | None,
 ) -> None:
     """Make a plan for MODEL on a cluster: which devices, in which order, which blocks each (and, with --experts-on,
@@ -197,12 +230,12 @@ def plan_make(
     report: ExpertReport | None = None
     with exit_1_on_failure():
         cluster: Cluster = load_cluster(cluster_file)
-        graph = model_for(model, max_context)
+        graph = model_for(model, max_context, weights)
         goal = Objective(kind=objective, requests=requests)  # type: ignore[arg-type]
         if experts_on is None:
             doc = policy_plan(policy, graph, cluster, goal)
         else:
-            names = [d.strip() for d in experts_on.split(",") if d.strip()]
+            names = expert_device_names(experts_on, [d.id for d in cluster.devices])
             stage_devices = tuple(d for d in cluster.devices if d.id not in names)
             if not names or not stage_devices:
                 fail(

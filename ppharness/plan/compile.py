@@ -74,7 +74,9 @@ class Compiled:
 
 def compile_plan(doc: PlanDoc) -> Compiled:
     """The run's view of a checked plan: nodes in loop order, their devices and block ranges. Refuses a plan whose
-    devices come from more than one provider (a run has one)."""
+    devices come from more than one provider (a run has one), or one made for the simulator only (``check_model``)."""
+    if doc.model.weights:
+        check_model(doc, doc.model.sha256, doc.model.source)
     order = loop(doc)
     devices = tuple(doc.cluster.device(n.device) for n in order)
     experts = tuple(expert_nodes(doc))
@@ -216,7 +218,13 @@ def scenario_plan(
 
 
 def check_model(doc: PlanDoc, sha256: str, path: str, source: str = "") -> None:
-    """Refuse a plan made for another model than the file the run resolved."""
+    """Refuse a plan made for another model than the file the run resolved, or made for the simulator only (its
+    weights counted as a quantised GGUF's, which the node runtime does not hold)."""
+    if doc.model.weights:
+        raise PlanError(
+            f"{source or 'the plan'}: $.model.weights: the plan counts weights as {doc.model.weights}, for the "
+            "simulator only — the node runtime holds float16 weights; make the plan again without --weights to run it"
+        )
     if doc.model.sha256 and doc.model.sha256 != sha256:
         raise PlanError(
             f"{source or 'the plan'}: $.model.sha256: the plan was made for a model with sha256 "

@@ -7,8 +7,9 @@ cluster's fixed cost per hop (what the trace measures for the transport).
 
 A mixture-of-experts block (``experts.count`` above 0) is two parts: its dense part (attention, router, any shared
 expert: the block's FLOPs less ``active`` routed experts', its weights less all ``count`` routed experts') and the
-``active`` routed experts a token is sent to, each reading its ``bytes_per_expert`` and doing as many FLOPs (two bytes
-and two FLOPs per parameter). Each part is the larger of FLOPs over speed and bytes over bandwidth, and a block whose
+``active`` routed experts a token is sent to, each reading its ``bytes_per_expert`` and doing its ``expert_flops``
+(as many as its bytes for float16 weights, two of each per parameter; a quantised graph reads fewer bytes for the
+same FLOPs). Each part is the larger of FLOPs over speed and bytes over bandwidth, and a block whose
 experts stay with it costs the sum (``routed``). Where a plan places the experts on nodes of their own, the block's
 owner computes the dense part and the experts' time is the fan-out's (``ppharness.plan.experts``): one message per
 expert node chosen (``request_bytes`` out, ``reply_bytes`` back, ``remote_experts_ms`` for the round trip).
@@ -39,7 +40,7 @@ def _seconds(flops: float, nbytes: float, device: Device) -> float:
 def dense_part(block: Block) -> tuple[int, int]:
     """(FLOPs per token, weight bytes) of a block without its routed experts (the whole block when it is dense)."""
     x = block.experts
-    return block.flops - x.active * x.bytes_per_expert, block.weight_bytes - x.count * x.bytes_per_expert
+    return block.flops - x.active * x.expert_flops, block.weight_bytes - x.count * x.bytes_per_expert
 
 
 def block_seconds(block: Block, device: Device, routed: bool = True) -> float:
@@ -73,13 +74,13 @@ def node_ms(model: ModelGraph, device: Device, lo: int, hi: int, head: bool, rou
 
 
 def _expert_seconds(device: Device, block: Block, k: float) -> float:
-    work = k * block.experts.bytes_per_expert
-    return _seconds(work, work, device)
+    x = block.experts
+    return _seconds(k * x.expert_flops, k * x.bytes_per_expert, device)
 
 
 def expert_ms(device: Device, block: Block, k: float) -> float:
     """``k`` routed experts of ``block`` for one token on ``device`` (no fixed cost): each reads its weights and does
-    as many FLOPs as it has bytes."""
+    its FLOPs."""
     return _expert_seconds(device, block, k) * 1e3
 
 
@@ -111,11 +112,11 @@ def remote_experts_ms(model: ModelGraph, cluster: Cluster, owner: str, device: D
 def expert_prefill_ms(device: Device, block: Block, evaluations: float, distinct: float) -> float:
     """A prompt's routed-expert work on ``device``: ``evaluations`` (token, expert) pairs at the device's batched
     speed, or the weights of the ``distinct`` experts they touch read once, whichever is longer."""
-    per = block.experts.bytes_per_expert
+    x = block.experts
     speed = (device.prefill_gflops or device.gflops) * 1e9
-    t = evaluations * per / speed
+    t = evaluations * x.expert_flops / speed
     if device.bandwidth_gbs is not None:
-        t = max(t, distinct * per / (device.bandwidth_gbs * 1e9))
+        t = max(t, distinct * x.bytes_per_expert / (device.bandwidth_gbs * 1e9))
     return t * 1e3
 
 

@@ -36,7 +36,7 @@ from msgspec import Meta
 from ppharness.errors import PlanError
 from ppharness.network.spec import Impairment
 from ppharness.scenario.explain import FieldError, explain, explain_yaml
-from ppharness.scenario.yaml_limits import YamlLimit, screen
+from ppharness.scenario.yaml_limits import PLAN_LIMITS, YamlLimit, screen
 
 PLAN_VERSION = 1
 # (?!\n): Python's $ also matches before a final newline, which an id must not end in
@@ -64,9 +64,16 @@ class Experts(_Doc, frozen=True):
     active: Count = 0  # experts each token is routed to
     shared: Count = 0  # experts every token goes through
     bytes_per_expert: Bytes = 0  # one routed expert's weights (gate, up and down), as the runtime holds them
+    # one routed expert's FLOPs per token; 0: as many as its bytes (float16 weights: two of each per parameter)
+    flops_per_expert: Count = 0
     # how often each routed expert is among a token's chosen ones (a probe run's measure, summing to ``active``);
     # empty: uniform, ``active / count`` each
     frequencies: tuple[Annotated[float, Meta(ge=0, le=1)], ...] = ()
+
+    @property
+    def expert_flops(self) -> int:
+        """One routed expert's FLOPs per token."""
+        return self.flops_per_expert or self.bytes_per_expert
 
     def frequency(self, expert: int) -> float:
         if self.frequencies:
@@ -98,6 +105,9 @@ class ModelGraph(_Doc, frozen=True):
     activation_bytes: Bytes  # one token's hidden state on an activation edge
     token_bytes: Bytes  # one token on the feedback edge
     blocks: Annotated[tuple[Block, ...], Meta(min_length=1)]
+    # how the weight bytes are counted: "" as the node runtime holds them (float16); a quantised GGUF type (q4_k, ...)
+    # or bits per weight: for the simulator only (ppharness.plan.graph), a run refuses the plan
+    weights: str = ""
 
 
 # --- cluster ----------------------------------------------------------------------------------------------------
@@ -432,7 +442,7 @@ def decode_text(text: str, source: str, kind: type[PlanDoc] | type[Cluster] = Pl
     """A plan (or cluster) from YAML or JSON text: screened for hostile YAML, conveniences applied, typed, checked
     field by field. Every problem is a PlanError naming ``source``, the ``$.path`` and the fix."""
     try:
-        screen(text)
+        screen(text, PLAN_LIMITS)
     except YamlLimit as exc:
         raise PlanError(f"{source}: {exc.path}: {exc}") from None
     try:

@@ -41,7 +41,9 @@ every device's memory as ``ppharness.plan.check`` counts it:
    so the programme's bound (HiGHS's dual bound, valid when stopped by the time limit too) is a lower bound on the
    predicted time of every placement;
 2. local search from the best of the programme's placement, a greedy one (every block's experts, hottest first,
-   each where it raises its block's proxy time the least) and the round-robin and uniform baselines where they fit.
+   each where it raises its block's proxy time the least), a regional one (where the nodes are in several regions:
+   each block's experts on the expert nodes in its owner's region) and the round-robin and uniform baselines where
+   they fit.
    For each expert, hottest first: move it to another node, copy it into spare memory (``replicas``), drop a copy
    that does not help, swap it with one of the coldest experts (of any block) on another node; a change is kept when
    the predicted time (on the same routings) goes down. Changes are tried in a fixed order, at most
@@ -93,6 +95,9 @@ IntArray = npt.NDArray[np.int64]
 SAMPLES = 4000  # routings drawn per block
 SEED = 20_250_601  # the routings' seed (with the block's index)
 MAX_EVALUATIONS = 20_000  # placements the local search predicts, at most
+# the largest proxy programme solved (variables); a larger problem (Kimi K2: 60 blocks of 384 experts over tens of
+# nodes, over a million) gets the round-trip bound instead and starts its search from the greedy placement
+PROGRAMME_COLUMNS = 200_000
 IMPROVEMENT = 1e-9  # a change is kept when it lowers the prediction by more than this share
 Baseline = Literal["round-robin", "uniform"]
 
@@ -103,9 +108,11 @@ Baseline = Literal["round-robin", "uniform"]
 @functools.lru_cache(maxsize=256)
 def _routings(count: int, active: int, frequencies: tuple[float, ...], layer: int, samples: int) -> IntArray:
     rng = np.random.default_rng([SEED, layer])
-    weights = np.asarray(frequencies, dtype=np.float64) if frequencies else np.ones(count)
-    with np.errstate(divide="ignore"):
-        keys = np.log(weights) + rng.gumbel(size=(samples, count))
+    if frequencies:
+        with np.errstate(divide="ignore"):
+            keys = np.log(np.asarray(frequencies, dtype=np.float64)) + rng.gumbel(size=(samples, count))
+    else:  # equal weights: the Gumbel keys' order is their uniform draws' order, reversed (the same routings)
+        keys = -rng.random((samples, count))
     top = np.argpartition(-keys, active - 1, axis=1)[:, :active]
     order = np.argsort(-np.take_along_axis(keys, top, axis=1), axis=1, kind="stable")
     chosen = np.take_along_axis(top, order, axis=1).astype(np.int64)
@@ -489,6 +496,44 @@ class _Proxy:
     status: str
 
 
+def programme_columns(problem: _Problem) -> int:
+    """The proxy programme's variables: per block x and z for every (expert, node), u for every node, and t."""
+    return sum(2 * problem.count[layer] * problem.m + problem.m + 1 for layer in problem.moe)
+
+
+def _round_trip_bound(problem: _Problem) -> _Proxy:
+    """A lower bound on every placement's predicted time that needs no programme, for problems too large for it.
+
+    A token's expert time in block L is at least ``t_L``, the cheapest round trip to another node with one expert
+    (``Fanout.table[n, 1]``), whenever one of its experts is not on the owner; the chance of that is at least the
+    expected number of its experts off the owner over ``active``, and that number is ``active`` less the summed
+    frequencies of the experts the owner holds. The owner holds at most its free memory's worth of its blocks'
+    experts, so no placement beats the sum over the blocks of ``t_L`` less the most that free memory can take off:
+    a fractional knapsack of the owner's experts, each worth ``t_L * p_e / active`` for its bytes."""
+    bound = 0.0
+    for owner in sorted(set(problem.owner.values())):
+        layers = [layer for layer in problem.moe if problem.owner[layer] == owner]
+        worth: list[FloatArray] = []
+        weight: list[FloatArray] = []
+        for layer in layers:
+            fan = problem.fan[layer]
+            remote = [n for n in range(problem.m) if n != owner and problem.allowed(layer, n)]
+            t = min((float(fan.table[n, 1]) for n in remote), default=0.0)
+            bound += t
+            worth.append(t * fan.p / fan.active)
+            weight.append(np.full(problem.count[layer], float(problem.size[layer])))
+        value, size = np.concatenate(worth), np.concatenate(weight)
+        order = np.argsort(-value / np.maximum(size, 1.0), kind="stable")
+        value, size = value[order], size[order]
+        room = max(0.0, float(problem.free[owner]))
+        whole = int(np.searchsorted(np.cumsum(size), room, side="right"))
+        taken = float(value[:whole].sum())
+        if whole < len(value):
+            taken += float(value[whole]) * (room - float(size[:whole].sum())) / float(size[whole])
+        bound -= taken
+    return _Proxy(None, max(0.0, bound), "skipped")
+
+
 def _proxy(problem: _Problem, replicas: bool, time_limit_s: float) -> _Proxy:
     """The mixed-integer programme of the module's docstring, solved by HiGHS within ``time_limit_s``."""
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -582,31 +627,32 @@ def _proxy(problem: _Problem, replicas: bool, time_limit_s: float) -> _Proxy:
 
 def _greedy(problem: _Problem) -> Placed | None:
     """The experts of all blocks, hottest first, each on the node where it raises its block's proxy time (the slowest
-    node's expected load and round trip) the least, among the nodes with room; None when an expert finds no room."""
-    left = list(problem.free)
+    node's expected load and round trip) the least, among the nodes with room (ties: the first node); None when an
+    expert finds no room."""
+    left = np.asarray(problem.free, dtype=np.float64)
     load = {layer: np.zeros(problem.m) for layer in problem.moe}
     chance = {layer: np.zeros(problem.m) for layer in problem.moe}
+    allowed = {layer: np.array([problem.allowed(layer, n) for n in range(problem.m)]) for layer in problem.moe}
     placement: Placed = {layer: [[] for _ in range(problem.count[layer])] for layer in problem.moe}
+    columns = np.arange(problem.m)
     for layer, e in _items(problem):
         fan = problem.fan[layer]
-        best: tuple[float, int] | None = None
-        for n in range(problem.m):
-            if left[n] < problem.size[layer] or not problem.allowed(layer, n):
-                continue
-            trial_load = load[layer].copy()
-            trial_load[n] += fan.p[e]
-            trial_chance = chance[layer].copy()
-            if n != fan.owner:
-                trial_chance[n] = max(trial_chance[n], fan.p[e])
-            score = float((fan.c * trial_load + fan.r * trial_chance).max())
-            if best is None or score < best[0]:
-                best = (score, n)
-        if best is None:
+        p = fan.p[e]
+        remote = columns != fan.owner
+        base = fan.c * load[layer] + fan.r * chance[layer]
+        new = fan.c * (load[layer] + p) + fan.r * np.where(remote, np.maximum(chance[layer], p), chance[layer])
+        # the slowest other node, for each candidate: the largest of base without the candidate
+        order = np.argsort(-base, kind="stable")
+        first, second = base[order[0]], base[order[1]] if problem.m > 1 else -math.inf
+        others = np.where(columns == order[0], second, first)
+        score = np.maximum(new, others)
+        ok = allowed[layer] & (left >= problem.size[layer])
+        if not ok.any():
             return None
-        n = best[1]
-        load[layer][n] += fan.p[e]
+        n = int(np.argmin(np.where(ok, score, math.inf)))
+        load[layer][n] += p
         if n != fan.owner:
-            chance[layer][n] = max(chance[layer][n], fan.p[e])
+            chance[layer][n] = max(chance[layer][n], p)
         left[n] -= problem.size[layer]
         placement[layer][e] = [n]
     return placement
@@ -636,6 +682,22 @@ def _baseline(problem: _Problem, kind: Baseline) -> Placed:
             dealt += count
         else:
             placement[layer] = [[first + e * k // count] for e in range(count)]
+    return placement
+
+
+def _regional(problem: _Problem) -> Placed | None:
+    """Each block's experts dealt in turn to the expert nodes in its owner's region: a start that pays no
+    inter-region round trip. None when the candidates are all in one region or a block's region has no expert node."""
+    first = len(problem.stages)
+    regions = [d.region for d in problem.devices]
+    if len(set(regions)) < 2:
+        return None
+    placement: Placed = {}
+    for layer in problem.moe:
+        local = [n for n in range(first, problem.m) if regions[n] == regions[problem.owner[layer]]]
+        if not local:
+            return None
+        placement[layer] = [[local[e % len(local)]] for e in range(problem.count[layer])]
     return placement
 
 
@@ -769,7 +831,7 @@ class ExpertReport:
     predicted_ms: float
     bound_ms: float  # the proxy programme's lower bound on every placement's prediction (nan for a baseline)
     proxy_ms: float  # the prediction of the programme's own placement (nan when it found none, or a baseline)
-    status: str  # the programme's: optimal, time limit, ...
+    status: str  # the programme's: optimal, time limit, ...; skipped (too large: the round-trip bound)
     evaluations: int  # placements the local search predicted
     accepted: int  # changes it kept
     stopped_by_time: bool
@@ -789,7 +851,13 @@ class ExpertReport:
 
     def summary(self) -> str:
         line = f"experts ({self.policy}): predicted {self.predicted_ms:.3f} ms per token over the expert blocks"
-        if not math.isnan(self.bound_ms):
+        if not math.isnan(self.bound_ms) and self.status == "skipped":
+            line += (
+                f"; round-trip bound {self.bound_ms:.3f} ms (gap {100 * self.gap:.1f}%; the programme is too large "
+                f"and was skipped); local search kept {self.accepted} of {self.evaluations} changes"
+                + (" (stopped by the time limit)" if self.stopped_by_time else "")
+            )
+        elif not math.isnan(self.bound_ms):
             line += (
                 f"; bound {self.bound_ms:.3f} ms (gap {100 * self.gap:.1f}%, programme {self.status}"
                 + (f", its placement {self.proxy_ms:.3f} ms" if not math.isnan(self.proxy_ms) else "")
@@ -884,7 +952,10 @@ def place_experts(
     the report. A PlanError names the device or the memory that is short when the experts cannot be placed."""
     started = time.monotonic()
     problem = _Problem(doc, expert_devices)
-    proxy = _proxy(problem, replicas, time_limit_s / 4)
+    if programme_columns(problem) <= PROGRAMME_COLUMNS:
+        proxy = _proxy(problem, replicas, time_limit_s / 4)
+    else:
+        proxy = _round_trip_bound(problem)
     if proxy.status == "infeasible":
         raise PlanError(
             f"the routed experts ({sum(problem.count.values())} of {gib(problem.size[problem.moe[0]])} each in block "
@@ -893,6 +964,9 @@ def place_experts(
             + ") — add an expert device or memory"
         )
     starts = [p for p in (proxy.placement, _greedy(problem)) if p is not None]
+    regional = _regional(problem)
+    if regional is not None and problem.fits(regional):
+        starts.append(regional)
     kinds: tuple[Baseline, ...] = ("round-robin", "uniform")
     for kind in kinds:
         base = _baseline(problem, kind)
