@@ -29,7 +29,7 @@ from ppharness.model.slicing import GGUFFile, ModelSlice
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-MAX_CONTEXT = 64
+MAX_CONTEXT = 128
 PROMPT = "Kimi K2 routes every token to eight of its 384 experts, and one shared expert. Héllo wörld."
 TOKENS = 10
 # |ppharness - reference| <= ATOL + RTOL |reference|: ppharness keeps weights and block boundaries in fp16 (see
@@ -312,13 +312,20 @@ def test_moe_and_dense_blocks_equal_the_reference(which, ds_file, kimi_file):
 # --- the whole model ----------------------------------------------------------------------------------------------
 
 
-def test_split_with_experts_on_banks_equals_the_unsplit_model(ds_file):
-    """tiny-deepseek cut after the dense block and between MoE blocks, the stages holding none of their experts,
-    every call answered by three banks holding the routed experts round robin: tokens and every block's output at
-    every step, byte for byte."""
+@pytest.mark.parametrize(
+    ("cuts", "max_tokens"),
+    [
+        pytest.param((2,), TOKENS, id="cut-2"),
+        # every cut and a long generation: pytest -m slow
+        pytest.param((1, 2, 3), 48, id="every-cut-48-tokens", marks=pytest.mark.slow),
+    ],
+)
+def test_split_with_experts_on_banks_equals_the_unsplit_model(ds_file, cuts, max_tokens):
+    """tiny-deepseek cut between blocks, the stages holding none of their experts, every call answered by three
+    banks holding the routed experts round robin: tokens and every block's output at every step, byte for byte."""
     f = ds_file
     cfg = f.config
-    expected = oracle_decode(f.path, PROMPT, TOKENS, MAX_CONTEXT, boundaries=True)
+    expected = oracle_decode(f.path, PROMPT, max_tokens, MAX_CONTEXT, boundaries=True)
     pairs = [(layer, e) for layer in sorted(cfg.moe_blocks) for e in range(cfg.experts)]
     held: list[dict[int, list[int]]] = [{}, {}, {}]
     for n, (layer, e) in enumerate(pairs):
@@ -333,7 +340,7 @@ def test_split_with_experts_on_banks_equals_the_unsplit_model(ds_file):
                 out[t, j] = bank.answer(call.layer, call.hidden[t : t + 1], row[j : j + 1][None])[0, 0]
         return out
 
-    for cut in (1, 2):  # after the dense block, and between two MoE blocks
+    for cut in cuts:
         stages = [
             ModelSlice(f, 0, cut, True, False, MAX_CONTEXT, taps=True, experts={}),
             ModelSlice(f, cut, cfg.blocks, False, True, MAX_CONTEXT, taps=True, experts={}),
