@@ -4,6 +4,7 @@ starts; every shipped cluster file makes a plan that checks, simulates and draws
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -135,6 +136,17 @@ def test_pp_smoke_run_runs_a_plan_file_token_exact(tiny_graph, tmp_path):
     assert result.exit_code == 0, result.output
     assert "MATCH" in result.output
     assert f"plan {doc.id}" in result.output
+    # a plan run leaves its per-token trace behind by default, in the cache directory, named after the plan
+    from ppharness.model.files import cache_dir
+
+    line = next(x for x in result.output.splitlines() if x.startswith("trace written: "))
+    written = [Path(p) for p in line.removeprefix("trace written: ").split(" (")[0].split(", ")]
+    try:
+        assert [p.parent for p in written] == [cache_dir() / "traces"] * 2 and written[0].name.startswith("plan-")
+        assert json.loads(written[0].read_text())["traceEvents"] and written[1].read_text().count("\n") >= 11
+    finally:
+        for p in written:
+            p.unlink(missing_ok=True)
 
 
 def test_a_scenarios_plan_key_is_read_relative_to_the_scenario(tiny_graph, tmp_path):

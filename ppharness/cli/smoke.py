@@ -35,7 +35,9 @@ from ppharness.cli.common import SCENARIO_HELP, fail, load_scenario_or_fail, run
     "--trace",
     "trace_path",
     type=click.Path(dir_okay=False),
-    help="Write the per-token trace: FILE (Perfetto/Chrome JSON) and FILE's .jsonl (one line per token).",
+    help="Write the per-token trace: FILE (Perfetto/Chrome JSON) and FILE's .jsonl (one line per token). With "
+    "--plan the default is traces/<plan>-<time>.json under the cache directory ($PPHARNESS_CACHE, else "
+    "~/.cache/ppharness).",
 )
 @click.option("--no-trace", is_flag=True, help="Record no timings (no per-token summary).")
 @click.option(
@@ -71,6 +73,8 @@ def smoke_run(
         provider, scenario_file = _use_vastai(provider, scenario_file, api_key, vastai_url)
     elif api_key or vastai_url:
         fail("--api-key and --vastai-url apply only with --vastai")
+    if plan_file is not None and trace_path is None and not no_trace:
+        trace_path = str(_default_trace(plan_file))
     run_and_report(
         load_scenario_or_fail(
             scenario_file,
@@ -86,6 +90,16 @@ def smoke_run(
         trace_path=trace_path,
         trace=False if no_trace else None,
     )
+
+
+def _default_trace(plan_file: str) -> Path:
+    """Where a plan run's trace goes unless --trace says: the cache directory's traces/, named after the plan and
+    the time (a plan run always leaves its per-token trace behind, outside the working tree)."""
+    import time
+
+    from ppharness.model.files import cache_dir
+
+    return cache_dir() / "traces" / f"{Path(plan_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
 # the SPEC's rung-1 request on vast.ai (llama3.2:1b, "Say hello", 64 tokens): what --vastai runs by default

@@ -35,7 +35,6 @@ from ppharness.plan.stages import (
     Plan,
     StagePlan,
     StageSettings,
-    expert_name,
     expert_node_name,
     make_plan,
     names_of,
@@ -136,11 +135,12 @@ def programs(compiled: Compiled, settings: StageSettings) -> list[StagePlan]:
     owner = {b: stage_name(i) for i, (lo, hi) in enumerate(compiled.runtime.ranges) for b in range(lo, hi)}
     replicas: dict[tuple[int, int], int] = {}
     for j, node in enumerate(compiled.expert_nodes):
-        names = [expert_node_name(j)]
+        copies: dict[int, dict[int, int]] = {}
         for layer, ids in sorted(node.experts.items()):
             for e in ids:
                 k = replicas[(layer, e)] = replicas.get((layer, e), -1) + 1
-                names.append(expert_name(layer, e, k))
+                if k:
+                    copies.setdefault(layer, {})[e] = k
         out.append(
             StagePlan(
                 plan_id=doc.id,
@@ -150,9 +150,10 @@ def programs(compiled: Compiled, settings: StageSettings) -> list[StagePlan]:
                 hi=0,
                 node=node.label,
                 device=node.device,
-                names=tuple(names),
+                names=(expert_node_name(j),),  # and one name per expert it holds (StagePlan.registers)
                 role="experts",
                 experts=node.experts,
+                replicas=copies,
                 owners={layer: owner[layer] for layer in node.experts},
                 **settings,
             )

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import zlib
 from dataclasses import dataclass
 from typing import TypedDict, Unpack
 
 import msgspec
 
-from ppharness.errors import ScenarioError
+from ppharness.errors import HarnessError, ScenarioError
 
 ENTRY, EXIT = "pp-entry", "pp-exit"
 
@@ -78,11 +80,22 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: str = "stage"
     experts: dict[int, tuple[int, ...]] | None = None
     owners: dict[int, str] = msgspec.field(default_factory=dict)
+    # an expert node's replica number of each expert it holds that is not the first copy (layer -> {expert: k}): its
+    # ``moe-expert-{layer}-{e}[.r{k}]`` names follow from ``experts`` and this, so the program stays small
+    replicas: dict[int, dict[int, int]] = msgspec.field(default_factory=dict)
 
     @property
     def registers(self) -> list[str]:
-        """The names this node registers: the program's, else the SPEC's for its index."""
-        return list(self.names) if self.names else names_of(self.stage, self.num_stages)
+        """The names this node registers: the program's (an expert node's also one per expert it holds), else the
+        SPEC's for its index."""
+        if not self.names:
+            return names_of(self.stage, self.num_stages)
+        names = list(self.names)
+        if self.role == "experts":
+            for layer, ids in sorted((self.experts or {}).items()):
+                k = self.replicas.get(layer, {})
+                names.extend(expert_name(layer, e, k.get(e, 0)) for e in ids)
+        return names
 
     @property
     def first(self) -> bool:
@@ -91,6 +104,37 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def last(self) -> bool:
         return self.stage == self.num_stages - 1 and self.role == "stage"
+
+
+# a program longer than this travels compressed (``encode_program``): an expert node of a large model holds thousands
+# of experts, and vast.ai takes at most 32 KiB of environment per instance
+COMPRESS_OVER = 4096
+ZLIB_PREFIX = "zlib:"
+MAX_PROGRAM_BYTES = 16 << 20
+
+
+def encode_program(plan: StagePlan) -> str:
+    """A node's program as its PLAN environment variable: JSON, or ``zlib:`` and the base64 of the compressed JSON
+    when it is long."""
+    text = msgspec.json.encode(plan)
+    if len(text) <= COMPRESS_OVER:
+        return text.decode()
+    return ZLIB_PREFIX + base64.b64encode(zlib.compress(text, 9)).decode()
+
+
+def decode_program(text: str) -> StagePlan:
+    """The inverse of ``encode_program`` (plain JSON too); a HarnessError names what is wrong. Decompression stops at
+    ``MAX_PROGRAM_BYTES``, whatever the input claims."""
+    try:
+        if text.startswith(ZLIB_PREFIX):
+            inflater = zlib.decompressobj()
+            raw = inflater.decompress(base64.b64decode(text[len(ZLIB_PREFIX) :], validate=True), MAX_PROGRAM_BYTES)
+            if inflater.unconsumed_tail or not inflater.eof:
+                raise HarnessError(f"PLAN inflates past {MAX_PROGRAM_BYTES:,} bytes or is cut short")
+            return msgspec.json.decode(raw, type=StagePlan)
+        return msgspec.json.decode(text, type=StagePlan)
+    except (ValueError, zlib.error, msgspec.DecodeError) as exc:
+        raise HarnessError(f"PLAN is not a valid stage plan: {exc}") from exc
 
 
 class StageSettings(TypedDict, total=False):

@@ -28,7 +28,7 @@ from ppharness.network.bridge import Bridge
 from ppharness.network.clock import EventClock
 from ppharness.network.packet import decode_ports, loopback_up, start_bridge
 from ppharness.network.spec import SEED_NODE, Network, stage_node
-from ppharness.plan.stages import StagePlan
+from ppharness.plan.stages import StagePlan, decode_program
 from ppharness.registry import impaired_transport, transport_class
 from ppharness.run.cluster import resolve_members
 from ppharness.run.experts import ExpertParallel, ExpertServer, warm_bank
@@ -87,10 +87,7 @@ def read_env(env: dict[str, str]) -> tuple[StagePlan, dict[str, str]]:
         raise HarnessError(
             f"missing environment variable(s) {', '.join(missing)}; pp-node needs {', '.join(REQUIRED_ENV)}"
         )
-    try:
-        plan = msgspec.json.decode(env["PLAN"], type=StagePlan)
-    except msgspec.DecodeError as exc:
-        raise HarnessError(f"PLAN is not a valid stage plan: {exc}") from exc
+    plan = decode_program(env["PLAN"])
     if str(plan.stage) != env["STAGE"] or str(plan.num_stages) != env["NUM_STAGES"]:
         raise HarnessError(
             f"PLAN says stage {plan.stage} of {plan.num_stages}, but STAGE={env['STAGE']} "
@@ -283,7 +280,7 @@ def _await_assignment(
                 log("shutting down unused")
                 return None
             case Assign(program=program, gossip_name=gossip):
-                return msgspec.json.decode(program, type=StagePlan), gossip
+                return decode_program(program), gossip
             case NetworkStart(t0_unix_ns=t0):
                 clock.start(t0)
             case other:

@@ -16,7 +16,7 @@ import msgspec
 
 from ppharness.network.packet import PortTable, encode_ports
 from ppharness.plan.compile import Compiled, programs
-from ppharness.plan.stages import StagePlan, StageSettings, expert_node_name, stage_name
+from ppharness.plan.stages import StagePlan, StageSettings, encode_program, expert_node_name, stage_name
 
 if TYPE_CHECKING:
     from ppharness.network.spec import Network
@@ -126,7 +126,7 @@ def _node(scenario: Scenario, at: Endpoints, program: StagePlan, device: Device,
         "SEED_ADDR": at.seed,
         "MODEL": at.node_model,
         "TRANSPORT": scenario.transport.kind,
-        "PLAN": msgspec.json.encode(program).decode(),
+        "PLAN": encode_program(program),
     } | at.membership_env
     for fault in scenario.faults:
         if fault.stage == i and program.epoch == 0:  # a replacement does not inherit the fault it replaces

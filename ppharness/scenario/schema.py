@@ -27,7 +27,7 @@ from ppharness import registry
 from ppharness.errors import HarnessError, ModelError, ScenarioError
 from ppharness.network.spec import SEED_NODE, Network
 from ppharness.scenario.explain import FieldError, explain, explain_yaml, show, untyped
-from ppharness.scenario.yaml_limits import MAX_FILE_BYTES, MAX_SCALAR_BYTES, YamlLimit, screen
+from ppharness.scenario.yaml_limits import MAX_FILE_BYTES, MAX_SCALAR_BYTES, PLAN_LIMITS, YamlLimit, screen
 
 SCENARIO_VERSION: Final = 1
 WIRE_DTYPES = ("f16", "bf16", "f32")
@@ -681,8 +681,9 @@ def _read(path: Path) -> str:
 
 
 def read_text_file(path: Path, what: str, pattern: str, error: type[HarnessError]) -> str:
-    """A small UTF-8 text file's contents, read only up to ``MAX_FILE_BYTES``; every problem is ``error`` naming the
-    file and the fix (``what``: "scenario", "plan"; ``pattern``: the siblings to suggest when it is missing)."""
+    """A small UTF-8 text file's contents, read only up to its kind's limit (``MAX_FILE_BYTES``; a plan's or a
+    cluster's: ``PLAN_LIMITS``); every problem is ``error`` naming the file and the fix (``what``: "scenario", "plan",
+    "cluster"; ``pattern``: the siblings to suggest when it is missing)."""
     if not path.is_file():
         hint = f"pass the path of a {what} file"
         siblings = sorted(p.name for p in path.parent.glob(pattern)) if path.parent.is_dir() else []
@@ -691,16 +692,18 @@ def read_text_file(path: Path, what: str, pattern: str, error: type[HarnessError
             hint += f" (in {path.parent}/: {', '.join(siblings[:8])}{more})"
         kind = "is a directory" if path.is_dir() else "no such file"
         raise error(f"{path}: {kind} — {hint}")
+    limit = PLAN_LIMITS.file_bytes if what in ("plan", "cluster") else MAX_FILE_BYTES
+    usual = "a few KiB" if limit <= MAX_FILE_BYTES else "far smaller"
     too_big = (
-        f"{path}: $: the file is over the limit of {MAX_FILE_BYTES:,} bytes (1 MiB) — a {what} is a few "
-        f"KiB; check that this is the {what} file"
+        f"{path}: $: the file is over the limit of {limit:,} bytes ({limit >> 20} MiB) — a {what} is {usual}; "
+        f"check that this is the {what} file"
     )
     try:
-        if path.stat().st_size > MAX_FILE_BYTES:
+        if path.stat().st_size > limit:
             raise error(too_big)
         with path.open("rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)  # the file may have grown since stat
-        if len(data) > MAX_FILE_BYTES:
+            data = f.read(limit + 1)  # the file may have grown since stat
+        if len(data) > limit:
             raise error(too_big)
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

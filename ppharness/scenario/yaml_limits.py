@@ -11,6 +11,9 @@ A scenario is a few dozen values; a file that is not is refused here, before ``m
 - one document per file, only the tags the safe loader reads, no alias to an undefined anchor or to a node that
   contains it, and no key twice in a mapping (YAML itself would keep the last one silently).
 
+A plan (or cluster) file is screened the same way within ``PLAN_LIMITS``: a program writes it, and a large
+mixture-of-experts model's placement names tens of thousands of experts.
+
 Aliases are never expanded: each anchor's expanded size and height are added up as its node closes, and an alias adds
 them. ``screen`` raises ``YamlLimit`` naming the ``$.path``, the line and the fix.
 """
@@ -28,6 +31,22 @@ MAX_SCALAR_BYTES = 256 << 10  # 256 KiB
 MAX_NODES = 10_000
 MAX_EXPANDED_BYTES = MAX_FILE_BYTES
 MAX_NUMBER_CHARS = 64
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The size limits of one kind of document: the file's bytes (also the text with every alias expanded), its
+    values, and what such a document usually holds (said in the error)."""
+
+    file_bytes: int = MAX_FILE_BYTES
+    nodes: int = MAX_NODES
+    usual: str = "a scenario has a few dozen"
+
+
+SCENARIO_LIMITS = Limits()
+# a plan is written by a program, and a mixture-of-experts placement names every routed expert it places (kimi-k2:
+# 60 blocks of 384 experts, with replicas and routing frequencies): larger bounds, the same screening
+PLAN_LIMITS = Limits(file_bytes=32 << 20, nodes=2_000_000, usual="a plan has about one per placed expert")
 
 
 class _Resolver(Protocol):
@@ -87,7 +106,8 @@ class _Frame:
 
 
 class _Screen:
-    def __init__(self) -> None:
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
         self.stack: list[_Frame] = []
         self.anchors: dict[str, _Size | None] = {}  # None while the anchored node is still open
         self.nodes = 0
@@ -219,18 +239,18 @@ class _Screen:
             parent.key = "[?]"  # a list, a mapping or an alias used as a key: no field name
         self.nodes += size.nodes
         self.text += size.text
-        if self.nodes > MAX_NODES:
+        if self.nodes > self.limits.nodes:
             raise YamlLimit(
                 self.path(),
-                f"the document grows past {MAX_NODES:,} values at line {line}"
-                f"{' (aliases expanded)' if self.anchors else ''} — a scenario has a few "
-                "dozen; remove the repeated aliases or the surplus entries",
+                f"the document grows past {self.limits.nodes:,} values at line {line}"
+                f"{' (aliases expanded)' if self.anchors else ''} — {self.limits.usual}; remove the repeated "
+                "aliases or the surplus entries",
             )
-        if self.text > MAX_EXPANDED_BYTES:
+        if self.text > self.limits.file_bytes:
             raise YamlLimit(
                 self.path(),
-                f"aliases expand the document's text past {MAX_EXPANDED_BYTES:,} bytes "
-                f"(1 MiB) at line {line} — write each value once",
+                f"aliases expand the document's text past {self.limits.file_bytes:,} bytes "
+                f"({self.limits.file_bytes >> 20} MiB) at line {line} — write each value once",
             )
         anchor = getattr(event, "anchor", None)
         if isinstance(event, yaml.ScalarEvent) and anchor is not None:
@@ -253,9 +273,9 @@ class _Screen:
             parent.index += 1
 
 
-def screen(text: str) -> None:
+def screen(text: str, limits: Limits = SCENARIO_LIMITS) -> None:
     """Raise ``YamlLimit`` if ``text`` breaks a limit or is not YAML (then naming the line, column and problem)."""
-    s = _Screen()
+    s = _Screen(limits)
     loader = _Loader(text)
     try:
         while loader.check_event():

@@ -14,6 +14,7 @@ pieces).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ class Trace:
     def write(self, path: str) -> list[str]:
         """Write ``path`` (Chrome JSON) and ``path`` with a .jsonl suffix; return both paths."""
         jsonl = (path[: -len(".json")] if path.endswith(".json") else path) + ".jsonl"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(self.chrome(), f)
         with open(jsonl, "w") as f:
