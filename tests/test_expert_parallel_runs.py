@@ -62,10 +62,10 @@ def test_each_expert_node_gets_a_program_naming_what_it_holds():
     assert stages[0].experts == {0: (0, 1), 1: (0, 1)} and stages[1].experts == {}
     assert [p.stage for p in experts] == [2, 3, 4, 5] and all(p.num_stages == 2 for p in experts)
     first = experts[0]
-    assert first.names[0] == "pp-experts-0" and "moe-expert-0-4" in first.names
+    assert first.registers[0] == "pp-experts-0" and "moe-expert-0-4" in first.registers
     assert first.owners == {0: "pp-stage-0", 1: "pp-stage-0", 2: "pp-stage-1", 3: "pp-stage-1"}
     # expert 3 of each block is on node 3 (3 % 4) and, as a replica, on node 0: the second holder is .r1
-    assert "moe-expert-2-3.r1" in experts[3].names or "moe-expert-2-3.r1" in first.names
+    assert "moe-expert-2-3.r1" in experts[3].registers or "moe-expert-2-3.r1" in first.registers
 
 
 def _smoke(plan_file: Path, *extra: str) -> str:

@@ -171,3 +171,14 @@ def test_the_kimi_plan_runs_token_exact_on_vastai_instances(vastai_api, tmp_path
     assert result.trace is not None and "experts" in result.trace.summary()
     with client_from_env() as client:
         assert not [i for i in client.list_instances() if label in str(i.get("label", ""))], "instances left behind"
+
+
+def test_plan_show_keeps_a_large_plans_lines_short_and_plan_text_prints_them_whole():
+    from ppharness.cli import main as cli
+
+    shown = CliRunner().invoke(cli, ["plan", "show", str(KIMI)])
+    assert shown.exit_code == 0, shown.output
+    assert max(len(line) for line in shown.output.splitlines()) < 300
+    assert "more characters: `ppharness plan text` prints it" in shown.output
+    text = CliRunner().invoke(cli, ["plan", "text", str(KIMI)])
+    assert text.exit_code == 0 and max(len(line) for line in text.output.splitlines()) > 1000

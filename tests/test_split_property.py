@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ppharness.model.exactness import compare, digest
@@ -72,11 +72,30 @@ prompts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_s
 lengths = st.one_of(st.integers(1, 8), st.just("context"))
 
 
+# the default run's random examples, on top of the three explicit ones (the profile's budget when smaller); the slow
+# checks run the same property with THOROUGH of them, or the profile's budget when larger ("thorough": 200)
+DEFAULT_EXAMPLES, THOROUGH = 12, 60
+
+
+@settings(max_examples=min(DEFAULT_EXAMPLES, settings.default.max_examples))
 @given(cuts=splits(), prompt=prompts, length=lengths, wire=st.sampled_from(["f16", "f32"]))
 @example(cuts=[0, 4, 8], prompt="The quick brown fox", length="context", wire="f16")
 @example(cuts=[0, 3, 6, 8], prompt="The quick brown fox", length="context", wire="f32")
 @example(cuts=list(range(BLOCKS + 1)), prompt="héllo wörld", length="context", wire="f16")
 def test_any_split_equals_unsplit_model(tiny_model_path, tiny_gguf, cuts, prompt, length, wire):
+    split_equals_unsplit(tiny_model_path, tiny_gguf, cuts, prompt, length, wire)
+
+
+@pytest.mark.slow
+@settings(max_examples=max(THOROUGH, settings.default.max_examples))
+@given(cuts=splits(), prompt=prompts, length=lengths, wire=st.sampled_from(["f16", "f32"]))
+def test_any_split_equals_unsplit_model_thoroughly(tiny_model_path, tiny_gguf, cuts, prompt, length, wire):
+    split_equals_unsplit(tiny_model_path, tiny_gguf, cuts, prompt, length, wire)
+
+
+def split_equals_unsplit(tiny_model_path, tiny_gguf, cuts, prompt, length, wire) -> None:
+    """The property: the chain over ``cuts`` answers ``prompt`` as the unsplit model does, tokens and every hidden
+    state on the wire byte for byte."""
     assert tiny_gguf.config.blocks == BLOCKS
     ranges = list(zip(cuts, cuts[1:]))
     max_tokens = _room(tiny_gguf, prompt) if length == "context" else length

@@ -70,6 +70,21 @@ def _load(plan_file: str) -> PlanDoc:
         fail(str(exc))
 
 
+BRIEF_CHARS = 200
+
+
+def _brief(text: str) -> str:
+    """A plan's text form for a summary: each line cut at BRIEF_CHARS (a node of a large mixture-of-experts model
+    lists thousands of experts), saying how much is left out and where to read it whole."""
+    lines = []
+    for line in text.rstrip("\n").splitlines():
+        if len(line) > BRIEF_CHARS + 40:
+            left = len(line) - BRIEF_CHARS
+            line = f"{line[:BRIEF_CHARS]}… ({left:,} more characters: `ppharness plan text` prints it)"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def _write(text: str, out: str | None) -> None:
     if out is None or out == "-":
         click.echo(text, nl=False)
@@ -256,7 +271,7 @@ def plan_make(
         check_plan(doc, out or "<plan>")
     _write(pretty(doc), out)
     prediction = simulate(doc, requests=requests)
-    click.echo(render(doc.placement).rstrip("\n"), err=True)
+    click.echo(_brief(render(doc.placement)), err=True)
     if report is not None:
         click.echo(report.summary(), err=True)
     click.echo(prediction.header(), err=True)
@@ -276,7 +291,7 @@ def plan_show(plan_file: str, png: str | None, mermaid_file: str | None, dot_fil
     click.echo(f"plan {doc.id} ({doc.placement.policy or 'hand-written'}), model {doc.model.source}")
     click.echo(show.table(doc))
     click.echo("")
-    click.echo(render(doc.placement).rstrip("\n"))
+    click.echo(_brief(render(doc.placement)))
     if png:
         show.draw_png(doc, png)
         click.echo(f"written: {png}", err=True)

@@ -15,14 +15,21 @@ from pathlib import Path
 
 from ppharness.plan import cost
 from ppharness.plan.check import gib, node_kv, node_memory, node_weights
-from ppharness.plan.doc import Edge, Node, PlanDoc, loop, plan_id
+from ppharness.plan.doc import Edge, ExpertGroup, Node, PlanDoc, loop, plan_id
 from ppharness.plan.experts import LayerTime, layer_times
 from ppharness.plan.text import op_text
 
+SPELLED_GROUPS = 4  # a node with more expert groups than this shows them as a count (its text form has them all)
+
 
 def ops_text(node: Node) -> str:
-    """``embed, blk[0:6]``, ``blk[6:8], head``, ``experts[2][0-3,5]``."""
-    return ", ".join(op_text(op) for op in node.ops)
+    """``embed, blk[0:6]``, ``blk[6:8], head``, ``experts[2][0-3,5]``; a node with many expert groups:
+    ``blk[0:24], experts of 24 blocks (106 ids)``."""
+    groups = [op for op in node.ops if isinstance(op, ExpertGroup)]
+    if len(groups) <= SPELLED_GROUPS:
+        return ", ".join(op_text(op) for op in node.ops)
+    rest = [op_text(op) for op in node.ops if not isinstance(op, ExpertGroup)]
+    return ", ".join([*rest, f"experts of {len(groups)} blocks ({sum(len(g.ids) for g in groups):,} ids)"])
 
 
 def _ordered(doc: PlanDoc) -> list[Node]:
