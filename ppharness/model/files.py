@@ -280,6 +280,38 @@ def deepseek2_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
+# Kimi K2 (moonshotai/Kimi-K2-Instruct's config.json), about 1.03 T parameters: for the simulator only, never
+# written to disk (SIMULATION_ONLY)
+KIMI_K2 = ModelSpec(
+    blocks=61,
+    dim=7168,
+    ffn=18432,
+    heads=64,
+    kv_heads=64,
+    head_dim=192,
+    vocab=163840,
+    context=131072,
+    rope_theta=50000.0,
+    norm_eps=1e-6,
+    arch="deepseek2",
+    experts=384,
+    experts_used=8,
+    expert_ffn=2048,
+    dense_blocks=1,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    rope_dim=64,
+    v_head_dim=128,
+    shared_experts=1,
+    routed_scale=2.827,
+    yarn_factor=32.0,
+    yarn_original_context=4096,
+    yarn_log_mul=0.1,
+    yarn_beta_fast=1.0,
+    yarn_beta_slow=1.0,
+)
+
+
 PRESETS: dict[str, ModelSpec] = {
     # CI: fast to compile and run on two CPU cores, still 8 blocks so any N up to 8 is possible.
     "tiny": ModelSpec(),
@@ -353,61 +385,21 @@ PRESETS: dict[str, ModelSpec] = {
     ),
     # Kimi K2's counts at width 64: 61 blocks (the first dense), 384 experts, 8 per token plus one shared, MLA with
     # a query bottleneck, sigmoid routing with a selection bias, the routed scale and Kimi's YaRN rope settings
-    "kimi-tiny": ModelSpec(
-        blocks=61,
+    "kimi-tiny": replace(
+        KIMI_K2,
+        dim=64,
+        ffn=192,
         heads=4,
         kv_heads=4,
         head_dim=32,
-        context=131072,
-        rope_theta=50000.0,
-        norm_eps=1e-6,
-        arch="deepseek2",
-        experts=384,
-        experts_used=8,
+        vocab=512,
         expert_ffn=32,
-        dense_blocks=1,
         q_lora_rank=48,
         kv_lora_rank=32,
         rope_dim=16,
         v_head_dim=16,
-        shared_experts=1,
-        routed_scale=2.827,
-        yarn_factor=32.0,
-        yarn_original_context=4096,
-        yarn_log_mul=0.1,
-        yarn_beta_fast=1.0,
-        yarn_beta_slow=1.0,
     ),
-    # Kimi K2 (moonshotai/Kimi-K2-Instruct's config.json), about 1.03 T parameters: for the simulator only, never
-    # written to disk (SIMULATION_ONLY)
-    "kimi-k2": ModelSpec(
-        blocks=61,
-        dim=7168,
-        ffn=18432,
-        heads=64,
-        kv_heads=64,
-        head_dim=192,
-        vocab=163840,
-        context=131072,
-        rope_theta=50000.0,
-        norm_eps=1e-6,
-        arch="deepseek2",
-        experts=384,
-        experts_used=8,
-        expert_ffn=2048,
-        dense_blocks=1,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        rope_dim=64,
-        v_head_dim=128,
-        shared_experts=1,
-        routed_scale=2.827,
-        yarn_factor=32.0,
-        yarn_original_context=4096,
-        yarn_log_mul=0.1,
-        yarn_beta_fast=1.0,
-        yarn_beta_slow=1.0,
-    ),
+    "kimi-k2": KIMI_K2,
 }
 # presets too large to write here: the simulator and the planner take them (ppharness.plan.graph), resolve_model
 # refuses them

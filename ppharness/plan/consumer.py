@@ -84,19 +84,7 @@ def consumer_cluster(card: str, count: int, layout: Layout) -> Cluster:
     devices = []
     for i in range(count):
         region = regions[i * len(regions) // count]
-        devices.append(
-            Device(
-                id=f"{region}-{c.name}-{i:02d}",
-                memory=c.memory_gib * GIB,
-                gflops=c.tensor_tflops * 1e3,
-                bandwidth_gbs=c.bandwidth_gbs,
-                overhead_ms=OVERHEAD_MS,
-                reserve=RESERVE,
-                usd_per_hour=c.usd_per_hour,
-                region=region,
-                source=Source(kind="vastai", offer={"gpu_name": c.offer, "num_gpus": "1"}),
-            )
-        )
+        devices.append(_card(c, f"{region}-{c.name}-{i:02d}", region, 1))
     region_links = tuple(
         Link(src=a, dst=b, delay_ms=REGION_LATENCY[(a, b)], rate_mbit=RATE_MBIT)
         for a, b in REGION_LATENCY
@@ -111,22 +99,27 @@ def consumer_cluster(card: str, count: int, layout: Layout) -> Cluster:
     )
 
 
+def _card(c: Card, device_id: str, region: str, gpus_per_offer: int) -> Device:
+    """One card of kind ``c`` as a device: a vast.ai offer of ``gpus_per_offer`` such cards."""
+    return Device(
+        id=device_id,
+        memory=c.memory_gib * GIB,
+        gflops=c.tensor_tflops * 1e3,
+        bandwidth_gbs=c.bandwidth_gbs,
+        overhead_ms=OVERHEAD_MS,
+        reserve=RESERVE,
+        usd_per_hour=c.usd_per_hour,
+        region=region,
+        source=Source(kind="vastai", offer={"gpu_name": c.offer, "num_gpus": str(gpus_per_offer)}),
+    )
+
+
 def _hosts(c: Card, count: int) -> Cluster:
     if count % HOST_CARDS:
         raise ValueError(f"the hosts8 layout takes a multiple of {HOST_CARDS} cards, not {count}")
     hosts = [f"us-east-h{h}" for h in range(count // HOST_CARDS)]
     devices = tuple(
-        Device(
-            id=f"{hosts[i // HOST_CARDS]}-{c.name}-{i % HOST_CARDS}",
-            memory=c.memory_gib * GIB,
-            gflops=c.tensor_tflops * 1e3,
-            bandwidth_gbs=c.bandwidth_gbs,
-            overhead_ms=OVERHEAD_MS,
-            reserve=RESERVE,
-            usd_per_hour=c.usd_per_hour,
-            region=hosts[i // HOST_CARDS],
-            source=Source(kind="vastai", offer={"gpu_name": c.offer, "num_gpus": str(HOST_CARDS)}),
-        )
+        _card(c, f"{hosts[i // HOST_CARDS]}-{c.name}-{i % HOST_CARDS}", hosts[i // HOST_CARDS], HOST_CARDS)
         for i in range(count)
     )
     links = tuple(
