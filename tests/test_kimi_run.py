@@ -62,6 +62,13 @@ def test_the_kimi_plan_is_valid_and_made_from_the_shipped_cluster_and_model():
     for n in experts:
         for layer in n.experts:
             assert devices[n.device].region == devices[owner[layer]].region, (n.device, layer)
+    # the files are in `plan make`'s form, lists of ids filling lines (not one line per id)
+    from ppharness.plan.doc import PRETTY_WIDTH, pretty
+
+    for path in (KIMI, KIMI_VASTAI):
+        text = path.read_text()
+        assert text == pretty(load_plan(path)), f"{path.name} is not as plan make writes it"
+        assert len(text.splitlines()) < 5000 and max(len(x) for x in text.splitlines()) <= PRETTY_WIDTH
     vast = load_plan(KIMI_VASTAI)
     assert vast.model == doc.model
     assert [(n.device, n.blocks) for n in vast.placement.nodes] == [(n.device, n.blocks) for n in nodes]

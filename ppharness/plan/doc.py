@@ -377,11 +377,39 @@ def with_id(doc: PlanDoc) -> PlanDoc:
     return msgspec.structs.replace(doc, id=plan_id(doc))
 
 
+PRETTY_WIDTH = 120  # a list of numbers (expert ids, frequencies) wraps at this width
+
+
 def pretty(doc: PlanDoc) -> str:
-    """The canonical form, indented for people (``json.dumps`` of the same sorted keys)."""
+    """The canonical form, indented for people (the same sorted keys, one space per level); a list of numbers fills
+    lines up to PRETTY_WIDTH instead of taking a line per number (a large MoE plan names tens of thousands of
+    experts)."""
+    return _pretty(msgspec.json.decode(canonical(doc)), 0) + "\n"
+
+
+def _pretty(value: object, level: int) -> str:
     import json
 
-    return json.dumps(msgspec.json.decode(canonical(doc)), indent=1) + "\n"
+    pad, inner = " " * level, " " * (level + 1)
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        items = [f"{inner}{json.dumps(k)}: {_pretty(v, level + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(value, list):
+        if not value:
+            return "[]"
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            lines, line = [], ""
+            for text in (json.dumps(v) for v in value):
+                if line and len(inner) + len(line) + len(text) + 3 > PRETTY_WIDTH:
+                    lines.append(line + ",")
+                    line = ""
+                line = f"{line}, {text}" if line else text
+            lines.append(line)
+            return "[\n" + "\n".join(inner + x for x in lines) + "\n" + pad + "]"
+        return "[\n" + ",\n".join(inner + _pretty(v, level + 1) for v in value) + "\n" + pad + "]"
+    return json.dumps(value)
 
 
 # --- reading ----------------------------------------------------------------------------------------------------
