@@ -44,6 +44,7 @@ def _lines(capsys) -> list[str]:
     return capsys.readouterr().err.splitlines()
 
 
+@pytest.mark.slow  # 20-40 s; the default run keeps to its 12-minute budget, .ci/run runs it with -m slow
 def test_a_middle_stage_killed_mid_decode_under_loss_is_replaced_and_the_answer_is_exact(capsys):
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
     sc = _scenario(events=(Event(at_s=0.4, kind="kill", nodes=("stage-1",)),), loss=0.05)

@@ -301,6 +301,7 @@ def _smoke(scenario: Path, *extra: str, timeout: float = 300) -> tuple[int, str,
 
 
 @pytest.mark.local
+@pytest.mark.slow  # 20-40 s; the default run keeps to its 12-minute budget, .ci/run runs it with -m slow
 def test_a_delayed_chain_gives_the_oracles_tokens_and_its_hops_take_the_delay(tmp_path: Path) -> None:
     net = Network(seed=3, default=Impairment(delay_ms=20, jitter_ms=2))
     trace = tmp_path / "trace.json"

@@ -187,6 +187,7 @@ def test_draw_png_writes_a_png(tmp_path):
     assert [r.name for r in p.rows] == ["stage 0 compute"] and p.per_token_ms == p.rows[0].ms
 
 
+@pytest.mark.slow  # 20-40 s; the default run keeps to its 12-minute budget, .ci/run runs it with -m slow
 def test_probe_measures_this_machine(tiny_model_path):
     from ppharness.plan.probe import fit_line, probe_fit
 

@@ -73,6 +73,7 @@ def test_synthetic_spans_make_exact_records():
 
 
 @pytest.mark.local
+@pytest.mark.slow  # 20-40 s; the default run keeps to its 12-minute budget, .ci/run runs it with -m slow
 def test_traced_chain_adds_up_and_writes_perfetto_json(tmp_path):
     scenario = scenario_from_args(num_stages=3, max_tokens=12)
     result = run_scenario(scenario, progress=Progress(quiet=True), trace=True)

@@ -165,6 +165,7 @@ def test_chain_in_node_image_containers(vastai_api, monkeypatch, tmp_path):
         daemon.close()
 
 
+@pytest.mark.slow  # 20-40 s; the default run keeps to its 12-minute budget, .ci/run runs it with -m slow
 def test_api_key_never_reaches_output_arguments_or_nodes(vastai_api, tmp_path):
     """--api-key on the command line: the key is in no line of output and in no node's arguments or environment."""
     needs_emulator(vastai_api)
