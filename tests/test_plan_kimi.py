@@ -35,12 +35,16 @@ def kimi_q4():
 
 @pytest.mark.parametrize(
     "source",
-    ["synthetic:tiny", "synthetic:tiny-moe", "synthetic:tiny-moe-shared", "synthetic:kimi-tiny,blocks=3"],
+    [
+        "synthetic:tiny",
+        "synthetic:tiny-moe",
+        "synthetic:tiny-moe-shared",
+        "synthetic:tiny-deepseek",
+        "synthetic:kimi-tiny,blocks=3",
+    ],
 )
 @pytest.mark.parametrize("weights", ["f16", "q4_k"])
 def test_a_synthetic_models_graph_without_its_file_is_the_graph_its_file_gives(source, weights):
-    if source.removeprefix("synthetic:").split(",")[0] not in PRESETS:
-        pytest.skip(f"{source}: preset not defined yet")
     from_file = model_graph(resolve_model(source), source, 256, digest=False, weights=weights)
     assert spec_graph(parse_synthetic(source), source, 256, weights=weights) == from_file
 
