@@ -10,7 +10,6 @@ and ``kimi-tiny`` cut to 3 blocks (Kimi K2's query bottleneck, 384 experts, 8 us
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
@@ -19,12 +18,12 @@ import numpy as np
 import pytest
 
 from ppharness.errors import ModelError
-from ppharness.model.exactness import digest
 from ppharness.model.files import PRESETS, parse_synthetic, resolve_model, synthetic_path
 from ppharness.model.mla import attention_scale, rope_angles
 from ppharness.model.moe import ExpertBank, ExpertCall, combine, route
 from ppharness.model.oracle import oracle_decode
 from ppharness.model.slicing import GGUFFile, ModelSlice
+from tests.test_moe import drive
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -345,26 +344,7 @@ def test_split_with_experts_on_banks_equals_the_unsplit_model(ds_file, cuts, max
             ModelSlice(f, 0, cut, True, False, MAX_CONTEXT, taps=True, experts={}),
             ModelSlice(f, cut, cfg.blocks, False, True, MAX_CONTEXT, taps=True, experts={}),
         ]
-        ids = ([cfg.bos_id] if cfg.bos_id is not None else []) + f.tokenizer.encode(PROMPT)
-        tokens: list[int] = []
-        digests: dict[int, list[bytes]] = collections.defaultdict(list)
-        while len(tokens) < len(expected.token_ids) + (expected.token_ids[-1:] != [cfg.eos_id]):
-            position = 0 if not tokens else len(ids) + len(tokens) - 1
-            x: Any = ids if not tokens else [tokens[-1]]
-            for stage in stages:
-                gen = stage.step(x, position)
-                try:
-                    call = next(gen)
-                    while True:
-                        call = gen.send(answer(call))
-                except StopIteration as stop:
-                    x = stop.value
-                for block, hidden in stage.tapped().items():
-                    digests[block].append(digest(hidden))
-            tokens.append(x)
-            if x == cfg.eos_id:
-                break
-        got = tokens[:-1] if tokens[-1] == cfg.eos_id else tokens
+        got, digests = drive(f, stages, answer, PROMPT, max_tokens)  # tests/test_moe.py's greedy loop
         assert got[: len(expected.token_ids)] == expected.token_ids, f"cut {cut}: the tokens differ"
         for block in range(cfg.blocks):
             n = len(expected.boundary_digests[block])
