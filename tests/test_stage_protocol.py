@@ -68,7 +68,7 @@ def test_activation_for_unknown_request_is_dropped(two_stage):
 def test_stale_plan_is_dropped(two_stage):
     stage, t0, client, logs, slices = two_stage
     stage.handle(t0.address, _open(client, plan_id="plan-old"))
-    assert stage.req is None and "plan plan-old" in logs[-1]
+    assert not stage.reqs and "plan plan-old" in logs[-1]
 
 
 def test_tensor_of_wrong_size_is_dropped_then_the_request_goes_on(two_stage):
@@ -121,7 +121,7 @@ def test_a_request_open_from_another_member_cannot_take_the_stage_over(two_stage
     stage, t0, client, logs, slices = two_stage
     stage.handle(t0.address, _open(client))
     stage.handle(client.address, _open(client, request_id="hijack"))
-    assert stage.req.request_id == "r1"
+    assert list(stage.reqs) == ["r1"]
     assert "dropped RequestOpen from" in logs[-1] and "only stage 0 sends it" in logs[-1]
 
 
@@ -129,7 +129,7 @@ def test_an_activation_from_another_member_is_dropped_before_compute(two_stage):
     stage, t0, client, logs, slices = two_stage
     stage.handle(t0.address, _open(client))
     stage.handle(client.address, _activation(slices))
-    assert "only stage 0 sends it" in logs[-1] and stage.req.next_position == 0
+    assert "only stage 0 sends it" in logs[-1] and stage.reqs["r1"].next_position == 0
     with pytest.raises(TransportTimeout):
         t0.recv(0)
 
@@ -139,7 +139,7 @@ def test_answers_go_only_to_the_orchestrator(two_stage):
     stage.handle(
         t0.address, RequestOpen(request_id="r1", reply_to=t0.address, max_tokens=3, prompt_tokens=3, plan_id="plan-a")
     )
-    assert stage.req is None and "is not the orchestrator" in logs[-1]
+    assert not stage.reqs and "is not the orchestrator" in logs[-1]
 
 
 @pytest.mark.parametrize(
@@ -154,7 +154,7 @@ def test_an_activation_of_the_wrong_shape_for_the_plan_is_refused_before_compute
     for d in shape:
         n *= d
     stage.handle(t0.address, _activation(slices, seq_len=seq_len, shape=shape, hidden=b"\0\0" * n))
-    assert "the plan expects (1, 3, 64)" in logs[-1] and stage.req.next_position == 0
+    assert "the plan expects (1, 3, 64)" in logs[-1] and stage.reqs["r1"].next_position == 0
     stage.handle(t0.address, _activation(slices))  # the real prefill still works
     assert isinstance(t0.recv(0)[1], NextToken)
 
@@ -179,7 +179,7 @@ def test_a_next_token_from_another_stage_is_dropped(tiny_gguf):
     stage.handle(addrs[1], NextToken(request_id="r", token_id=1, position=5, done=True, plan_id="p"))
     assert "only stage 2 sends it" in logs[-1]
     stage.handle(addrs[1], InferenceRequest(reply_to=addrs[1], prompt="hi", max_tokens=2))
-    assert "only the orchestrator sends it" in logs[-1] and stage.req is None
+    assert "only the orchestrator sends it" in logs[-1] and not stage.reqs
     for t in ts:
         t.close()
 
@@ -206,8 +206,9 @@ def test_first_stage_rejects_impossible_max_tokens(tiny_gguf):
     t0.close(), client.close()
 
 
-def test_a_request_while_stage_0_serves_another_is_refused_as_busy_and_the_orchestrator_sends_it_again(tiny_gguf):
-    """The refusal is told apart by type (Error.busy -> StageBusy), which Chain.request retries; other errors fail."""
+def test_a_request_beyond_the_slots_and_the_queue_is_refused_as_busy_and_the_orchestrator_sends_it_again(tiny_gguf):
+    """With every slot taken and no room in the queue, stage 0 refuses; the refusal is told apart by type
+    (Error.busy -> StageBusy), which Chain.request retries; other errors fail."""
     from ppharness.errors import StageBusy, StageError
     from ppharness.run.orchestrator import _raise_on_error
 
@@ -217,7 +218,7 @@ def test_a_request_while_stage_0_serves_another_is_refused_as_busy_and_the_orche
     client.start()
     names = {name: addrs[i] for i in range(2) for name in names_of(i, 2)}
     slices = load_slices(tiny_gguf, [(0, 4), (4, 8)], cache=_cache)
-    stage = Stage(0, 2, slices[0], t0, names, "plan-a", tokenizer=tiny_gguf.tokenizer, seed=client.address)
+    stage = Stage(0, 2, slices[0], t0, names, "plan-a", tokenizer=tiny_gguf.tokenizer, seed=client.address, queue=0)
     try:
         stage.handle(
             client.address, InferenceRequest(reply_to=client.address, prompt="hi", max_tokens=3, request_id="a")
@@ -227,7 +228,8 @@ def test_a_request_while_stage_0_serves_another_is_refused_as_busy_and_the_orche
         )
         _, refusal = client.recv(0)
         assert isinstance(refusal, Error) and refusal.busy and refusal.request_id == "b"
-        assert stage.req is not None and stage.req.request_id == "a", "the refusal left the request in flight alone"
+        assert list(stage.reqs) == ["a"], "the refusal left the request in flight alone"
+        assert "1 request(s) in flight (its 1 slot(s)) and 0 waiting (its queue of 0)" in refusal.reason
         with pytest.raises(StageBusy):
             _raise_on_error(refusal)
         with pytest.raises(StageError) as failed:

@@ -30,5 +30,7 @@ def warm_up(model: ModelSlice) -> None:
     import numpy as np
 
     x = [0] if model.first else np.zeros((1, 1, model.config.dim), dtype=np.float16)
-    for pos in (0, 1, 2, 3):
-        model.warm(x, pos)
+    for slot in range(model.slots):  # each request slot has its own compiled step (the same kernels)
+        for pos in (0, 1, 2, 3):
+            model.warm(x, pos, slot)
+    model.use(0)

@@ -299,6 +299,10 @@ class ModelSlice:
     yields an ``ExpertCall`` at each MoE block and takes back the chosen experts' outputs, so that a stage can send
     them to the expert nodes that hold them. ``experts`` says which routed experts of its blocks the slice holds
     itself (default: all of them); ``prefill``/``decode`` answer every call from those.
+
+    Request slots: the slice keeps ``slots`` KV caches, one per request in flight, and every call names the slot it
+    computes in (``slot=``, default 0). Each slot has its own compiled decode step (a TinyJit captures the cache buffers
+    it writes), made of the same kernels as every other slot's, so which slot serves a request never changes a byte.
     """
 
     def __init__(
@@ -311,6 +315,7 @@ class ModelSlice:
         max_context: int | None = None,
         taps: bool = False,
         experts: Mapping[int, Iterable[int]] | None = None,
+        slots: int = 1,
     ):
         from tinygrad import nn
         from tinygrad.engine.jit import TinyJit
@@ -323,6 +328,10 @@ class ModelSlice:
             raise ModelError(f"block range [{lo}, {hi}) is not inside the model's {cfg.blocks} blocks")
         self.file, self.config, self.lo, self.hi, self.first, self.last = gguf_file, cfg, lo, hi, first, last
         self.max_context = min(max_context or cfg.context, cfg.context)
+        if slots < 1:
+            raise ModelError(f"a slice needs at least one request slot, not {slots}")
+        self.slots, self._slot = slots, 0
+        self._caches: list[list[Tensor | None]] = [[] for _ in range(slots)]  # the slots not in use: their KV caches
         self.taps = taps
         self._tapped: list[Tensor] = []  # with taps: every block's output of the last step (tinygrad tensors)
         max_ctx = self.max_context
@@ -349,13 +358,16 @@ class ModelSlice:
             self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         self._load(gguf_file)
         self._pos = UOp.variable("start_pos", 1, self.max_context - 1)
-        self._jit = TinyJit(self._forward)
+        self._jits = [TinyJit(self._forward) for _ in range(slots)]
         self._decode_in: Tensor | None = None  # (1,1) ids or (1,1,D) hidden, reused by every decode step
         # mixture of experts: the routed experts held here, one compiled step per block and one for the head, each
         # with its persistent decode input
         self.bank = ExpertBank(gguf_file, all_experts(gguf_file, lo, hi) if experts is None else experts)
         self.n_params += self.bank.n_params
-        self._steps = [TinyJit(functools.partial(self._segment, i)) for i in range(hi - lo)] if cfg.moe else []
+        self._slot_steps = [
+            [TinyJit(functools.partial(self._segment, i)) for i in range(hi - lo)] if cfg.moe else []
+            for _ in range(slots)
+        ]
         # the routers' selection biases (deepseek2's exp_probs_b), float32 as the file stores them
         self._bias = {
             lo + i: gguf_file.vector(f"blk.{lo + i}.exp_probs_b.bias")
@@ -391,6 +403,30 @@ class ModelSlice:
         self.n_params = sum(sizes.values())
         self.tied_params = sizes["token_embd.weight"] if self.last and self.config.tied and not self.first else 0
         self.n_params -= self.tied_params
+
+    def use(self, slot: int) -> None:
+        """Compute in request slot ``slot`` from now on: its KV cache goes into the blocks (a slot never used before
+        starts without one; the block makes it at the slot's first prefill)."""
+        if not 0 <= slot < self.slots:
+            raise ModelError(f"request slot {slot} is outside this slice's {self.slots} slot(s)")
+        if slot == self._slot:
+            return
+        self._caches[self._slot] = [getattr(b, "cache_kv", None) for b in self.blk]
+        for i, block in enumerate(self.blk):
+            cache = self._caches[slot][i] if self._caches[slot] else None
+            if cache is None:
+                block.__dict__.pop("cache_kv", None)
+            else:
+                block.cache_kv = cache
+        self._slot = slot
+
+    @property
+    def _jit(self) -> TinyJit[Any]:
+        return self._jits[self._slot]
+
+    @property
+    def _steps(self) -> list[TinyJit[Any]]:
+        return self._slot_steps[self._slot]
 
     def _forward(self, x: Tensor, start_pos: int | UOp) -> Tensor | tuple[Tensor, ...]:
         """The slice's step: (B,T) ids or a (B,T,D) fp16 hidden state in; a hidden state, or token ids on the last
@@ -439,13 +475,15 @@ class ModelSlice:
         return [t.numpy() for t in (outs if isinstance(outs, tuple) else (outs,))]
 
     def step(
-        self, x: list[int] | NDArray[np.float16], position: int
+        self, x: list[int] | NDArray[np.float16], position: int, slot: int = 0
     ) -> Generator[ExpertCall, NDArray[np.float16], NDArray[np.float16] | int]:
-        """A MoE slice's step at ``position`` (0: a prefill of every position of ``x``): yields one ``ExpertCall`` per
-        MoE block and takes back the chosen experts' outputs; returns what ``prefill``/``decode`` return."""
+        """A MoE slice's step at ``position`` (0: a prefill of every position of ``x``) in request slot ``slot``:
+        yields one ``ExpertCall`` per MoE block and takes back the chosen experts' outputs; returns what
+        ``prefill``/``decode`` return."""
         from ppharness.model.moe import ExpertCall, combine, route
 
         cfg = self.config
+        self.use(slot)
         h: NDArray[Any] = (
             np.asarray(x, dtype=np.int32).reshape(1, -1) if self.first else np.asarray(x, dtype=np.float16)
         )
@@ -465,6 +503,7 @@ class ModelSlice:
                     scale=cfg.routed_scale,
                 )
                 got = yield ExpertCall(layer=self.lo + i, hidden=normed.reshape(t, cfg.dim), routing=routing)
+                self.use(slot)  # whoever answered the call may have computed in another slot meanwhile
                 gated = shared[0].reshape(t, cfg.dim) if shared else None
                 h = combine(residual.reshape(t, cfg.dim), got, routing.weights, gated).reshape(1, t, cfg.dim)
             else:
@@ -496,7 +535,7 @@ class ModelSlice:
     def _moe_step(
         self, x: list[int] | NDArray[np.float16], position: int, stand_in: bool = False
     ) -> NDArray[np.float16] | int:
-        gen = self.step(x, position)
+        gen = self.step(x, position, self._slot)
         try:
             call = next(gen)
             while True:
@@ -504,9 +543,10 @@ class ModelSlice:
         except StopIteration as stop:
             return cast("NDArray[np.float16] | int", stop.value)
 
-    def warm(self, x: list[int] | NDArray[np.float16], position: int) -> None:
+    def warm(self, x: list[int] | NDArray[np.float16], position: int, slot: int = 0) -> None:
         """One step to compile it before the first request; a MoE slice stands zeros in for experts held
         elsewhere (what it computes is thrown away)."""
+        self.use(slot)
         if self.config.moe:
             self._moe_step(x, position, stand_in=True)
         elif position == 0:
@@ -521,20 +561,23 @@ class ModelSlice:
             return Tensor([list(x)], dtype="int32")  # (1,T)
         return Tensor(np.ascontiguousarray(x, dtype=np.float16))  # (1,T,D)
 
-    def prefill(self, x: list[int] | NDArray[np.float16]) -> NDArray[np.float16] | int:
-        """Run positions [0, T). Ids (first stage) or hidden (1,T,D) in; hidden (1,T,D) or a token id out."""
+    def prefill(self, x: list[int] | NDArray[np.float16], slot: int = 0) -> NDArray[np.float16] | int:
+        """Run positions [0, T) in request slot ``slot``. Ids (first stage) or hidden (1,T,D) in; hidden (1,T,D) or a
+        token id out."""
+        self.use(slot)
         if self.config.moe:
             return self._moe_step(x, 0)
         return self._output(self._forward(self._input(x), 0))
 
-    def decode(self, x: list[int] | NDArray[np.float16], position: int) -> NDArray[np.float16] | int:
-        """Run one position ``position >= 1`` through the compiled decode step.
+    def decode(self, x: list[int] | NDArray[np.float16], position: int, slot: int = 0) -> NDArray[np.float16] | int:
+        """Run one position ``position >= 1`` of request slot ``slot`` through the compiled decode step.
 
         The step's input lives in one persistent device buffer that each call overwrites, so a token costs one copy in
         instead of a new tensor (and its allocation) per call.
         """
         if not 1 <= position < self.max_context:
             raise ModelError(f"position {position} is outside the context of {self.max_context}")
+        self.use(slot)
         if self.config.moe:
             return self._moe_step(x, position)
         arr = np.asarray(x, dtype=np.int32).reshape(1, 1) if self.first else np.asarray(x, dtype=np.float16)
@@ -564,7 +607,7 @@ class ModelSlice:
                     else type(prg).__name__
                 )
 
-        jits: list[TinyJit[Any]] = [self._jit, *self._steps, self._head_jit]
+        jits: list[TinyJit[Any]] = [self._jits[0], *self._slot_steps[0], self._head_jit]
         if self.bank.n:
             jits.append(self.bank._jit)
         for jit in jits:

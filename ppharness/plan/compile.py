@@ -204,10 +204,16 @@ def _source_kind(provider: str) -> Literal["local", "docker", "vastai"]:
 
 
 def scenario_plan(
-    model: ModelGraph, num_stages: int | None, splits: Sequence[int] | None, kind: str, spares: int = 0
+    model: ModelGraph,
+    num_stages: int | None,
+    splits: Sequence[int] | None,
+    kind: str,
+    spares: int = 0,
+    requests: int = 1,
 ) -> PlanDoc:
     """The plan of ``--num-stages N`` / ``stages.splits``: a chain over N devices of the scenario's provider, cut at
-    the split points (or evenly), with ``spares`` more devices standing by."""
+    the split points (or evenly), with ``spares`` more devices standing by; its memory check counts the KV cache of
+    ``requests`` in flight."""
     # the stage count and split points are checked where the SPEC's split is defined
     ranges = make_plan(len(model.blocks), num_stages, list(splits) if splits is not None else None).ranges
     cuts = [hi for _, hi in ranges[:-1]]
@@ -215,7 +221,8 @@ def scenario_plan(
     cluster = implicit_cluster(kind, n + spares)
     policy = "even" if splits is None else "splits"
     ids = [d.id for d in cluster.devices]
-    return chain(model, cluster, ids[:n], cuts, Objective(), policy, spares=ids[n:])
+    objective = Objective(kind="throughput", requests=requests) if requests > 1 else Objective()
+    return chain(model, cluster, ids[:n], cuts, objective, policy, spares=ids[n:])
 
 
 def check_model(doc: PlanDoc, sha256: str, path: str, source: str = "") -> None:

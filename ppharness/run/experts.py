@@ -94,13 +94,19 @@ class ExpertParallel:
     def tied_params(self) -> int:
         return self.model.tied_params
 
-    def prefill(self, x: list[int] | npt.NDArray[np.float16]) -> npt.NDArray[np.float16] | int:
-        return self._drive(self.model.step(x, 0), 0)
+    @property
+    def slots(self) -> int:
+        return self.model.slots
 
-    def decode(self, x: list[int] | npt.NDArray[np.float16], position: int) -> npt.NDArray[np.float16] | int:
+    def prefill(self, x: list[int] | npt.NDArray[np.float16], slot: int = 0) -> npt.NDArray[np.float16] | int:
+        return self._drive(self.model.step(x, 0, slot), 0)
+
+    def decode(
+        self, x: list[int] | npt.NDArray[np.float16], position: int, slot: int = 0
+    ) -> npt.NDArray[np.float16] | int:
         if not 1 <= position < self.model.max_context:
             raise ModelError(f"position {position} is outside the context of {self.model.max_context}")
-        return self._drive(self.model.step(x, position), position)
+        return self._drive(self.model.step(x, position, slot), position)
 
     def begin_step(self, request_id: str, step: int) -> None:
         """What the stage is computing now: the request and the trace's step (keys and spans of the fan-out)."""

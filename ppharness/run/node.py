@@ -158,7 +158,9 @@ def load_stage_model(
     t0 = time.monotonic()
     if gguf_file is None:
         gguf_file = GGUFFile(resolve_model(model_source))
-    model = ModelSlice(gguf_file, plan.lo, plan.hi, plan.first, plan.last, plan.max_context, experts=plan.experts)
+    model = ModelSlice(
+        gguf_file, plan.lo, plan.hi, plan.first, plan.last, plan.max_context, experts=plan.experts, slots=plan.slots
+    )
     tokenizer = gguf_file.tokenizer if plan.first or plan.last else None
     warm_up(model)
     return model, tokenizer, time.monotonic() - t0
@@ -416,6 +418,7 @@ def serve(plan: StagePlan, env: dict[str, str], standing: Standing | None = None
                 policy=plan.fault_tolerance,
                 retry=RetryPolicy(first_s=plan.ack_timeout_s, max_s=plan.retry_max_s, budget_s=plan.retry_budget_s),
                 epoch=plan.epoch,
+                queue=plan.queue,
             )
         transport.send(
             seed,

@@ -93,6 +93,57 @@ class Progress:
             print(f"[{time.monotonic() - self.t0:6.1f}s] {text}", file=self.stream, flush=True)
 
 
+@dataclass(frozen=True)
+class Job:
+    """One request of an open-loop load: sent ``at_s`` seconds after the load starts, whatever is in flight."""
+
+    prompt: str
+    max_tokens: int
+    at_s: float = 0.0
+
+
+@dataclass
+class Served:
+    """What became of one ``Job`` (``Chain.serve``), on the orchestrator's monotonic clock: when it was sent, when
+    each token streamed in, the response, or stage 0's refusal."""
+
+    job: Job
+    request_id: str
+    sent_at: float = 0.0
+    token_at: list[float] = field(default_factory=list)
+    response: InferenceResponse | None = None
+    refused: str = ""
+
+    @property
+    def done(self) -> bool:
+        return self.response is not None or bool(self.refused)
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token: sent -> the first token streamed in."""
+        return self.token_at[0] - self.sent_at
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Inter-token latencies: the gaps between consecutive streamed tokens."""
+        return [b - a for a, b in zip(self.token_at, self.token_at[1:])]
+
+
+class _Timer:
+    """Sends a load's jobs when they are due (``Chain.serve``): ticked by the wait between messages."""
+
+    def __init__(self, due: list[Served], send: Callable[[Served], None]):
+        self.pending, self.send = sorted(due, key=lambda s: s.job.at_s), send
+        self.t0 = time.monotonic()
+
+    def due_in(self) -> float | None:
+        return max(0.0, self.t0 + self.pending[0].job.at_s - time.monotonic()) if self.pending else None
+
+    def tick(self) -> None:
+        while self.pending and self.t0 + self.pending[0].job.at_s <= time.monotonic():
+            self.send(self.pending.pop(0))
+
+
 @dataclass
 class StageReport:
     index: int
@@ -246,6 +297,7 @@ class Chain:
         self.retired: set[str] = set()  # instance ids
         self.streams: dict[str, dict[int, tuple[int, float]]] = {}  # request -> position -> (token, arrival)
         self.responses: dict[str, InferenceResponse] = {}
+        self.loads: dict[str, Served] = {}  # the requests of ``serve`` in progress
         self.recoveries: list[Recovery] = []
         self.active: InferenceRequest | None = None
         self.request_started = 0.0
@@ -270,13 +322,19 @@ class Chain:
         what: str,
         phase: str,
         done: Callable[[], bool] = lambda: False,
+        timer: _Timer | None = None,
     ) -> None:
+        """Pump messages into ``on_message`` until it returns True or ``done()``; ``timer`` is ticked between
+        messages, when it is due (an open-loop load's arrivals)."""
         assert self._provider is not None and self.transport is not None, "the chain is not started"
 
         def handle(sender: str, msg: Message) -> bool:
             if sender in self.fenced:  # a replaced node that came back: nothing it says counts
                 self._fenced_note(sender, msg)
                 return False
+            if isinstance(msg, Error) and msg.busy and msg.request_id in self.loads:
+                self.loads[msg.request_id].refused = msg.reason  # a refusal ends that request, not the run
+                return on_message(sender, msg)
             _raise_on_error(msg)
             if self.detector is not None and self.detector.on_message(msg):
                 return False
@@ -284,6 +342,8 @@ class Chain:
             return on_message(sender, msg)
 
         def check() -> None:
+            if timer is not None:
+                timer.tick()
             if self.nemesis is not None:
                 self.nemesis.tick()
             if self.outbox is not None:
@@ -310,7 +370,7 @@ class Chain:
 
         def poll_s() -> float:
             """At most 0.2 s, less when a resend or a network event is due sooner."""
-            dues = [d for d in (self.outbox, self.nemesis) if d is not None]
+            dues = [d for d in (self.outbox, self.nemesis, timer) if d is not None]
             return min([0.2] + [max(t, 0.001) for t in (d.due_in() for d in dues) if t is not None])
 
         outermost = not self._waiting
@@ -450,6 +510,11 @@ class Chain:
             self.policy = fault_policy(sc, self.compiled)
             placement = self.plan_doc.placement
             if self.policy == "failover":
+                if sc.serving.slots > 1:
+                    raise PlanError(
+                        f"fault_tolerance failover replays one request at a time; this run serves {sc.serving.slots} "
+                        "at once (serving.slots) — use policy retry, or serving.slots: 1"
+                    )
                 self.spares = [self.plan_doc.cluster.device(d) for d in placement.spares]
             transport_cls = transport_class(sc.transport.kind)
             # the spares are members from the start: their keys are among those every endpoint admits
@@ -794,6 +859,53 @@ class Chain:
                 self.outbox.drop(lambda key, role: key[1] != request_id)
         return self.responses.pop(request_id), time.monotonic() - t0
 
+    def serve(self, jobs: list[Job]) -> list[Served]:
+        """Send every job at its time, whatever is in flight (an open loop: arrivals do not wait for answers), and
+        wait for every answer or refusal. Tokens stream back as they are sampled; the results are in job order."""
+        assert self.transport is not None, "the chain is not started"
+        served = [Served(job, uuid.uuid4().hex[:12]) for job in jobs]
+        self.loads = {s.request_id: s for s in served}
+        entry = self.directory.resolve(ENTRY)
+
+        def send(s: Served) -> None:
+            s.sent_at = time.monotonic()
+            request = InferenceRequest(
+                reply_to=self.seed,
+                prompt=s.job.prompt,
+                max_tokens=s.job.max_tokens,
+                request_id=s.request_id,
+                stream=True,
+            )
+            if self.outbox is not None:
+                self.outbox.put(("request", s.request_id, -1), "entry", request)
+            else:
+                self.transport.send(entry, request)  # type: ignore[union-attr]  # asserted above
+
+        def on_message(sender: str, msg: Message) -> bool:
+            s = self.loads.get(getattr(msg, "request_id", ""))
+            if s is not None and s.response is None and s.request_id in self.responses:
+                s.response = self.responses.pop(s.request_id)
+                s.token_at = [t for _, (_, t) in sorted(self.streams.get(s.request_id, {}).items())]
+            return all(x.done for x in served)
+
+        try:
+            self._wait(
+                on_message,
+                self.scenario.budget.total_s,
+                f"the answers to {len(jobs)} request(s)",
+                "serving",
+                done=lambda: all(x.done for x in served),
+                timer=_Timer(served, send),
+            )
+        finally:
+            for s in served:
+                self.streams.pop(s.request_id, None)
+            self.loads = {}
+            if self.outbox is not None:
+                ids = {s.request_id for s in served}
+                self.outbox.drop(lambda key, role: key[1] not in ids)
+        return served
+
     def trace_of(self, response: InferenceResponse) -> Trace:
         """The per-token trace of a request this chain served (its stages must trace)."""
         from ppharness.trace.report import build_trace
@@ -968,6 +1080,14 @@ def realise_plan(
             list(st.splits) if st.splits else None,
             scenario.provider.kind,
             scenario.fault_tolerance.spares,
+            requests=scenario.serving.slots,
+        )
+    slots, counted = scenario.serving.slots, doc.placement.objective.requests
+    if slots > counted:
+        raise PlanError(
+            f"{scenario.plan}: $.placement.objective.requests: the plan counts the KV cache of {counted} request(s) "
+            f"per stage, the scenario serves {slots} at once (serving.slots) — make the plan with --requests {slots} "
+            "or lower serving.slots"
         )
     return doc, compile_plan(doc)
 

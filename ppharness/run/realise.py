@@ -60,6 +60,8 @@ def _settings(scenario: Scenario, compiled: Compiled, trace: bool) -> StageSetti
     return StageSettings(
         wire_dtype=scenario.transport.wire_dtype,
         max_context=scenario.model.max_context,
+        slots=scenario.serving.slots,
+        queue=scenario.serving.queue,
         join_s=budget.join_s,
         resolve_s=budget.resolve_s,
         trace=trace,

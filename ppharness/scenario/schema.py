@@ -302,6 +302,14 @@ class RequestSection(_Section, frozen=True):
     max_tokens: Annotated[int, Meta(ge=1, le=4096)] = 16
 
 
+class ServingSection(_Section, frozen=True):
+    """Requests in flight: every stage keeps ``slots`` KV caches (one per request it serves at once); stage 0 keeps up
+    to ``queue`` more requests waiting for a free slot and refuses the rest as busy."""
+
+    slots: Annotated[int, Meta(ge=1, le=256)] = 1
+    queue: Annotated[int, Meta(ge=0, le=65536)] = 64
+
+
 class ExpectSection(_Section, frozen=True):
     """What the answer must satisfy: non-empty text, and the same tokens as the single-process oracle."""
 
@@ -377,6 +385,7 @@ class Scenario(_Section, frozen=True):
     transport: TransportSection = TransportSection()
     provider: ProviderSection = ProviderSection()
     request: RequestSection = RequestSection()
+    serving: ServingSection = ServingSection()
     expect: ExpectSection = ExpectSection()
     budget: BudgetSection = BudgetSection()
     trace: TraceSection = TraceSection()

@@ -24,16 +24,18 @@ class FaultyModel:
     def __getattr__(self, name: str) -> Any:  # everything else is the wrapped slice's, whatever its type
         return getattr(self._model, name)
 
-    def prefill(self, x: list[int] | npt.NDArray[np.float16]) -> npt.NDArray[np.float16] | int:
-        out = self._model.prefill(x)
+    def prefill(self, x: list[int] | npt.NDArray[np.float16], slot: int = 0) -> npt.NDArray[np.float16] | int:
+        out = self._model.prefill(x, slot)
         return self._model.config.eos_id if self._fault == "eos-first" and self._model.last else out
 
-    def decode(self, x: list[int] | npt.NDArray[np.float16], position: int) -> npt.NDArray[np.float16] | int:
+    def decode(
+        self, x: list[int] | npt.NDArray[np.float16], position: int, slot: int = 0
+    ) -> npt.NDArray[np.float16] | int:
         self._decodes += 1
         if self._fault == "exit-mid-decode" and self._decodes == 3:
             print(f"[pp-node] fault exit-mid-decode: exiting at position {position}", file=sys.stderr, flush=True)
             os._exit(3)
-        return self._model.decode(x, position)
+        return self._model.decode(x, position, slot)
 
 
 def with_fault(model: ModelSlice, fault: str) -> ModelSlice | FaultyModel:

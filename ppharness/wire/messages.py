@@ -31,6 +31,7 @@ class InferenceRequest(_Msg, frozen=True):
     prompt: str
     max_tokens: int
     request_id: str = ""
+    stream: bool = False  # also send each token to reply_to as a StreamedToken when it is sampled
 
 
 class StageActivation(_Msg, frozen=True):
@@ -84,6 +85,17 @@ class RequestOpen(_Msg, frozen=True):
     reply_to: str
     max_tokens: int
     prompt_tokens: int
+    plan_id: str
+    epoch: int = 0
+    stream: bool = False  # the request's: the last stage streams each token to reply_to
+
+
+class RequestClose(_Msg, frozen=True):
+    """Stage 0 -> down the chain to the last stage but one, once the last stage's ``done`` token came back: the
+    request is over, its request slot is free. Sent on the same ordered channel as the RequestOpen that may reuse the
+    slot next."""
+
+    request_id: str
     plan_id: str
     epoch: int = 0
 
@@ -206,7 +218,7 @@ class NetworkStart(_Msg, frozen=True):
 class Ack(_Msg, frozen=True):
     """Receiver -> sender: the message ``kind`` of ``request_id`` at ``position`` arrived (or arrived before: a
     duplicate is acknowledged again and otherwise dropped). ``kind`` names what is acknowledged: ``request``,
-    ``open``, ``activation``, ``token``, ``stream``, ``response``, ``replay`` or ``resume``."""
+    ``open``, ``close``, ``activation``, ``token``, ``stream``, ``response``, ``replay`` or ``resume``."""
 
     kind: str
     request_id: str
@@ -297,6 +309,7 @@ Message: TypeAlias = (
     | NextToken
     | InferenceResponse
     | RequestOpen
+    | RequestClose
     | Join
     | Members
     | Ready
