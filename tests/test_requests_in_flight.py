@@ -17,8 +17,8 @@ from ppharness.model.oracle import oracle_decode
 from ppharness.testing.inprocess import Arrival, load_slices, run_interleaved
 from ppharness.wire.messages import Error, InferenceResponse
 
-MAX_CONTEXT = 96
-LONGEST = 48  # the longest answer asked for
+MAX_CONTEXT = 64
+LONGEST = 32  # the longest answer asked for
 SPLITS = [[(0, 8)], [(0, 4), (4, 8)], [(0, 2), (2, 5), (5, 8)], [(0, 1), (1, 3), (3, 6), (6, 8)]]
 PROMPTS = ["The quick brown fox", "héllo wörld", "a", "Pipeline parallel inference over the wide area network"]
 _slices: dict = {}
@@ -63,7 +63,7 @@ def serves_each_request_as_alone(tiny_model_path, tiny_gguf, split, slots, queue
         assert not refused, "a request was refused although the slots and the queue had room for all"
 
 
-@settings(max_examples=min(10, settings.default.max_examples))
+@settings(max_examples=min(6, settings.default.max_examples))
 @given(
     split=st.sampled_from(SPLITS),
     slots=st.sampled_from([1, 3]),
