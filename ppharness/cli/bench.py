@@ -366,3 +366,80 @@ def bench_planner(sizes: str, blocks: int, repeats: int, gap_instances: int, jso
     )
     if json_out:
         Path(json_out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+def _range(text: str, what: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(",")
+        r = (int(lo), int(hi or lo))
+    except ValueError:
+        raise click.BadParameter(f"{what}: expected LO,HI (two whole numbers), not {text!r}") from None
+    if not 1 <= r[0] <= r[1]:
+        raise click.BadParameter(f"{what}: expected 1 <= LO <= HI, not {text!r}")
+    return r
+
+
+@bench.command("load")
+@click.option("--rate", type=float, default=0.0, show_default=True, help="Arrivals per second (0: all at once).")
+@click.option("--requests", type=int, default=8, show_default=True, help="Requests sent.")
+@click.option(
+    "--network",
+    "network_file",
+    type=click.Path(dir_okay=False, exists=True),
+    help="A scenario file whose network section the chain runs under (default: none).",
+)
+@click.option(
+    "--delay-ms",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Without --network: one-way delay on every stage->stage link.",
+)
+@click.option("--num-stages", "-n", type=int, default=5, show_default=True)
+@click.option("--transport", default="zmq", show_default=True)
+@click.option("--preset", default="small", show_default=True, help="Synthetic model preset.")
+@click.option("--slots", type=int, help="Requests each stage serves at once (default: --requests, at most 16).")
+@click.option("--queue", type=int, default=64, show_default=True, help="Requests stage 0 keeps waiting for a slot.")
+@click.option("--prompt-words", default="2,12", show_default=True, help="Prompt length in words: LO,HI (uniform).")
+@click.option("--max-tokens", default="16,32", show_default=True, help="Answer length in tokens: LO,HI (uniform).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Arrivals and lengths are drawn from it.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
+def bench_load(
+    rate: float,
+    requests: int,
+    network_file: str | None,
+    delay_ms: float,
+    num_stages: int,
+    transport: str,
+    preset: str,
+    slots: int | None,
+    queue: int,
+    prompt_words: str,
+    max_tokens: str,
+    seed: int,
+    json_out: str | None,
+) -> None:
+    """An open-loop client: REQUESTS arriving at RATE per second, many in flight at once; aggregate tok/s against one
+    request alone, time to first token and inter-token latency p50/p99. Every answer is checked."""
+    from ppharness.benchmarks.load import LoadSpec, delay_network, report, run_load_bench
+    from ppharness.run.orchestrator import Progress
+
+    if requests < 1 or rate < 0:
+        raise click.BadParameter("--requests must be at least 1 and --rate at least 0")
+    spec = LoadSpec(requests, rate, _range(prompt_words, "--prompt-words"), _range(max_tokens, "--max-tokens"), seed)
+    with exit_1_on_failure():
+        if network_file is not None:
+            from ppharness.scenario.schema import load_scenario
+
+            network = load_scenario(network_file).network
+            if network is None:
+                fail(f"{network_file}: the scenario has no network section to run the load under")
+            name = Path(network_file).stem
+        else:
+            network, name = delay_network(delay_ms, seed), (f"{delay_ms:g} ms per hop" if delay_ms > 0 else "none")
+        res = run_load_bench(
+            preset, num_stages, transport, spec, slots or min(requests, 16), queue, network, name, Progress(), json_out
+        )
+    click.echo(report(res))
+    if not res.exact:
+        fail("an answer differs from the unsplit model's")

@@ -550,9 +550,9 @@ class ModelSlice:
         if self.config.moe:
             self._moe_step(x, position, stand_in=True)
         elif position == 0:
-            self.prefill(x)
+            self.prefill(x, slot)
         else:
-            self.decode(x, position)
+            self.decode(x, position, slot)
 
     def _input(self, x: list[int] | NDArray[np.int32] | NDArray[np.float16]) -> Tensor:
         from tinygrad.tensor import Tensor
