@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import OrderedDict
 import os
 import re
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this m
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 # mixture-of-experts architectures this model code computes, and whether each renormalises its top-k weights when
 # the file does not say (llama.cpp's build_moe_ffn ``norm_w``)
+PREFILL_STEPS = 32  # compiled prefill steps a slice keeps (one per request slot and prompt length), most recent first
 MOE_ARCHS = {"qwen3moe": True, "qwen2moe": False, "deepseek2": False}
 
 
@@ -331,7 +333,8 @@ class ModelSlice:
         if slots < 1:
             raise ModelError(f"a slice needs at least one request slot, not {slots}")
         self.slots, self._slot = slots, 0
-        self._caches: list[list[Tensor | None]] = [[] for _ in range(slots)]  # the slots not in use: their KV caches
+        # the KV caches of the slots not in use, and (the last one) of the prefill's scratch slot
+        self._caches: list[list[Tensor | None]] = [[] for _ in range(slots + 1)]
         self.taps = taps
         self._tapped: list[Tensor] = []  # with taps: every block's output of the last step (tinygrad tensors)
         max_ctx = self.max_context
@@ -359,6 +362,11 @@ class ModelSlice:
         self._load(gguf_file)
         self._pos = UOp.variable("start_pos", 1, self.max_context - 1)
         self._jits = [TinyJit(self._forward) for _ in range(slots)]
+        # prefill steps by prompt length: building and scheduling a prefill's graph costs far more than running it, so
+        # a length that comes again replays the step compiled for it (the same kernels as a plain run). A prefill
+        # computes in a scratch slot of its own, whose cache is then copied byte for byte into the request's slot, so
+        # that one compiled step serves every slot.
+        self._prefills: OrderedDict[int, TinyJit[Any]] = OrderedDict()
         self._decode_in: Tensor | None = None  # (1,1) ids or (1,1,D) hidden, reused by every decode step
         # mixture of experts: the routed experts held here, one compiled step per block and one for the head, each
         # with its persistent decode input
@@ -407,7 +415,7 @@ class ModelSlice:
     def use(self, slot: int) -> None:
         """Compute in request slot ``slot`` from now on: its KV cache goes into the blocks (a slot never used before
         starts without one; the block makes it at the slot's first prefill)."""
-        if not 0 <= slot < self.slots:
+        if not 0 <= slot <= self.slots:  # slot ``slots`` is the prefill's scratch slot
             raise ModelError(f"request slot {slot} is outside this slice's {self.slots} slot(s)")
         if slot == self._slot:
             return
@@ -564,10 +572,32 @@ class ModelSlice:
     def prefill(self, x: list[int] | NDArray[np.float16], slot: int = 0) -> NDArray[np.float16] | int:
         """Run positions [0, T) in request slot ``slot``. Ids (first stage) or hidden (1,T,D) in; hidden (1,T,D) or a
         token id out."""
-        self.use(slot)
+        if not 0 <= slot < self.slots:
+            raise ModelError(f"request slot {slot} is outside this slice's {self.slots} slot(s)")
         if self.config.moe:
+            self.use(slot)
             return self._moe_step(x, 0)
-        return self._output(self._forward(self._input(x), 0))
+        from tinygrad.engine.jit import TinyJit
+        from tinygrad.tensor import Tensor
+
+        t = self._input(x)
+        length = int(t.shape[1])
+        jit = self._prefills.pop(length, None)
+        if jit is None:
+            if len(self._prefills) >= PREFILL_STEPS:  # the least recently used length goes
+                self._prefills.popitem(last=False)
+            jit = TinyJit(self._forward)
+        self._prefills[length] = jit
+        self.use(self.slots)
+        out = self._output(jit(t, 0))
+        scratch = [cast("Tensor", b.cache_kv) for b in self.blk]
+        self.use(slot)
+        for block, src in zip(self.blk, scratch, strict=True):
+            if not hasattr(block, "cache_kv"):  # the slot's first request: a cache of its own, like the scratch one
+                block.cache_kv = Tensor.zeros(*src.shape, dtype=src.dtype, device=src.device).contiguous().realize()
+            dst = cast("Buffer", block.cache_kv.uop.base.realized)
+            dst.copyin(cast("Buffer", src.uop.base.realized).as_buffer())
+        return out
 
     def decode(self, x: list[int] | NDArray[np.float16], position: int, slot: int = 0) -> NDArray[np.float16] | int:
         """Run one position ``position >= 1`` of request slot ``slot`` through the compiled decode step.
