@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import OrderedDict
 import os
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -32,7 +32,7 @@ from numpy.typing import NDArray
 from ppharness.errors import ModelError
 
 if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this module
-    from collections.abc import Generator, Iterable, Mapping
+    from collections.abc import Callable, Generator, Iterable, Mapping
 
     from tinygrad.apps.llm import SimpleTokenizer, TransformerBlock
     from tinygrad.device import Buffer
@@ -368,6 +368,9 @@ class ModelSlice:
         # that one compiled step serves every slot.
         self._prefills: OrderedDict[int, TinyJit[Any]] = OrderedDict()
         self._decode_in: Tensor | None = None  # (1,1) ids or (1,1,D) hidden, reused by every decode step
+        self._directs: list[_DirectStep | Literal[False] | None] = [
+            None
+        ] * slots  # each slot's lean call (None: not yet)
         # mixture of experts: the routed experts held here, one compiled step per block and one for the head, each
         # with its persistent decode input
         self.bank = ExpertBank(gguf_file, all_experts(gguf_file, lo, hi) if experts is None else experts)
@@ -611,6 +614,13 @@ class ModelSlice:
         if self.config.moe:
             return self._moe_step(x, position)
         arr = np.asarray(x, dtype=np.int32).reshape(1, 1) if self.first else np.asarray(x, dtype=np.float16)
+        direct = self._directs[slot]
+        if direct is None and self._jit.captured is not None:
+            direct = self._directs[slot] = _DirectStep.of(self) or False
+        if direct:
+            out = direct(arr, position)
+            self._tapped = direct.taps
+            return out
         if self._decode_in is None:
             self._decode_in = self._input(arr if not self.first else arr[0]).realize()
         else:
@@ -655,6 +665,72 @@ class ModelSlice:
         if self.config.moe:
             return dict(self._tapped_np)
         return {self.lo + i: t.numpy() for i, t in enumerate(self._tapped)}
+
+
+class _DirectStep:
+    """A dense slice's compiled decode step called without the per-call work around it, for a device whose buffers
+    are host memory (tinygrad's CPU device): the input is written straight into the step's input buffer, the
+    captured kernels are replayed with the position bound, and the output is copied out of its buffer after one
+    synchronisation. Same kernels, same buffers, so the same bits as ``TinyJit.__call__`` + ``Tensor.numpy()``.
+
+    What it saves is a fixed cost per call, which a chain pays once per stage and the unsplit model once per token:
+    TinyJit's argument analysis (UOp substitutions on every call), ``Buffer.copyin``, and ``Tensor.numpy()``, which
+    schedules a (no-op) realize on the calling thread while holding the GIL that tinygrad's CPU worker thread needs
+    to start the kernels just queued (on this machine 0.3-1 ms of a 2-block slice's step)."""
+
+    def __init__(self, model: ModelSlice, inputs: NDArray[Any], outputs: NDArray[Any], in_buf: Buffer) -> None:
+        from tinygrad.device import Device
+
+        captured = model._jit.captured
+        assert captured is not None
+        self._captured, self._in, self._out, self._in_buf = captured, inputs, outputs, in_buf
+        self._sync: Callable[[], None] = Device[in_buf.device].synchronize
+        self._var: str = model._pos.expr
+        self._last, self._shape = model.last, (1, 1, model.config.dim)
+        ret = captured.ret
+        self._taps = list(ret[1:]) if isinstance(ret, tuple) else []  # with taps: every block's output tensor
+
+    @staticmethod
+    def of(model: ModelSlice) -> _DirectStep | None:
+        """The lean call of ``model``'s captured decode step, or None where it does not apply (another device, a
+        step whose input or output is not a whole host-mapped buffer)."""
+        captured = model._jit.captured
+        if captured is None or model._decode_in is None or model.config.moe:
+            return None
+        from tinygrad.dtype import _to_np_dtype
+
+        try:
+            out = captured.ret[0] if isinstance(captured.ret, tuple) else captured.ret
+            in_buf = cast("Buffer", model._decode_in.uop.base.realized)
+            out_buf = cast("Buffer", out.uop.base.realized)
+            if in_buf is None or out_buf is None or in_buf.device != "CPU" or out_buf.device != "CPU":
+                return None
+            if out.uop is not out.uop.base and out.uop.base.realized is not out_buf:
+                return None
+            want_in = (np.int32, 1) if model.first else (np.float16, model.config.dim)
+            want_out = (np.int32, 1) if model.last else (np.float16, model.config.dim)
+            if any(_to_np_dtype(b.dtype) is not w[0] for b, w in ((in_buf, want_in), (out_buf, want_out))):
+                return None
+            in_view = np.frombuffer(in_buf.as_buffer(force_zero_copy=True), dtype=want_in[0])
+            out_view = np.frombuffer(out_buf.as_buffer(force_zero_copy=True), dtype=want_out[0])
+        except (AssertionError, AttributeError, TypeError, ValueError):
+            return None
+        if in_view.size != want_in[1] or out_view.size != want_out[1] or in_buf.offset or out_buf.offset:
+            return None
+        return _DirectStep(model, in_view, out_view, in_buf)
+
+    def __call__(self, x: NDArray[Any], position: int) -> NDArray[np.float16] | int:
+        self._sync()  # nothing may still read the input buffer (a no-op after the last step)
+        self._in[:] = x.reshape(-1)
+        self._captured([self._in_buf], {self._var: position})
+        self._sync()
+        if self._last:
+            return int(self._out[0])
+        return self._out.copy().reshape(self._shape)
+
+    @property
+    def taps(self) -> list[Tensor]:
+        return self._taps
 
 
 @functools.cache
