@@ -20,10 +20,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
+
 from ppharness.benchmarks.chain import _scenario
+from ppharness.errors import HarnessError
 
 if TYPE_CHECKING:
     from ppharness.model.slicing import ModelConfig
+    from ppharness.run.orchestrator import Chain
 
 
 class Tokenizer(Protocol):
@@ -88,7 +92,10 @@ def run_gpu_bench(
     out_dir: str,
     hf: bool,
     progress: Callable[[str], None],
+    in_flight: int = 1,
 ) -> GpuBench:
+    """``in_flight`` above 1: each chain also serves that many requests at once (every stage keeps a KV cache per
+    request), reported as a contender of its own with the aggregate decode tokens/s."""
     os.environ["DEV"] = device.upper()  # this process and every stage process it starts
     from ppharness.model.decoding import warm_up
     from ppharness.model.files import resolve_model
@@ -138,6 +145,11 @@ def run_gpu_bench(
             c = Contender(f"tinygrad, {n}-stage chain, {kind}")
             progress(f"{c.name}: starting")
             scenario = _scenario(preset, n, kind, tokens, max_context)
+            if in_flight > 1:
+                scenario = msgspec.structs.replace(
+                    scenario, serving=msgspec.structs.replace(scenario.serving, slots=in_flight)
+                )
+            many = Contender(f"tinygrad, {n}-stage chain, {kind}, {in_flight} in flight")
             with Chain(scenario, progress=lambda _: None, trace=True) as chain:
                 t0 = time.monotonic()
                 resp, request_s = chain.request(prompt, tokens)
@@ -151,8 +163,13 @@ def run_gpu_bench(
                     c.ttft_warm_s.append(request_s - decode_span(resp))
                 c.breakdown_ms = chain.trace_of(resp).p50_parts()
                 progress(f"{c.name}: {c.median_tok_s():.1f} tok/s ({time.monotonic() - t0:.0f} s)")
+                if in_flight > 1:
+                    _serve_many(chain, many, prompt, tokens, in_flight, repeats, oracle.token_ids, progress)
             c.device_mib = [s.device_bytes / 2**20 for s in chain.reports]
             res.contenders.append(c)
+            if in_flight > 1:
+                many.device_mib = c.device_mib
+                res.contenders.append(many)
             save()
 
     if hf:
@@ -160,6 +177,36 @@ def run_gpu_bench(
     save()
     _plot(res, out / "gpu-bench.png")
     return res
+
+
+def _serve_many(
+    chain: Chain,
+    c: Contender,
+    prompt: str,
+    tokens: int,
+    in_flight: int,
+    repeats: int,
+    expected: list[int],
+    progress: Callable[[str], None],
+) -> None:
+    """``in_flight`` requests sent at once, ``repeats`` times: aggregate decode tokens/s (every token after each
+    request's first, over the time from the first of them to the last token), every answer checked."""
+    from ppharness.run.orchestrator import Job
+
+    c.tokens_match_oracle = True
+    for _ in range(repeats):
+        served = chain.serve([Job(prompt, tokens)] * in_flight)
+        for s in served:
+            if s.response is None:
+                raise HarnessError(f"{c.name}: a request was refused: {s.refused}")
+            if s.response.token_ids != expected:
+                c.tokens_match_oracle = False
+                c.mismatch = f"a request answered {s.response.token_ids[:8]}..., the oracle {expected[:8]}..."
+        first = min(s.token_at[0] for s in served)
+        last = max(s.token_at[-1] for s in served)
+        c.decode_tok_s.append(sum(len(s.token_at) - 1 for s in served) / (last - first))
+        c.ttft_warm_s.append(statistics.median(s.ttft_s for s in served))
+    progress(f"{c.name}: {c.median_tok_s():.1f} tok/s aggregate")
 
 
 def hf_reference(

@@ -80,6 +80,7 @@ def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) 
 @click.option("--prompt-tokens", type=int, default=32, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--hf/--no-hf", default=True, show_default=True, help="Also run HF transformers where installed.")
+@click.option("--in-flight", type=int, default=1, show_default=True, help="Also serve this many requests at once.")
 @click.option("--out", "out_dir", default="bench-results", show_default=True, type=click.Path(file_okay=False))
 def bench_gpu(
     device: str,
@@ -90,6 +91,7 @@ def bench_gpu(
     prompt_tokens: int,
     repeats: int,
     hf: bool,
+    in_flight: int,
     out_dir: str,
 ) -> None:
     """The chain on an accelerator vs single-process tinygrad and HF transformers (docs/gpu-bench.md)."""
@@ -108,6 +110,7 @@ def bench_gpu(
             out_dir,
             hf,
             Progress(),
+            in_flight,
         )
     click.echo(report(res))
     click.echo(f"\nwritten: {out_dir}/gpu-bench.json, {out_dir}/gpu-bench.png")
