@@ -229,14 +229,16 @@ def run_load_bench(
 
 
 def _warm(chain: Chain, jobs: list[Job], progress: Callable[[str], None]) -> None:
-    """One token of each distinct prompt: the first prefill of each prompt length compiles its kernels."""
+    """One token of each distinct prompt, twice: a prompt length's first prefill compiles its kernels, the second
+    captures the compiled step that later ones replay (``ModelSlice.prefill``)."""
     from ppharness.run.orchestrator import Job
 
     t0 = time.monotonic()
     prompts = list(dict.fromkeys(j.prompt for j in jobs))
-    for s in chain.serve([Job(p, 1) for p in prompts]):
-        if s.response is None:
-            raise HarnessError(f"a warm-up request was refused: {s.refused}")
+    for _ in range(2):
+        for s in chain.serve([Job(p, 1) for p in prompts]):
+            if s.response is None:
+                raise HarnessError(f"a warm-up request was refused: {s.refused}")
     progress(f"warm: {len(prompts)} prompt(s) prefilled in {time.monotonic() - t0:.1f} s")
 
 
