@@ -124,3 +124,36 @@ def test_unreadable_model_fails_the_run_before_any_node_starts(tmp_path):
         run_scenario(scenario, progress=Progress(quiet=True), run_label=label)
     assert "broken.gguf" in str(info.value)
     assert not labelled_pids(label)
+
+
+def test_requests_in_flight_on_pp_node_processes(tiny_model_path, tiny_gguf):
+    """Real processes over ZeroMQ, 3 slots and a queue of 1: of five requests sent at once, three are served at once,
+    one waits and is served after, one is refused as busy; every answer equals the unsplit model's to that prompt
+    alone, streamed token by token, and the chain serves a plain request after."""
+    import msgspec
+
+    from ppharness.model.oracle import oracle_decode
+    from ppharness.run.orchestrator import Chain, Job
+    from ppharness.testing.inprocess import load_slices
+
+    base = scenario_from_args(num_stages=2, max_tokens=12)
+    scenario = msgspec.structs.replace(base, serving=msgspec.structs.replace(base.serving, slots=3, queue=1))
+    prompts = ["The quick brown fox", "héllo wörld", "a b c", "Pipeline parallel", "over the wide area network"]
+    whole = load_slices(tiny_gguf, [(0, 8)], scenario.model.max_context, cache={})[0]
+    want = {
+        p: oracle_decode(tiny_model_path, p, 12, scenario.model.max_context, model=whole).token_ids for p in prompts
+    }
+    with Chain(scenario, progress=Progress(quiet=True), run_label=_label()) as chain:
+        served = chain.serve([Job(p, 12) for p in prompts])
+        refused = [s for s in served if s.refused]
+        assert len(refused) == 1 and "3 request(s) in flight (its 3 slot(s)) and 1 waiting" in refused[0].refused
+        for s in served:
+            if not s.refused:
+                assert s.response is not None and s.response.token_ids == want[s.job.prompt], s.job.prompt
+                n = len(s.response.token_ids)  # a closing EOS streams too, and is not in the answer
+                assert len(s.token_at) in (n, n + 1), "every token was streamed as it was sampled"
+                assert s.ttft_s > 0 and all(g >= 0 for g in s.itl_s)
+        response, _ = chain.request(prompts[0], 12)
+        assert response.token_ids == want[prompts[0]]
+        label = chain.run_label
+    assert not labelled_pids(label), "pp-node processes outlived the run"
