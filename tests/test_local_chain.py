@@ -126,6 +126,7 @@ def test_unreadable_model_fails_the_run_before_any_node_starts(tmp_path):
     assert not labelled_pids(label)
 
 
+@pytest.mark.slow
 def test_requests_in_flight_on_pp_node_processes(tiny_model_path, tiny_gguf):
     """Real processes over ZeroMQ, 3 slots and a queue of 1: of five requests sent at once, three are served at once,
     one waits and is served after, one is refused as busy; every answer equals the unsplit model's to that prompt

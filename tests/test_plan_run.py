@@ -249,3 +249,19 @@ def test_the_readmes_cluster_example_loads_and_plans(tiny_graph, tmp_path):
     assert [d.id for d in cluster.devices] == ["gpu-a", "gpu-b", "box-c"]
     assert cluster.link("gpu-a", "box-c").delay_ms == 30  # east -> west, the regions' link
     check_plan(plan_optimal(tiny_graph, cluster, Objective()))
+
+
+def test_a_scenario_serving_more_requests_than_its_plan_counted_is_refused(tiny_graph, tiny_model_path, tmp_path):
+    """The plan's memory check counts the KV cache of ``objective.requests`` per stage: a scenario asking for more
+    slots is refused with the fix; a scenario's own chain plan counts its slots."""
+    from ppharness.run.orchestrator import realise_plan
+    from ppharness.scenario.schema import load_scenario
+
+    (tmp_path / "two.json").write_text(pretty(chain(tiny_graph, _three_devices(), ["dev-a", "dev-b"], [5])))
+    (tmp_path / "run.yaml").write_text("version: 1\nplan: two.json\nserving: {slots: 3}\n")
+    with pytest.raises(PlanError) as refused:
+        realise_plan(load_scenario(tmp_path / "run.yaml"), "synthetic:tiny", tiny_model_path)
+    assert "$.placement.objective.requests" in str(refused.value) and "--requests 3" in str(refused.value)
+    (tmp_path / "own.yaml").write_text("version: 1\nstages: {count: 2}\nserving: {slots: 3}\n")
+    doc, _ = realise_plan(load_scenario(tmp_path / "own.yaml"), "synthetic:tiny", tiny_model_path)
+    assert doc.placement.objective.requests == 3

@@ -63,7 +63,7 @@ def serves_each_request_as_alone(tiny_model_path, tiny_gguf, split, slots, queue
         assert not refused, "a request was refused although the slots and the queue had room for all"
 
 
-@settings(max_examples=min(6, settings.default.max_examples))
+@settings(max_examples=min(4, settings.default.max_examples))
 @given(
     split=st.sampled_from(SPLITS),
     slots=st.sampled_from([1, 3]),

@@ -726,3 +726,10 @@ def test_scenario_check_reports_every_bad_file(tmp_path: Path) -> None:
     assert f"ok: {good}" in result.output
     assert f"FAILED: {bad2}: $.budget.total_s:" in result.output
     assert "FAILED: 2 of 3 scenario files" in result.output
+
+
+def test_serving_slots_and_queue_are_checked(tmp_path: Path) -> None:
+    message = _error(_write(tmp_path, "version: 1\nserving: {slots: 0}\n"))
+    assert "$.serving.slots" in message and ">= 1" in message
+    s = load_scenario(_write(tmp_path, "version: 1\nserving: {slots: 4, queue: 0}\n", "ok.yaml"))
+    assert (s.serving.slots, s.serving.queue) == (4, 0)

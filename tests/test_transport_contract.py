@@ -39,6 +39,7 @@ from ppharness.wire.messages import (
     NextToken,
     Ready,
     Replay,
+    RequestClose,
     RequestOpen,
     Resume,
     Shutdown,
@@ -128,6 +129,7 @@ def realistic_messages() -> list[Message]:
             prompt_tokens=6,
             plan_id="plan-2stage-a1b2",
         ),
+        RequestClose(request_id="req-0001", plan_id="plan-2stage-a1b2", epoch=1),
         Join(
             stage=1,
             num_stages=2,
