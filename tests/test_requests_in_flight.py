@@ -45,6 +45,16 @@ arrivals = st.lists(
 )
 
 
+# what each example draws: a split, the slots per stage, stage 0's queue, the requests, the delivery order's seed
+DRAWS = {
+    "split": st.sampled_from(SPLITS),
+    "slots": st.sampled_from([1, 3]),
+    "queue": st.sampled_from([0, 1, 8]),
+    "load": arrivals,
+    "seed": st.integers(0, 2**16),
+}
+
+
 def serves_each_request_as_alone(tiny_model_path, tiny_gguf, split, slots, queue, load, seed) -> None:
     slices = load_slices(tiny_gguf, split, MAX_CONTEXT, cache=_slices, slots=slots)
     answers = run_interleaved(tiny_gguf, slices, load, seed=seed, queue=queue)
@@ -64,13 +74,7 @@ def serves_each_request_as_alone(tiny_model_path, tiny_gguf, split, slots, queue
 
 
 @settings(max_examples=min(4, settings.default.max_examples))
-@given(
-    split=st.sampled_from(SPLITS),
-    slots=st.sampled_from([1, 3]),
-    queue=st.sampled_from([0, 1, 8]),
-    load=arrivals,
-    seed=st.integers(0, 2**16),
-)
+@given(**DRAWS)
 @example(split=SPLITS[2], slots=3, queue=8, load=[Arrival(p, LONGEST, 0) for p in PROMPTS], seed=1)
 @example(split=SPLITS[3], slots=1, queue=8, load=[Arrival(p, 5, 3 * k) for k, p in enumerate(PROMPTS)], seed=2)
 def test_each_request_is_answered_as_if_alone_whatever_the_interleaving(
@@ -81,13 +85,7 @@ def test_each_request_is_answered_as_if_alone_whatever_the_interleaving(
 
 @pytest.mark.slow
 @settings(max_examples=max(60, settings.default.max_examples))
-@given(
-    split=st.sampled_from(SPLITS),
-    slots=st.sampled_from([1, 3]),
-    queue=st.sampled_from([0, 1, 8]),
-    load=arrivals,
-    seed=st.integers(0, 2**16),
-)
+@given(**DRAWS)
 def test_each_request_is_answered_as_if_alone_whatever_the_interleaving_thoroughly(
     tiny_model_path, tiny_gguf, split, slots, queue, load, seed
 ):

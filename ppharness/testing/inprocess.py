@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING
 from ppharness.errors import StageError, TransportTimeout
 from ppharness.plan.stages import ENTRY, names_of
 from ppharness.registry import transport_class
-from ppharness.run.stage import Stage, StageModel
+from ppharness.run.stage import QUEUE, Stage, StageModel
 from ppharness.wire.messages import Error, InferenceRequest, InferenceResponse, Message
 
 if TYPE_CHECKING:
     from ppharness.model.slicing import GGUFFile, ModelSlice
+    from ppharness.seams.transport import Transport
 
 MAX_STEPS = 1_000_000
 
@@ -49,6 +50,43 @@ def load_slices(
     return out
 
 
+def _endpoints(count: int) -> list[Transport]:
+    memory = transport_class("memory")
+    return [memory() for _ in range(count)]
+
+
+def _stages(
+    gguf_file: GGUFFile,
+    slices: Sequence[StageModel],
+    transports: list[Transport],
+    plan_id: str,
+    wire_dtype: str = "f16",
+    queue: int = QUEUE,
+) -> tuple[list[Stage], dict[str, str]]:
+    """One Stage per slice on ``transports[:n]`` (started here), the last transport the client's; and the names."""
+    n = len(slices)
+    addrs = [t.start() for t in transports]
+    names = {name: addrs[i] for i in range(n) for name in names_of(i, n)}
+    tok = gguf_file.tokenizer
+    stages = [
+        Stage(
+            i,
+            n,
+            slices[i],
+            transports[i],
+            names,
+            plan_id,
+            wire_dtype,
+            tok if i in (0, n - 1) else None,
+            log=lambda _: None,
+            seed=transports[n].address,
+            queue=queue,
+        )
+        for i in range(n)
+    ]
+    return stages, names
+
+
 def run_inprocess(
     gguf_file: GGUFFile,
     slices: Sequence[StageModel],
@@ -63,29 +101,11 @@ def run_inprocess(
 
     ``digests``, when given, receives each stage's digests of the hidden states it sent (ppharness.model.exactness);
     ``on_message(stage, message)`` sees every message a stage receives, as decoded from the wire."""
-    memory = transport_class("memory")
     n = len(slices)
-    transports = [memory() for _ in range(n + 1)]
+    transports = _endpoints(n + 1)
     try:
-        addrs = [t.start() for t in transports]
-        names = {name: addrs[i] for i in range(n) for name in names_of(i, n)}
-        tok = gguf_file.tokenizer
         client = transports[n]
-        stages = [
-            Stage(
-                i,
-                n,
-                slices[i],
-                transports[i],
-                names,
-                plan_id,
-                wire_dtype,
-                tok if i in (0, n - 1) else None,
-                log=lambda _: None,
-                seed=client.address,
-            )
-            for i in range(n)
-        ]
+        stages, names = _stages(gguf_file, slices, transports, plan_id, wire_dtype=wire_dtype)
         client.send(
             names[ENTRY],
             InferenceRequest(reply_to=client.address, prompt=prompt, max_tokens=max_tokens, request_id="r0"),
@@ -145,30 +165,12 @@ def run_interleaved(
     One thread delivers one message at a time to a stage chosen at random (``seed``) among those with mail, so the
     requests interleave differently from seed to seed; each stage still reads its mail in the order it was sent, as a
     transport's ordered channel delivers it. ``observe(stages)`` runs after each delivery."""
-    memory = transport_class("memory")
     n = len(slices)
     rng = random.Random(seed)
-    transports = [memory() for _ in range(n + 1)]
+    transports = _endpoints(n + 1)
     try:
-        addrs = [t.start() for t in transports]
-        names = {name: addrs[i] for i in range(n) for name in names_of(i, n)}
-        tok = gguf_file.tokenizer
         client = transports[n]
-        stages = [
-            Stage(
-                i,
-                n,
-                slices[i],
-                transports[i],
-                names,
-                plan_id,
-                tokenizer=tok if i in (0, n - 1) else None,
-                log=lambda _: None,
-                seed=client.address,
-                queue=queue,
-            )
-            for i in range(n)
-        ]
+        stages, names = _stages(gguf_file, slices, transports, plan_id, queue=queue)
         answers: dict[str, InferenceResponse | Error] = {}
         order = sorted(range(len(arrivals)), key=lambda k: arrivals[k].after)
         delivered = 0
