@@ -96,19 +96,12 @@ def _scenario(
 ) -> Scenario:
     import msgspec
 
-    from ppharness.scenario.schema import Scenario, scenario_from_args
+    from ppharness.benchmarks.chain import _scenario as chain_scenario
+    from ppharness.scenario.schema import Scenario
 
-    base = scenario_from_args(num_stages=num_stages, transport=transport)
-    synthetic = base.model.synthetic
-    assert synthetic is not None, "the built-in scenario's model is synthetic"
-    model = msgspec.structs.replace(
-        base.model, synthetic=msgspec.structs.replace(synthetic, preset=preset), max_context=max_context
-    )
-    budget = msgspec.structs.replace(base.budget, total_s=3600.0, ready_s=900.0)
+    base = chain_scenario(preset, num_stages, transport, 1, max_context)  # its request is not sent: the load is
     serving = msgspec.structs.replace(base.serving, slots=slots, queue=queue)
-    raw = msgspec.to_builtins(
-        msgspec.structs.replace(base, model=model, budget=budget, serving=serving, network=network, name="bench-load")
-    )
+    raw = msgspec.to_builtins(msgspec.structs.replace(base, serving=serving, network=network, name="bench-load"))
     return msgspec.convert(raw, type=Scenario)  # checked as a scenario file would be
 
 
@@ -173,7 +166,7 @@ def run_load_bench(
     f = GGUFFile(path)
     jobs = spec.jobs()
     longest_prompt = max(len(f.tokenizer.encode(j.prompt)) for j in jobs) + 1
-    max_context = min(f.config.context, longest_prompt + spec.max_tokens[1] + 8)
+    max_context = min(f.config.context, max(16, longest_prompt + spec.max_tokens[1] + 8))  # a scenario's least: 16
     single_tokens = int(statistics.median(j.max_tokens for j in jobs))
     expected = _answers(path, [*jobs, Job(jobs[0].prompt, single_tokens)], max_context, progress)
     scenario = _scenario(preset, num_stages, transport, network, slots, queue, max_context)

@@ -862,7 +862,8 @@ class Chain:
     def serve(self, jobs: list[Job]) -> list[Served]:
         """Send every job at its time, whatever is in flight (an open loop: arrivals do not wait for answers), and
         wait for every answer or refusal. Tokens stream back as they are sampled; the results are in job order."""
-        assert self.transport is not None, "the chain is not started"
+        transport = self.transport
+        assert transport is not None, "the chain is not started"
         served = [Served(job, uuid.uuid4().hex[:12]) for job in jobs]
         self.loads = {s.request_id: s for s in served}
         entry = self.directory.resolve(ENTRY)
@@ -879,7 +880,7 @@ class Chain:
             if self.outbox is not None:
                 self.outbox.put(("request", s.request_id, -1), "entry", request)
             else:
-                self.transport.send(entry, request)  # type: ignore[union-attr]  # asserted above
+                transport.send(entry, request)
 
         def on_message(sender: str, msg: Message) -> bool:
             s = self.loads.get(getattr(msg, "request_id", ""))

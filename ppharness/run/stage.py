@@ -150,6 +150,7 @@ class Stage:
         wait for a free slot (the model's ``slots`` say how many are served at once)."""
         self.index, self.num_stages = index, num_stages
         self.first, self.last = index == 0, index == num_stages - 1
+        self.next_is_middle = index + 1 < num_stages - 1  # a stage that frees its slot on RequestClose
         self.model, self.transport, self.plan_id = model, transport, plan_id
         self.wire_dtype, self.tokenizer, self.log = wire_dtype, tokenizer, log
         prev, nxt = route
@@ -397,7 +398,7 @@ class Stage:
             self._trace_rx(step, rx)
         if msg.done:
             self._finish(req.request_id)
-            if not self.index + 1 == self.num_stages - 1:  # the middle stages free the request's slot too
+            if self.next_is_middle:  # the middle stages free the request's slot too
                 close = RequestClose(request_id=req.request_id, plan_id=self.plan_id, epoch=self.epoch)
                 self._post("close", req.request_id, -1, "next", close)
             return
@@ -462,7 +463,7 @@ class Stage:
         if msg.request_id not in self.reqs:
             return  # a copy of one already taken, or of a request this stage never saw (its open was refused)
         self._finish(msg.request_id)
-        if not self.last and self.index + 1 != self.num_stages - 1:
+        if self.next_is_middle:
             self._post("close", msg.request_id, -1, "next", msgspec.structs.replace(msg, epoch=self.epoch))
 
     def _on_activation(self, msg: StageActivation, rx: Received | None) -> None:
