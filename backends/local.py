@@ -15,13 +15,13 @@ from collections import deque
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Annotated
+
+from msgspec import Meta
 
 from ppharness.errors import ProvisionFailed
 from ppharness.seams.provider import Instance, NodeAction, NodeSpec, Provider, Reaped
-
-if TYPE_CHECKING:
-    from ppharness.scenario.schema import LocalSettings
+from ppharness.seams.settings import ProviderSettings
 
 LABEL_VAR = "PP_RUN_LABEL"
 STOP_GRACE_S = 5.0
@@ -46,16 +46,25 @@ def device_env() -> dict[str, str]:
     return {"DEV": str(Device.DEFAULT)}
 
 
+class LocalSettings(ProviderSettings, frozen=True):
+    """Settings of the ``local`` provider. ``fail_destroy`` is a fault switch for failure-mode tests: destroying
+    these stages' processes reports an error and leaves them running (for ``ppharness reap`` to find)."""
+
+    fail_destroy: tuple[Annotated[int, Meta(ge=0)], ...] = ()
+
+
 def node_command() -> list[str]:
     """The node entry point for this interpreter (``pp-node`` is the same module)."""
     return [sys.executable, "-m", "ppharness.run.node"]
 
 
-class LocalProvider(Provider["LocalSettings | None"]):
+class LocalProvider(Provider[LocalSettings | None]):
     """One ``pp-node`` process per stage on this machine; ``settings`` is the scenario's ``provider.local``."""
 
     kind = "local"
     gossip_reachable = True  # nodes and orchestrator share loopback: SWIM over UDP works
+    signals_nodes = True
+    own_networks = True  # unshare: a user and a network namespace per node
 
     def __init__(
         self, run_label: str, settings: LocalSettings | None = None, log_dir: str | os.PathLike[str] | None = None

@@ -1,32 +1,43 @@
 """Implementations of the seams, looked up by kind string.
 
 The core never imports ``transports`` or ``backends`` by name; a scenario says ``transport: {kind: zmq}`` and the
-registry turns that into a class. A new implementation is one line here.
+registry turns that into a class. A new implementation is one line here: where its class is and, when the kind has
+scenario settings, where they are. Settings live in a module light to import (the class's module may load an SDK or
+a binding), because the scenario's sections are built from them whenever a scenario is read; what a kind can do is
+said by its class (``Transport.one_process``, ``Provider.signals_nodes``, ...), imported only when asked.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from ppharness.errors import HarnessError
-from ppharness.seams import Provider, Transport
+from ppharness.seams import Provider, ProviderSettings, Transport, TransportSettings
 
 if TYPE_CHECKING:
     from ppharness.network.clock import EventClock
     from ppharness.network.spec import Network
 
-TRANSPORTS: dict[str, str] = {
-    "memory": "transports.memory:MemoryTransport",
-    "zmq": "transports.zmq:ZmqTransport",
-    "iroh": "transports.iroh.transport:IrohTransport",
+
+class Implementation(NamedTuple):
+    """One kind: its class (``module:Class``) and its scenario settings' type (``module:Class``), if any."""
+
+    target: str
+    settings: str | None = None
+
+
+TRANSPORTS: dict[str, Implementation] = {
+    "memory": Implementation("transports.memory:MemoryTransport"),
+    "zmq": Implementation("transports.zmq:ZmqTransport"),
+    "iroh": Implementation("transports.iroh.transport:IrohTransport", "transports.iroh.settings:IrohSettings"),
 }
 
-PROVIDERS: dict[str, str] = {
-    "local": "backends.local:LocalProvider",
-    "docker": "backends.docker.provider:DockerProvider",
-    "vastai": "backends.vastai.provider:VastaiProvider",
+PROVIDERS: dict[str, Implementation] = {
+    "local": Implementation("backends.local:LocalProvider", "backends.local:LocalSettings"),
+    "docker": Implementation("backends.docker.provider:DockerProvider", "backends.docker.settings:DockerSettings"),
+    "vastai": Implementation("backends.vastai.provider:VastaiProvider", "backends.vastai.settings:VastaiSettings"),
 }
 
 
@@ -41,25 +52,69 @@ TOOLS: dict[str, str] = {
 }
 
 
-def _load(table: dict[str, str], kind: str, what: str) -> object:
+_V = TypeVar("_V")
+
+
+def _entry(table: dict[str, _V], kind: str, what: str) -> _V:
     try:
-        target = table[kind]
+        return table[kind]
     except KeyError:
         raise HarnessError(f"unknown {what} kind {kind!r}: expected one of {', '.join(sorted(table))}") from None
+
+
+def _import(target: str) -> object:
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
+def _load(table: dict[str, str], kind: str, what: str) -> object:
+    return _import(_entry(table, kind, what))
+
+
 def transport_class(kind: str) -> type[Transport]:
-    cls = _load(TRANSPORTS, kind, "transport")
+    impl = _entry(TRANSPORTS, kind, "transport")
+    cls = _import(impl.target)
     assert isinstance(cls, type) and issubclass(cls, Transport), f"{kind}: {cls!r} is not a Transport"
     return cls
 
 
 def provider_class(kind: str) -> type[Provider[Any]]:  # Any: each kind reads its own settings section
-    cls = _load(PROVIDERS, kind, "provider")
+    impl = _entry(PROVIDERS, kind, "provider")
+    cls = _import(impl.target)
     assert isinstance(cls, type) and issubclass(cls, Provider), f"{kind}: {cls!r} is not a Provider"
     return cls
+
+
+def transport_settings_type(kind: str) -> type[TransportSettings] | None:
+    """The fields transport ``kind`` adds to a scenario's ``transport`` section, or None (without loading the
+    transport itself)."""
+    impl = _entry(TRANSPORTS, kind, "transport")
+    if impl.settings is None:
+        return None
+    cls = _import(impl.settings)
+    assert isinstance(cls, type) and issubclass(cls, TransportSettings), f"{kind}: {cls!r} is not TransportSettings"
+    return cls
+
+
+def provider_settings_type(kind: str) -> type[ProviderSettings] | None:
+    """The type of provider ``kind``'s scenario section (``provider.<kind>``), or None (without loading the provider
+    itself)."""
+    impl = _entry(PROVIDERS, kind, "provider")
+    if impl.settings is None:
+        return None
+    cls = _import(impl.settings)
+    assert isinstance(cls, type) and issubclass(cls, ProviderSettings), f"{kind}: {cls!r} is not ProviderSettings"
+    return cls
+
+
+def transports_where(test: Callable[[type[Transport]], bool]) -> list[str]:
+    """The transport kinds whose class passes ``test`` (each class is loaded to be asked), in registry order."""
+    return [kind for kind in TRANSPORTS if test(transport_class(kind))]
+
+
+def providers_where(test: Callable[[type[Provider[Any]]], bool]) -> list[str]:
+    """The provider kinds whose class passes ``test`` (each class is loaded to be asked), in registry order."""
+    return [kind for kind in PROVIDERS if test(provider_class(kind))]
 
 
 def tool(name: str) -> Callable[..., object]:

@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 from ppharness.errors import ModelError
-from ppharness.model.files import PRESETS, parse_synthetic, resolve_model, synthetic_path
-from ppharness.model.mla import attention_scale, rope_angles
+from ppharness.model.arch.deepseek2 import attention_scale, rope_angles
+from ppharness.model.files import resolve_model, synthetic_path
+from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.moe import ExpertBank, ExpertCall, combine, route
 from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import GGUFFile, ModelSlice
+from ppharness.model.slicing import ModelSlice
+from ppharness.model.spec import PRESETS, parse_synthetic
 from tests.test_moe import drive
 
 if TYPE_CHECKING:

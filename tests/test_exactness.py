@@ -73,9 +73,9 @@ def test_the_check_catches_an_fp32_residual_between_blocks(tiny_model_path, monk
     puts a stage boundary) a split changes the hidden states, and split-check says where."""
     from tinygrad.apps.llm import TransformerBlock
 
-    import ppharness.model.slicing
+    import ppharness.model.arch.llama
 
-    monkeypatch.setattr(ppharness.model.slicing, "_block_class", lambda: TransformerBlock)
+    monkeypatch.setattr(ppharness.model.arch.llama, "block_class", lambda: TransformerBlock)
     _, checks = check_splits(tiny_model_path, "The quick brown fox", 8, [[(0, 3), (3, 5), (5, 8)]])
     assert not checks[0].exact
     assert checks[0].verdict.boundary_diff is not None or not checks[0].same_kernels

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from ppharness.model.files import parse_synthetic
+from ppharness.model.spec import parse_synthetic
 from ppharness.plan.doc import PlanDoc, load_cluster, load_plan
 
 ROOT = Path(__file__).resolve().parents[1]

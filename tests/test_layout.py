@@ -96,3 +96,33 @@ def test_the_orchestrator_and_cli_start_without_loading_the_model_code() -> None
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", f"importing the CLI and the orchestrator loaded {out}"
+
+
+def test_backends_own_their_settings() -> None:
+    """Every kind's scenario settings live with the kind (``backends/``, ``transports/``) and the core defines none:
+    its provider and transport sections are built from the registry. The registry finds them without loading the
+    kinds themselves, so reading a scenario loads no SDK or binding."""
+    declared = [(kind, registry.provider_settings_type(kind), "backends") for kind in registry.PROVIDERS]
+    declared += [(kind, registry.transport_settings_type(kind), "transports") for kind in registry.TRANSPORTS]
+    misplaced = [
+        f"{kind}: {settings.__qualname__} is defined in {settings.__module__}"
+        for kind, settings, home in declared
+        if settings is not None and settings.__module__.split(".")[0] != home
+    ]
+    assert not misplaced, "\n".join(misplaced)
+    bases = {"ProviderSettings", "TransportSettings"}
+    names = {f"{kind}settings" for kind in (*registry.PROVIDERS, *registry.TRANSPORTS)}
+    offenders = [
+        f"{path.relative_to(ROOT)}:{node.lineno} defines {node.name}"
+        for path in sorted((ROOT / "ppharness").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ClassDef)
+        and (node.name.lower() in names or any(ast.unparse(b).split(".")[-1] in bases for b in node.bases))
+    ]
+    assert not offenders, "an implementation's settings belong to the implementation:\n" + "\n".join(offenders)
+    code = (
+        "import sys, ppharness.scenario.schema; "
+        "print(sorted(m for m in ('docker', 'httpx', 'zmq', 'iroh') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", f"importing the scenario format loaded {out}"

@@ -23,10 +23,12 @@ from hypothesis import strategies as st
 
 from ppharness.errors import ModelError
 from ppharness.model.exactness import digest
-from ppharness.model.files import parse_synthetic, preset_spec, synthetic_path
+from ppharness.model.files import synthetic_path
+from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.moe import ExpertBank, ExpertCall, combine, route, routing_entropy
 from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import GGUFFile, ModelSlice
+from ppharness.model.slicing import ModelSlice
+from ppharness.model.spec import parse_synthetic, preset_spec
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

@@ -43,19 +43,14 @@ from ppharness.plan.doc import (
     load_plan,
     with_id,
 )
-from ppharness.plan.experts import (
-    Fanout,
-    baseline_experts,
-    layer_times,
-    load_routing,
-    place_experts,
-    routings,
-    with_frequencies,
-    without_routed_experts,
-)
+from ppharness.plan.expert_problem import without_routed_experts
+from ppharness.plan.experts import baseline_experts, place_experts
+from ppharness.plan.fanout import Fanout, layer_times, routings
+from ppharness.plan.parse import parse
+from ppharness.plan.routing import load_routing, with_frequencies
 from ppharness.plan.show import dot, draw_png, mermaid, table
 from ppharness.plan.simulate import simulate
-from ppharness.plan.text import parse, render
+from ppharness.plan.text import render
 
 MiB = 1 << 20
 RESERVE = 64 * MiB
@@ -762,7 +757,8 @@ def test_frequencies_are_set_per_block_and_checked(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def moe_graphs() -> dict[str, ModelGraph]:
-    from ppharness.model.files import preset_spec, resolve_model, synthetic_source
+    from ppharness.model.files import resolve_model
+    from ppharness.model.spec import preset_spec, synthetic_source
     from ppharness.plan.graph import model_graph
 
     out = {}

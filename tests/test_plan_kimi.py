@@ -13,13 +13,15 @@ import msgspec
 import pytest
 
 from ppharness.errors import PlanError
-from ppharness.model.files import PRESETS, parse_synthetic, resolve_model
+from ppharness.model.files import resolve_model
+from ppharness.model.spec import PRESETS, parse_synthetic
 from ppharness.plan.build import chain
 from ppharness.plan.check import check_plan
 from ppharness.plan.compile import compile_plan
 from ppharness.plan.consumer import SHIPPED, cluster_name, consumer_cluster
 from ppharness.plan.doc import load_cluster, with_id
-from ppharness.plan.experts import place_experts, without_routed_experts
+from ppharness.plan.expert_problem import without_routed_experts
+from ppharness.plan.experts import place_experts
 from ppharness.plan.graph import model_graph, spec_graph
 from ppharness.plan.simulate import simulate
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppharness.errors import PlanError
-from ppharness.model.files import PRESETS, synthetic_source
+from ppharness.model.spec import PRESETS, synthetic_source
 from ppharness.plan.build import chain
 from ppharness.plan.check import check_plan
 from ppharness.plan.compile import compile_plan, plan_network, programs
@@ -23,7 +23,7 @@ from ppharness.plan.doc import Cluster, Device, Impaired, Link, Objective, Sourc
 from ppharness.plan.graph import model_graph
 from ppharness.plan.search import plan_optimal
 from ppharness.plan.stages import ENTRY, EXIT, StageSettings
-from ppharness.testing.inprocess import load_slices, run_inprocess
+from ppharness.run.inprocess import load_slices, run_inprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = sorted((ROOT / "scenarios" / "clusters").glob("*cluster*.yaml"))
@@ -242,7 +242,7 @@ def test_realise_gives_each_node_its_program_and_its_devices_docker_limits(tiny_
 def test_the_readmes_cluster_example_loads_and_plans(tiny_graph, tmp_path):
     from ppharness.plan.doc import load_cluster
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "plans.md").read_text()
     start = text.index("name: two-regions")
     (tmp_path / "readme-cluster.yaml").write_text(text[start : text.index("```", start)])
     cluster = load_cluster(tmp_path / "readme-cluster.yaml")
@@ -254,7 +254,7 @@ def test_the_readmes_cluster_example_loads_and_plans(tiny_graph, tmp_path):
 def test_a_scenario_serving_more_requests_than_its_plan_counted_is_refused(tiny_graph, tiny_model_path, tmp_path):
     """The plan's memory check counts the KV cache of ``objective.requests`` per stage: a scenario asking for more
     slots is refused with the fix; a scenario's own chain plan counts its slots."""
-    from ppharness.run.orchestrator import realise_plan
+    from ppharness.run.realise import realise_plan
     from ppharness.scenario.schema import load_scenario
 
     (tmp_path / "two.json").write_text(pretty(chain(tiny_graph, _three_devices(), ["dev-a", "dev-b"], [5])))

@@ -13,9 +13,9 @@ import msgspec
 import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
+from plan_oracle import brute_force
 
 from ppharness.errors import PlanError
-from ppharness.plan.build import policy_plan
 from ppharness.plan.check import check_plan, gib
 from ppharness.plan.doc import (
     Block,
@@ -29,15 +29,8 @@ from ppharness.plan.doc import (
     PlanDoc,
     Source,
 )
-from ppharness.plan.search import (
-    brute_force,
-    evaluate,
-    fits,
-    measure_gap,
-    plan_optimal,
-    solve,
-    solve_heuristic,
-)
+from ppharness.plan.objective import evaluate, fits
+from ppharness.plan.search import measure_gap, plan_optimal, policy_plan, solve, solve_heuristic
 from ppharness.plan.simulate import simulate
 
 MIB = 1 << 20

@@ -28,7 +28,8 @@ from ppharness.plan.doc import (
     Op,
     Placement,
 )
-from ppharness.plan.text import MAX_LINE_CHARS, MAX_TEXT_BYTES, parse, render, render_plan
+from ppharness.plan.parse import MAX_LINE_CHARS, MAX_TEXT_BYTES, parse
+from ppharness.plan.text import render, render_plan
 
 # --- strategies -------------------------------------------------------------------------------------------------
 

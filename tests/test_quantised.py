@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ppharness.model.files import PRESETS, ModelSpec, make_synthetic, synthetic_path
+from ppharness.model.files import synthetic_path
+from ppharness.model.spec import PRESETS, ModelSpec
+from ppharness.model.synthetic import make_synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ModelSpec(blocks=2, dim=64, ffn=96, heads=4, kv_heads=2, vocab=300, seed=3)
@@ -84,7 +86,7 @@ def test_dequantised_weights_are_close_to_the_f16_model(small_files, wtype):
 
 @pytest.mark.parametrize("wtype", QUANTISED)
 def test_slicing_reads_quantised_weights_as_the_f16_models_within_bounds(small_files, wtype):
-    from ppharness.model.slicing import GGUFFile
+    from ppharness.model.gguf_file import GGUFFile
 
     q, f = GGUFFile(small_files[wtype]), GGUFFile(small_files["f16"])
     assert q.config == f.config
@@ -151,8 +153,8 @@ _loaded: dict = {}
 
 def _tiny(wtype: str):
     """(path, GGUFFile, slice cache, the whole model with boundary taps) of the quantised tiny model, loaded once."""
-    from ppharness.model.slicing import GGUFFile
-    from ppharness.testing.inprocess import load_slices
+    from ppharness.model.gguf_file import GGUFFile
+    from ppharness.run.inprocess import load_slices
 
     if wtype not in _loaded:
         path = synthetic_path(replace(PRESETS["tiny"], type=wtype))
@@ -167,7 +169,7 @@ def test_quantised_chain_equals_its_unsplit_model(wtype, ranges):
     """Tokens, and every hidden state a stage sends, byte for byte (ppharness.model.exactness), over 32 tokens."""
     from ppharness.model.exactness import compare
     from ppharness.model.oracle import oracle_decode
-    from ppharness.testing.inprocess import load_slices, run_inprocess
+    from ppharness.run.inprocess import load_slices, run_inprocess
 
     path, f, cache, whole = _tiny(wtype)
     slices = load_slices(f, ranges, cache=cache)

@@ -165,7 +165,8 @@ def test_a_run_that_fails_before_any_node_starts_lets_go_of_its_label(state, tmp
     """The lock is taken first; a failure after it (here: a model file that does not exist) still releases it."""
     from ppharness.errors import HarnessError
     from ppharness.run.orchestrator import Chain
-    from ppharness.scenario.schema import ModelSection, Scenario
+    from ppharness.scenario.schema import Scenario
+    from ppharness.scenario.sections import ModelSection
 
     label = _label("early")
     scenario = Scenario(version=1, model=ModelSection(gguf=str(tmp_path / "missing.gguf")))

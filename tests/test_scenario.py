@@ -13,14 +13,9 @@ import pytest
 
 from ppharness import registry
 from ppharness.errors import ScenarioError
-from ppharness.scenario.schema import (
-    Scenario,
-    Stages,
-    check_against_model,
-    load_scenario,
-    scenario_from_args,
-    scenario_schema,
-)
+from ppharness.scenario.facts import check_against_model
+from ppharness.scenario.schema import Scenario, load_scenario, scenario_from_args, scenario_schema
+from ppharness.scenario.sections import Stages
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 
@@ -246,7 +241,7 @@ def test_transport_override_keeps_relay_for_iroh_and_drops_it_otherwise() -> Non
 
 
 def test_relay_reaches_every_planned_endpoint() -> None:
-    from ppharness.run.orchestrator import transport_settings
+    from ppharness.run.realise import transport_settings
 
     section = msgspec.structs.replace(
         load_scenario(SCENARIOS / "smoke-5stage-local-iroh.yaml").transport, relay="default"
@@ -312,8 +307,8 @@ def test_synthetic_weight_type(tmp_path: Path) -> None:
 
 
 def test_scenario_weight_type_reaches_the_model(tmp_path: Path) -> None:
-    from ppharness.model.files import parse_synthetic
-    from ppharness.run.orchestrator import model_source
+    from ppharness.model.spec import parse_synthetic
+    from ppharness.run.realise import model_source
 
     s = load_scenario(_write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, type: q8_0}}\n"))
     source, sha = model_source(s)
@@ -563,7 +558,7 @@ def _nullable(path: str) -> bool:
     """Whether the scenario field at ``path`` accepts null (its type is optional)."""
     from msgspec import inspect as mi
 
-    from ppharness.scenario.explain import _type_at
+    from ppharness.document.explain import _type_at
 
     *parent, last = path.rsplit(".", 1)
     if "[" in last:
@@ -655,7 +650,7 @@ def test_limits_leave_ordinary_use_alone(tmp_path: Path) -> None:
 def test_prompt_bound_refuses_only_what_cannot_fit() -> None:
     """A prompt of b bytes is at least ceil(b / longest token) tokens; it is refused only when even that many leave no
     room for max_tokens."""
-    from ppharness.scenario.schema import ModelFacts
+    from ppharness.scenario.facts import ModelFacts
 
     facts = ModelFacts(blocks=8, context=2048, bos=True, longest_token=4, name="m")
     s = scenario_from_args(max_tokens=16)  # max_context 256: the prompt may be 256 - 16 - 1 = 239 tokens at the fewest

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from ppharness.errors import ModelError
-from ppharness.model.files import ModelSpec, make_synthetic
+from ppharness.model.gguf_file import GGUFFile, tokenizer_from
 from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import GGUFFile, ModelSlice, _local_name, owned_tensors, tokenizer_from
-from ppharness.testing.inprocess import load_slices, run_inprocess
+from ppharness.model.slicing import ModelSlice, _local_name, owned_tensors
+from ppharness.model.spec import ModelSpec
+from ppharness.model.synthetic import make_synthetic
+from ppharness.run.inprocess import load_slices, run_inprocess
 
 SMALL = ModelSpec(blocks=4, dim=8, ffn=16, heads=2, kv_heads=1, vocab=300, context=64)
 
@@ -92,11 +94,11 @@ def test_oracle_equals_tinygrads_own_generate(tiny_model_path):
     from tinygrad import Tensor
     from tinygrad.apps.llm import Transformer
 
-    from ppharness.model.slicing import _block_class
+    from ppharness.model.arch.llama import block_class
 
     model, kv = Transformer.from_gguf(Tensor(Path(tiny_model_path)), 256)
     for block in model.blk:
-        block.__class__ = _block_class()
+        block.__class__ = block_class()
     tok = tokenizer_from(kv)
     prompt = "The quick brown fox"
     ids = [kv["tokenizer.ggml.bos_token_id"], *tok.encode(prompt)]

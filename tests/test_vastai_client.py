@@ -22,8 +22,8 @@ from backends.vastai.emulator.server import parse_faults
 from backends.vastai.emulator.state import make_catalog, priced
 from backends.vastai.offers import choose_offers, encode_env, offer_query
 from backends.vastai.provider import VastaiProvider, client_from_env, failure_of
+from backends.vastai.settings import VastaiSettings
 from ppharness.errors import ProviderError, ProvisionFailed
-from ppharness.scenario.schema import VastaiSettings
 from ppharness.seams.provider import NodeSpec
 
 pytestmark = pytest.mark.vastai

@@ -65,6 +65,7 @@ class MemoryTransport(Transport):
     """One endpoint on ``hub`` (the module's ``DEFAULT_HUB`` when None) named ``name`` (a unique one when None)."""
 
     kind = "memory"
+    one_process = True
 
     def __init__(self, hub: MemoryHub | None = None, name: str | None = None) -> None:
         self._hub = DEFAULT_HUB if hub is None else hub

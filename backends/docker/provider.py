@@ -45,11 +45,11 @@ from docker.types import EndpointConfig, IPAMConfig, IPAMPool
 
 from backends.docker.image import ensure_node_image
 from backends.docker.network import client, daemon_problem, free_subnet, parse_subnet, remove_labelled
+from backends.docker.settings import DockerSettings
 from ppharness.errors import NotReady, ProviderError, ProvisionFailed
 from ppharness.seams.provider import Instance, NodeAction, NodeSpec, Provider, Reaped
 
 if TYPE_CHECKING:
-    from ppharness.scenario.schema import DockerSettings
     from ppharness.seams.transport import JsonObject
 
 RUN_LABEL = "ppharness.run"
@@ -71,11 +71,13 @@ def _explain(exc: BaseException) -> str:
     return str(getattr(exc, "explanation", None) or exc)
 
 
-class DockerProvider(Provider["DockerSettings | None"]):
+class DockerProvider(Provider[DockerSettings | None]):
     """One container per stage on a bridge network of its own (see the module's docstring); ``settings`` is the
     scenario's ``provider.docker``."""
 
     kind = "docker"
+    signals_nodes = True
+    own_networks = True  # a container with no network but its loopback
 
     def __init__(
         self, run_label: str, settings: DockerSettings | None = None, log_dir: str | os.PathLike[str] | None = None

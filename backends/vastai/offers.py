@@ -1,19 +1,17 @@
 """What to rent and how to ask for it: the offer query, the choice of offers, the printed plan and the create body.
 
-Pure functions of the scenario's ``provider.vastai`` settings (read by attribute; see
-``ppharness.scenario.schema.VastaiSettings``), so they are tested without any server.
+Pure functions of the scenario's ``provider.vastai`` settings (``backends.vastai.settings.VastaiSettings``), so
+they are tested without any server.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from backends.vastai.settings import VastaiSettings
 from ppharness.errors import ProvisionFailed
-
-if TYPE_CHECKING:
-    from ppharness.scenario.schema import VastaiSettings
 
 ENV_ENTRY_MAX = 256  # characters per env entry, name and value together (shared/vastai-api.md §3)
 ENV_TOTAL_MAX = 32768

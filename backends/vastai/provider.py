@@ -21,16 +21,14 @@ import sys
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from backends.vastai.client import ApiKey, VastApiError, VastClient, api_url
 from backends.vastai.offers import choose_offers, create_body, offer_query, plan_lines
+from backends.vastai.settings import VastaiSettings
 from ppharness.errors import NotReady, ProviderError, ProvisionFailed
 from ppharness.seams.provider import Instance, NodeSpec, Provider, Reaped
-
-if TYPE_CHECKING:
-    from ppharness.scenario.schema import VastaiSettings
 
 MAX_POLLS = 60
 REAL_MIN_POLL_S = 10.0
@@ -98,7 +96,7 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-class VastaiProvider(Provider["VastaiSettings"]):
+class VastaiProvider(Provider[VastaiSettings]):
     kind = "vastai"
 
     def __init__(
@@ -108,7 +106,7 @@ class VastaiProvider(Provider["VastaiSettings"]):
         log_dir: str | os.PathLike[str] | None = None,
         client: VastClient | None = None,
     ):
-        """``settings``: the scenario's ``provider.vastai`` (``ppharness.scenario.schema.VastaiSettings``)."""
+        """``settings``: the scenario's ``provider.vastai`` (``backends.vastai.settings.VastaiSettings``)."""
         if settings is None:
             raise ProviderError("the vastai provider needs the scenario's provider.vastai settings")
         super().__init__(run_label, settings, log_dir)

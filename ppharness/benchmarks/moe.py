@@ -25,15 +25,24 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 
+from ppharness.benchmarks.plan import PROMPT, oracle_prompt_tokens, run_plan
 from ppharness.errors import HarnessError
-
-if TYPE_CHECKING:
-    from ppharness.plan.doc import Device, PlanDoc
-    from ppharness.trace.report import Trace
+from ppharness.model.files import resolve_model
+from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.oracle import oracle_decode
+from ppharness.model.slicing import ModelSlice
+from ppharness.model.spec import preset_spec, synthetic_source
+from ppharness.plan.build import chain
+from ppharness.plan.compile import implicit_cluster
+from ppharness.plan.doc import Device, Impaired, PlanDoc
+from ppharness.plan.experts import baseline_experts
+from ppharness.plan.graph import model_graph
+from ppharness.plan.probe import probe_fit
+from ppharness.plan.simulate import compare, simulate
+from ppharness.trace.report import Trace, percentile
 
 TARGET_ERROR_PCT = 15.0
 
@@ -72,8 +81,6 @@ class MoEBenchResult:
 def breakdown(trace: Trace) -> dict[str, float]:
     """Per decode token, p50 over the tokens: the stages' own compute, the fan-out, the gather and the hops (each
     summed over stages and MoE blocks)."""
-    from ppharness.trace.report import percentile
-
     per_token: dict[str, list[float]] = {"compute": [], "fan-out": [], "gather": [], "hops": [], "total": []}
     events: dict[int, dict[str, float]] = {}
     for ev in trace.events:
@@ -113,12 +120,6 @@ def moe_plan(
 ) -> PlanDoc:
     """Two stages and ``expert_nodes`` expert nodes (round robin) on local devices with this machine's measured
     speed and the calibration's fixed costs, every link ``delay_ms`` one way."""
-    from ppharness.plan.build import chain
-    from ppharness.plan.compile import implicit_cluster
-    from ppharness.plan.doc import Impaired
-    from ppharness.plan.experts import baseline_experts
-    from ppharness.plan.graph import model_graph
-
     graph = model_graph(graph_path, source, max_context)
     base = implicit_cluster("local", 2 + expert_nodes)
     overheads = list(calibration.stage_overhead_ms or (0.0, 0.0)) + [calibration.expert_overhead_ms] * expert_nodes
@@ -149,9 +150,6 @@ def moe_plan(
 
 def calibrate(doc: PlanDoc, trace: Trace, prompt_tokens: int) -> Calibration:
     """The fixed costs a delay-0 run shows beyond the cost model's figures for ``doc`` (built with no fixed costs)."""
-    from ppharness.plan.simulate import simulate
-    from ppharness.trace.report import percentile
-
     measured = trace.p50_parts()
     rows = {r.name: r.ms for r in simulate(doc, prompt_tokens=prompt_tokens).rows}
     hops = [v for r in trace.decode for name, v in r.parts.items() if name.startswith("hop ")]
@@ -174,13 +172,6 @@ def run_moe_bench(
     progress: Callable[[str], None],
 ) -> MoEBenchResult:
     """Single process, then the expert-parallel plan at each delay (the first delay also calibrates the hop)."""
-    from ppharness.benchmarks.plan import PROMPT, oracle_prompt_tokens, run_plan
-    from ppharness.model.files import preset_spec, resolve_model, synthetic_source
-    from ppharness.model.oracle import oracle_decode
-    from ppharness.model.slicing import GGUFFile, ModelSlice
-    from ppharness.plan.probe import probe_fit
-    from ppharness.plan.simulate import compare, simulate
-
     if tokens < 2 or repeats < 1 or expert_nodes < 1:
         raise HarnessError("the MoE bench needs at least 2 tokens, 1 repeat and 1 expert node")
     t0 = time.monotonic()

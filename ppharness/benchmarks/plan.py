@@ -25,16 +25,35 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from ppharness.errors import HarnessError
-
-if TYPE_CHECKING:
-    from ppharness.model.oracle import OracleResult
-    from ppharness.plan.doc import Cluster, Device, ModelGraph, PlanDoc
-    from ppharness.scenario.schema import Scenario
+from ppharness.model.files import resolve_model
+from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.oracle import OracleResult, oracle_decode
+from ppharness.model.spec import PRESETS, preset_spec, synthetic_source
+from ppharness.plan.build import chain
+from ppharness.plan.doc import (
+    Cluster,
+    Device,
+    Impaired,
+    ModelGraph,
+    Objective,
+    PlanDoc,
+    Source,
+    hops,
+    load_cluster,
+    pretty,
+)
+from ppharness.plan.graph import model_graph
+from ppharness.plan.probe import probe_fit
+from ppharness.plan.search import policy_plan
+from ppharness.plan.simulate import compare, simulate
+from ppharness.plan.text import render
+from ppharness.run.orchestrator import Chain, decode_tok_s
+from ppharness.scenario.schema import Scenario, scenario_from_args, with_plan
+from ppharness.trace.report import percentile
 
 PROMPT = "Which devices, in which order, and how many blocks each"
 POLICIES = ("optimal", "even", "memory")
@@ -88,8 +107,6 @@ class PlanBenchResult:
 
 def oracle_prompt_tokens(path: str) -> list[int]:
     """The bench prompt's tokens as the entry node sees them (BOS included)."""
-    from ppharness.model.slicing import GGUFFile
-
     f = GGUFFile(path)
     bos = [f.config.bos_id] if f.config.bos_id is not None else []
     return bos + list(f.tokenizer.encode(PROMPT))
@@ -114,8 +131,6 @@ def calibrated(cluster: Cluster, probe: Device, hop_ms: float) -> Cluster:
 
 def on_provider(cluster: Cluster, provider: str) -> Cluster:
     """``cluster`` on another provider (``local``: processes here, without the containers' limits)."""
-    from ppharness.plan.doc import Source
-
     if provider == "docker":
         return cluster
     devices = tuple(msgspec.structs.replace(d, source=Source(kind="local")) for d in cluster.devices)
@@ -123,8 +138,6 @@ def on_provider(cluster: Cluster, provider: str) -> Cluster:
 
 
 def _scenario(plan_file: Path, tokens: int, max_context: int) -> Scenario:
-    from ppharness.scenario.schema import Scenario, scenario_from_args, with_plan
-
     base = scenario_from_args(transport="zmq", prompt=PROMPT, max_tokens=tokens)
     budget = msgspec.structs.replace(base.budget, total_s=3600.0, ready_s=900.0, join_s=600.0)
     model = msgspec.structs.replace(base.model, max_context=max_context)
@@ -142,9 +155,7 @@ def run_plan(
 ) -> tuple[list[float], list[float], object]:
     """Run ``doc``: warm-up, then ``repeats`` requests checked against ``oracle``. Returns the mean ms per decode
     token of each repeat, the trace's per-token times (pooled) and the last repeat's trace."""
-    from ppharness.run.orchestrator import Chain, decode_tok_s
-
-    plan_file.write_text(_pretty(doc))
+    plan_file.write_text(pretty(doc))
     scenario = _scenario(plan_file, tokens, doc.model.max_context)
     per_repeat: list[float] = []
     pooled: list[float] = []
@@ -169,16 +180,8 @@ def run_plan(
 
 
 def _last_hop_s(doc: PlanDoc) -> float:
-    from ppharness.plan.doc import hops
-
     last = hops(doc)[-1]
     return doc.cluster.link(last.src.device, last.dst.device).delay_ms / 1000
-
-
-def _pretty(doc: PlanDoc) -> str:
-    from ppharness.plan.doc import pretty
-
-    return pretty(doc)
 
 
 def measure_hop_ms(
@@ -186,10 +189,6 @@ def measure_hop_ms(
 ) -> float:
     """The transport's cost per hop on this provider: a two-node even chain over the first two devices, links perfect,
     traced; the p50 of its hops over the decode tokens."""
-    from ppharness.plan.build import chain
-    from ppharness.plan.doc import Impaired
-    from ppharness.trace.report import percentile
-
     free = tuple(
         msgspec.structs.replace(d, memory=1 << 40, source=msgspec.structs.replace(d.source, cpus=None))
         for d in base.devices[:2]
@@ -211,15 +210,6 @@ def run_plan_bench(
     progress: Callable[[str], None],
 ) -> PlanBenchResult:
     """Calibrate, then run every policy's plan on every cluster; write ``bench-plan.json`` after every plan."""
-    from ppharness.model.files import PRESETS, preset_spec, resolve_model, synthetic_source
-    from ppharness.model.oracle import oracle_decode
-    from ppharness.plan.build import policy_plan
-    from ppharness.plan.doc import Objective, load_cluster
-    from ppharness.plan.graph import model_graph
-    from ppharness.plan.probe import probe_fit
-    from ppharness.plan.simulate import compare, simulate
-    from ppharness.plan.text import render
-
     if preset not in PRESETS:
         raise HarnessError(f"unknown preset {preset!r}: expected one of {', '.join(PRESETS)}")
     if tokens < 2 or repeats < 1:

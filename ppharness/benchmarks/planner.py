@@ -15,6 +15,7 @@ the default pool of 8).
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
@@ -131,6 +132,4 @@ def planner_timings(
 
 
 if __name__ == "__main__":
-    import json
-
     print(json.dumps(planner_timings(), indent=1))

@@ -9,6 +9,14 @@ import click
 
 from ppharness.cli.common import SCENARIO_HELP, exit_1_on_failure, fail, load_scenario_or_fail, split_csv
 from ppharness.errors import HarnessError
+from ppharness.model.exactness import check_splits
+from ppharness.model.files import resolve_model, sha256_file
+from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.oracle import oracle_decode
+from ppharness.model.spec import preset_spec
+from ppharness.model.synthetic import make_synthetic
+from ppharness.plan.stages import make_plan
+from ppharness.run.realise import model_source
 
 
 @click.group()
@@ -37,8 +45,6 @@ def model() -> None:
 @click.option("--output", "-o", type=click.Path(dir_okay=False), required=True)
 def model_make(preset: str, output: str, **overrides: Any) -> None:
     """Write a deterministic synthetic llama GGUF (same arguments, same bytes)."""
-    from ppharness.model.files import make_synthetic, preset_spec, sha256_file
-
     try:
         spec = preset_spec(preset, **overrides)
         click.echo(
@@ -55,9 +61,6 @@ def model_make(preset: str, output: str, **overrides: Any) -> None:
 @click.argument("source")
 def model_info(source: str) -> None:
     """Show a GGUF's (path, URL or synthetic:...) dimensions and parameter count."""
-    from ppharness.model.files import resolve_model
-    from ppharness.model.slicing import GGUFFile
-
     try:
         f = GGUFFile(resolve_model(source))
     except HarnessError as exc:
@@ -84,11 +87,6 @@ def model_info(source: str) -> None:
 def split_check(source: str, stages: str, prompt: str, max_tokens: int, max_context: int) -> None:
     """Check, in one process on this machine's device (DEV=CUDA for a GPU), that splits equal the unsplit model bit
     for bit: tokens, every stage-boundary hidden state, and the compiled kernels. Exits 1 on any difference."""
-    from ppharness.model.exactness import check_splits
-    from ppharness.model.files import resolve_model
-    from ppharness.model.slicing import GGUFFile
-    from ppharness.plan.stages import make_plan
-
     with exit_1_on_failure():
         path = str(resolve_model(source))
         blocks = GGUFFile(path).config.blocks
@@ -127,10 +125,6 @@ def split_check(source: str, stages: str, prompt: str, max_tokens: int, max_cont
 @click.option("--max-tokens", type=int)
 def oracle(scenario_file: str | None, prompt: str | None, max_tokens: int | None) -> None:
     """Greedy decode with the unsplit model in this process: the reference every split must equal."""
-    from ppharness.model.files import resolve_model
-    from ppharness.model.oracle import oracle_decode
-    from ppharness.run.orchestrator import model_source
-
     sc = load_scenario_or_fail(scenario_file, prompt=prompt, max_tokens=max_tokens)
     try:
         path = resolve_model(*model_source(sc))

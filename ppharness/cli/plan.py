@@ -2,17 +2,40 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
+import msgspec
 
 from ppharness.cli.common import exit_1_on_failure, fail
-from ppharness.errors import HarnessError
-
-if TYPE_CHECKING:
-    from ppharness.plan.doc import Cluster, ModelGraph, PlanDoc
+from ppharness.document.reader import read_text_file
+from ppharness.errors import HarnessError, PlanError
+from ppharness.model.files import resolve_model
+from ppharness.model.spec import PRESETS, parse_synthetic, preset_spec, synthetic_source
+from ppharness.plan import show
+from ppharness.plan.check import check_plan
+from ppharness.plan.doc import (
+    Cluster,
+    ModelGraph,
+    Objective,
+    PlanDoc,
+    decode_text,
+    load_cluster,
+    load_plan,
+    plan_schema,
+    pretty,
+    with_id,
+)
+from ppharness.plan.expert_problem import without_routed_experts
+from ppharness.plan.experts import ExpertReport, baseline_experts, place_experts
+from ppharness.plan.graph import model_graph, simulation_only, spec_graph
+from ppharness.plan.probe import ROUTING_PROMPTS, probe_fit, probe_routing, routing_report
+from ppharness.plan.routing import load_routing, with_frequencies
+from ppharness.plan.search import policy_plan
+from ppharness.plan.simulate import simulate
+from ppharness.plan.text import render
 
 MODEL_HELP = (
     "The model: a synthetic preset (tiny, small, ...), a synthetic: spec, a GGUF path or an http(s) URL "
@@ -24,9 +47,6 @@ def model_for(model: str, max_context: int, weights: str = "f16") -> ModelGraph:
     """The plan's model part for ``model`` (a preset name, a synthetic: spec, a path or a URL), its weights counted
     as ``weights`` says (``ppharness.plan.graph``). A synthetic model this machine does not write (``kimi-k2``) is
     derived from its spec, for the simulator only."""
-    from ppharness.model.files import PRESETS, parse_synthetic, preset_spec, resolve_model, synthetic_source
-    from ppharness.plan.graph import model_graph, simulation_only, spec_graph
-
     if model in PRESETS and simulation_only(f"synthetic:{model}"):
         source = f"synthetic:{model}"
     elif model in PRESETS:
@@ -47,8 +67,6 @@ def expert_device_names(experts_on: str, devices: list[str]) -> list[str]:
     """The devices ``--experts-on`` names, in the cluster's order: comma-separated ids, each of which may be a
     shell-style pattern (``us-east-4090-[1-3]?``) standing for every device it matches; a name that is neither a
     device nor matches one stays as given (the expert planner then says it is unknown)."""
-    import fnmatch
-
     out: list[str] = []
     for item in (d.strip() for d in experts_on.split(",")):
         if not item:
@@ -62,8 +80,6 @@ def expert_device_names(experts_on: str, devices: list[str]) -> list[str]:
 
 
 def _load(plan_file: str) -> PlanDoc:
-    from ppharness.plan.doc import load_plan
-
     try:
         return load_plan(plan_file)
     except HarnessError as exc:
@@ -101,8 +117,6 @@ def plan() -> None:
 @plan.command("schema")
 def plan_schema_cmd() -> None:
     """Print the plan's JSON Schema."""
-    from ppharness.plan.doc import plan_schema
-
     click.echo(json.dumps(plan_schema(), indent=2))
 
 
@@ -111,8 +125,6 @@ def plan_schema_cmd() -> None:
 def plan_check(files: tuple[str, ...]) -> None:
     """Check plan files (and cluster files: names containing 'cluster') without running them; exit 1 if any is
     bad."""
-    from ppharness.plan.doc import load_cluster, load_plan
-
     bad = 0
     for f in files:
         try:
@@ -134,11 +146,6 @@ def plan_check(files: tuple[str, ...]) -> None:
 @click.option("-o", "--out", help="Write here instead of standard output.")
 def plan_fmt(plan_file: str, out: str | None) -> None:
     """Print a plan in its canonical form (sorted keys, with its id), e.g. after editing it by hand."""
-    from ppharness.errors import PlanError
-    from ppharness.plan.check import check_plan
-    from ppharness.plan.doc import decode_text, pretty
-    from ppharness.scenario.schema import read_text_file
-
     try:
         doc = decode_text(read_text_file(Path(plan_file), "plan", "*.json", PlanError), plan_file)
         check_plan(doc, plan_file)
@@ -151,8 +158,6 @@ def plan_fmt(plan_file: str, out: str | None) -> None:
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 def plan_text(plan_file: str) -> None:
     """Print a plan's placement in the compact text form (one line per node)."""
-    from ppharness.plan.text import render
-
     click.echo(render(_load(plan_file).placement).rstrip("\n"))
 
 
@@ -226,22 +231,6 @@ def plan_make(
 ) -> None:
     """Make a plan for MODEL on a cluster: which devices, in which order, which blocks each (and, with --experts-on,
     which node computes each routed expert)."""
-    import msgspec
-
-    from ppharness.plan.build import policy_plan
-    from ppharness.plan.check import check_plan
-    from ppharness.plan.doc import Objective, load_cluster, pretty, with_id
-    from ppharness.plan.experts import (
-        ExpertReport,
-        baseline_experts,
-        load_routing,
-        place_experts,
-        with_frequencies,
-        without_routed_experts,
-    )
-    from ppharness.plan.simulate import simulate
-    from ppharness.plan.text import render
-
     report: ExpertReport | None = None
     with exit_1_on_failure():
         cluster: Cluster = load_cluster(cluster_file)
@@ -284,9 +273,6 @@ def plan_make(
 @click.option("--dot", "dot_file", type=click.Path(dir_okay=False), help="Also write a Graphviz DOT file.")
 def plan_show(plan_file: str, png: str | None, mermaid_file: str | None, dot_file: str | None) -> None:
     """A table of the plan's nodes (device, ops, weights, KV cache, predicted ms) and its text form."""
-    from ppharness.plan import show
-    from ppharness.plan.text import render
-
     doc = _load(plan_file)
     click.echo(f"plan {doc.id} ({doc.placement.policy or 'hand-written'}), model {doc.model.source}")
     click.echo(show.table(doc))
@@ -309,8 +295,6 @@ def plan_show(plan_file: str, png: str | None, mermaid_file: str | None, dot_fil
 @click.option("--prompt-tokens", type=int, default=8, show_default=True, help="Prompt length for the first token.")
 def plan_simulate(plan_file: str, requests: int | None, prompt_tokens: int) -> None:
     """Predict time to first token, per-token latency (its parts, as the trace lists them) and throughput."""
-    from ppharness.plan.simulate import simulate
-
     doc = _load(plan_file)
     click.echo(simulate(doc, prompt_tokens=prompt_tokens, requests=requests).summary())
 
@@ -333,11 +317,6 @@ def plan_probe(
     """Time per-block decode on this machine (tinygrad's default device) and print the device entry for a
     cluster file: speed, memory bandwidth, fixed cost per token, memory. With --routing, measure which experts a
     mixture-of-experts model's tokens choose instead."""
-    import msgspec
-
-    from ppharness.model.files import resolve_model
-    from ppharness.plan.probe import ROUTING_PROMPTS, probe_fit, probe_routing, routing_report
-
     if routing:
         with exit_1_on_failure():
             graph = model_for(model, 256)

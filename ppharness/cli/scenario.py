@@ -8,6 +8,7 @@ import sys
 import click
 
 from ppharness.errors import HarnessError
+from ppharness.scenario.schema import load_scenario, scenario_schema
 
 
 @click.group()
@@ -18,8 +19,6 @@ def scenario() -> None:
 @scenario.command("schema")
 def scenario_schema_cmd() -> None:
     """Print the scenario JSON Schema (for editors: yaml-language-server's $schema)."""
-    from ppharness.scenario.schema import scenario_schema
-
     click.echo(json.dumps(scenario_schema(), indent=2))
 
 
@@ -28,8 +27,6 @@ def scenario_schema_cmd() -> None:
 def scenario_check(files: tuple[str, ...]) -> None:
     """Validate scenario files without running them: every file is checked and every bad one reported; exit 1 if
     any is bad."""
-    from ppharness.scenario.schema import load_scenario
-
     bad = 0
     for f in files:
         try:

@@ -1,3 +1,3 @@
-"""The model: GGUF files (synthetic and fetched), a stage's slice of the blocks on tinygrad, the unsplit oracle, and
-bit-exactness checks.
+"""The model: synthetic specs and their GGUF writer, fetched files, the architectures (``arch``), a stage's slice of the
+blocks on tinygrad, the unsplit oracle, and bit-exactness checks.
 """

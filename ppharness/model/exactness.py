@@ -10,12 +10,16 @@ compared boundary by boundary and step by step. A mismatch names the first token
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
+
+from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.hidden import Hidden
 
 if TYPE_CHECKING:
     from ppharness.model.oracle import OracleResult
@@ -25,6 +29,14 @@ def digest(hidden: NDArray[np.floating]) -> bytes:
     """The digest of a hidden state as the chain defines it: its fp16 bytes (an f32 wire widens them exactly)."""
     # no copy; ``.data``: the array's buffer (numpy's stubs declare ndarray a Buffer only for Python 3.12+)
     return hashlib.blake2b(np.ascontiguousarray(hidden, dtype=np.float16).data, digest_size=8).digest()
+
+
+def record_digest(digests: OrderedDict[str, list[bytes]], request_id: str, hidden: Hidden, keep: int) -> None:
+    """A stage that answers DigestRequests keeps the digest of each hidden state it sends, per request in step order;
+    only the last ``keep`` requests' lists stay."""
+    digests.setdefault(request_id, []).append(digest(hidden.host()))
+    while len(digests) > keep:
+        digests.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -151,9 +163,8 @@ def check_splits(
 ) -> tuple[OracleResult, list[SplitCheck]]:
     """Run the unsplit model (tapped) once and every split in one process over the memory transport, on whatever
     device tinygrad uses (``DEV``); compare tokens, every stage-boundary hidden state and the compiled kernels."""
-    from ppharness.model.oracle import oracle_decode
-    from ppharness.model.slicing import GGUFFile
-    from ppharness.testing.inprocess import load_slices, run_inprocess
+    from ppharness.model.oracle import oracle_decode  # a cycle: ppharness.model.oracle imports this module
+    from ppharness.run.inprocess import load_slices, run_inprocess  # a cycle: ppharness.run.stage imports this module
 
     gguf = GGUFFile(model_path)
     whole = load_slices(gguf, [(0, gguf.config.blocks)], max_context, taps=True)[0]

@@ -36,7 +36,7 @@ class GGUFHeader:
     arch: str
     blocks: int
     context: int
-    bos: bool  # a BOS token precedes the prompt (as ppharness.model.slicing.ModelConfig decides it)
+    bos: bool  # a BOS token precedes the prompt (as ppharness.model.config.ModelConfig decides it)
     longest_token: int | None  # bytes of the longest entry of tokenizer.ggml.tokens
 
 

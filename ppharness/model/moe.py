@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from tinygrad.tensor import Tensor
     from tinygrad.uop.ops import UOp
 
-    from ppharness.model.slicing import GGUFFile
+    from ppharness.model.gguf_file import GGUFFile
 
 F16 = np.float16
 F32 = np.float32

@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ppharness.model.decoding import finish_reason, visible
+from ppharness.model.decoding import finish_reason, visible, warm_up
+from ppharness.model.exactness import digest
+from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.slicing import ModelSlice
 
 if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
-
-    from ppharness.model.slicing import ModelSlice
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,6 @@ def oracle_decode(
     """Greedy decode of ``prompt`` with the whole model in this process. ``model`` reuses an already loaded one
     (its file and tokenizer too). ``boundaries`` also digests every block's output at every step (a model passed in
     must then have been built with ``taps=True``)."""
-    from ppharness.model.decoding import warm_up
-    from ppharness.model.exactness import digest
-    from ppharness.model.slicing import GGUFFile, ModelSlice
-
     t0 = time.monotonic()
     if model is None:
         f = GGUFFile(Path(model_path))

@@ -1,6 +1,6 @@
-"""Building plans in code: a chain over an ordered list of devices with given cut points, and the named split
-policies (``even``: the SPEC's k = blocks // N; ``memory``: blocks in proportion to each device's memory, as exo
-splits)."""
+"""Building plans in code: a chain over an ordered list of devices with given cut points, and the cuts of the
+``memory`` policy (blocks in proportion to each device's memory, as exo splits; ``ppharness.plan.search.policy_plan``
+has every named policy)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from ppharness.plan.doc import (
     PlanDoc,
     with_id,
 )
-from ppharness.plan.stages import even_splits
 
 LATENCY = Objective()
 
@@ -74,26 +73,3 @@ def memory_cuts(blocks: int, devices: Sequence[Device]) -> list[int]:
         hi = blocks - (n - 1 - i)
         cuts.append(min(max(round(acc), lo), hi))
     return cuts
-
-
-def policy_plan(
-    policy: str, model: ModelGraph, cluster: Cluster, objective: Objective = LATENCY, num_devices: int | None = None
-) -> PlanDoc:
-    """A plan by one of the named policies over the cluster's devices in the file's order (``even``, ``memory``);
-    ``optimal`` is the planner's search (``ppharness.plan.search``)."""
-    if policy == "optimal":
-        from ppharness.plan.search import plan_optimal
-
-        return plan_optimal(model, cluster, objective)
-    devices = list(cluster.devices[: num_devices or len(cluster.devices)])
-    blocks = len(model.blocks)
-    if len(devices) > blocks:
-        devices = devices[:blocks]
-    if policy == "even":
-        cuts = even_splits(blocks, len(devices))
-    elif policy == "memory":
-        cuts = memory_cuts(blocks, devices)
-    else:
-        raise PlanError(f"unknown policy {policy!r} — use even, memory or optimal")
-    ids = [d.id for d in devices]
-    return chain(model, cluster, ids, cuts, objective, policy)

@@ -214,7 +214,7 @@ def scenario_plan(
     """The plan of ``--num-stages N`` / ``stages.splits``: a chain over N devices of the scenario's provider, cut at
     the split points (or evenly), with ``spares`` more devices standing by; its memory check counts the KV cache of
     ``requests`` in flight."""
-    # the stage count and split points are checked where the SPEC's split is defined
+    # the stage count and split points are checked where the split is defined (``make_plan``)
     ranges = make_plan(len(model.blocks), num_stages, list(splits) if splits is not None else None).ranges
     cuts = [hi for _, hi in ranges[:-1]]
     n = len(cuts) + 1

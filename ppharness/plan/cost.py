@@ -11,17 +11,21 @@ expert: the block's FLOPs less ``active`` routed experts', its weights less all 
 (as many as its bytes for float16 weights, two of each per parameter; a quantised graph reads fewer bytes for the
 same FLOPs). Each part is the larger of FLOPs over speed and bytes over bandwidth, and a block whose
 experts stay with it costs the sum (``routed``). Where a plan places the experts on nodes of their own, the block's
-owner computes the dense part and the experts' time is the fan-out's (``ppharness.plan.experts``): one message per
+owner computes the dense part and the experts' time is the fan-out's (``ppharness.plan.fanout``): one message per
 expert node chosen (``request_bytes`` out, ``reply_bytes`` back, ``remote_experts_ms`` for the round trip).
 
 A device with a CPU quota (docker's ``cpus``, below 1) runs at full speed while its share lasts, so one token still
 takes ``node_ms`` there, but the node cannot be busy more than ``cpus`` of the time: it is busy ``node_ms / cpus`` per
 token (``busy_ms``), and no loop turns faster than its busiest resource (``loop_ms``).
 
-The planner and the simulator both use these functions, so that what is searched is what is predicted.
+The planner and the simulator both use these functions, and both add a loop up with ``loop_parts`` and
+``loop_time``, so that what is searched is what is predicted.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from ppharness.plan.doc import Block, Cluster, Device, ModelGraph
 
@@ -160,6 +164,54 @@ def loop_ms(parts_ms: float, busiest_ms: float) -> float:
     """Per-token time of one request: the sum of the loop's parts, or the busiest resource's time per token when
     that is longer (a quota-bound node)."""
     return max(parts_ms, busiest_ms)
+
+
+class LoopNode(NamedTuple):
+    """A node on the loop as the cost model sees it: its device, its blocks [lo, hi), whether it applies the head."""
+
+    device: Device
+    lo: int
+    hi: int
+    head: bool
+    serving_ms: float = 0.0  # the expert work it serves per token: busy time, not part of the token's way
+
+
+class Part(NamedTuple):
+    """One part of a decode token's way around the loop: a node's compute or one message between two nodes."""
+
+    ms: float  # the token's time there
+    busy_ms: float  # how long it occupies the resource: the node's CPU share, or the link (serialisation)
+
+
+def loop_parts(
+    model: ModelGraph, cluster: Cluster, nodes: Sequence[LoopNode], routed: bool = True
+) -> tuple[list[Part], list[Part]]:
+    """One decode token around the loop over ``nodes`` (loop order, entry first): each node's compute (``node_ms``,
+    busy ``busy_ms`` of it and the expert work the node serves), then each edge's message (``edge_ms``, busy
+    ``serialization_ms``): the activations along the chain, then the token from the exit back to the entry. A loop of
+    one node has no edge: the token stays on its device. ``routed``: as for ``node_ms``."""
+    compute = []
+    for node in nodes:
+        ms = node_ms(model, node.device, node.lo, node.hi, node.head, routed)
+        compute.append(Part(ms, busy_ms(ms + node.serving_ms, node.device)))
+    edges = []
+    if len(nodes) > 1:
+        for i, src in enumerate(nodes):
+            dst = nodes[(i + 1) % len(nodes)]
+            nbytes = model.activation_bytes if i < len(nodes) - 1 else model.token_bytes
+            a, b = src.device.id, dst.device.id
+            edges.append(Part(edge_ms(cluster, a, b, nbytes), serialization_ms(cluster, a, b, nbytes)))
+    return compute, edges
+
+
+def loop_time(parts: Iterable[Part]) -> tuple[float, float]:
+    """(L, b): one token's time around the loop (the parts' times added up, in order) and the busiest resource's
+    time per token."""
+    total, busiest = 0.0, 0.0
+    for part in parts:
+        total += part.ms
+        busiest = max(busiest, part.busy_ms)
+    return total, busiest
 
 
 def prefill_ms(

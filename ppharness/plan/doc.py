@@ -25,6 +25,7 @@ ranges as ``0..6`` or ``blk[0:6]``, and the ops ``embed`` and ``head`` as bare w
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +34,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from ppharness.document.explain import FieldError, explain
+from ppharness.document.reader import parse_text, read_text_file
+from ppharness.document.yaml_limits import PLAN_LIMITS
 from ppharness.errors import PlanError
 from ppharness.network.spec import Impairment
-from ppharness.scenario.explain import FieldError, explain, explain_yaml
-from ppharness.scenario.yaml_limits import PLAN_LIMITS, YamlLimit, screen
 
 PLAN_VERSION = 1
 # (?!\n): Python's $ also matches before a final newline, which an id must not end in
@@ -388,8 +390,6 @@ def pretty(doc: PlanDoc) -> str:
 
 
 def _pretty(value: object, level: int) -> str:
-    import json
-
     pad, inner = " " * level, " " * (level + 1)
     if isinstance(value, dict):
         if not value:
@@ -469,14 +469,7 @@ def _op(item: object) -> object:
 def decode_text(text: str, source: str, kind: type[PlanDoc] | type[Cluster] = PlanDoc) -> Any:
     """A plan (or cluster) from YAML or JSON text: screened for hostile YAML, conveniences applied, typed, checked
     field by field. Every problem is a PlanError naming ``source``, the ``$.path`` and the fix."""
-    try:
-        screen(text, PLAN_LIMITS)
-    except YamlLimit as exc:
-        raise PlanError(f"{source}: {exc.path}: {exc}") from None
-    try:
-        raw = msgspec.yaml.decode(text)
-    except msgspec.DecodeError as exc:
-        raise PlanError(f"{source}: {explain_yaml(exc)}") from None
+    raw = parse_text(text, source, PLAN_LIMITS, PlanError)
     if raw is None:
         what = "a plan needs version, model, cluster and placement" if kind is PlanDoc else "a cluster needs devices"
         raise PlanError(f"{source}: $: the file is empty — {what}")
@@ -490,8 +483,7 @@ def decode_text(text: str, source: str, kind: type[PlanDoc] | type[Cluster] = Pl
 def load_plan(path: str | Path, check: bool = True) -> PlanDoc:
     """Read a plan file (JSON or YAML); its id, when it has one, must be the hash of what it says; with ``check``
     every invariant (``ppharness.plan.check``) must hold."""
-    from ppharness.plan.check import check_plan
-    from ppharness.scenario.schema import read_text_file
+    from ppharness.plan.check import check_plan  # plan.check imports this module: a cycle
 
     path = Path(path)
     doc: PlanDoc = decode_text(read_text_file(path, "plan", "*.json", PlanError), str(path))
@@ -507,8 +499,7 @@ def load_plan(path: str | Path, check: bool = True) -> PlanDoc:
 
 def load_cluster(path: str | Path) -> Cluster:
     """Read a cluster file (YAML or JSON) and check its devices and links."""
-    from ppharness.plan.check import check_cluster
-    from ppharness.scenario.schema import read_text_file
+    from ppharness.plan.check import check_cluster  # plan.check imports this module: a cycle
 
     path = Path(path)
     cluster: Cluster = decode_text(read_text_file(path, "cluster", "*cluster*.yaml", PlanError), str(path), Cluster)

@@ -18,14 +18,21 @@ token / d (``ppharness.plan.simulate`` uses them for the time to first token).
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ppharness.errors import PlanError
+import numpy as np
+
+from ppharness.errors import ModelError, PlanError
+from ppharness.model.decoding import warm_up
+from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.moe import routing_entropy
 from ppharness.plan.doc import ID_NAME, Device
+from ppharness.plan.graph import model_graph
 
 PREFILL_TOKENS = (8, 32)  # the prompt lengths the prefill is timed with
 PREFILL_REPEATS = 3  # timed prefills per slice, after the one that compiles
@@ -110,12 +117,10 @@ def probe_fit(
 ) -> ProbeFit:
     """Time decode on this machine for slices of the first k blocks of ``model_path``, k in ``blocks``, and fit the
     line (see the module's docstring). ``source`` names the model in the graph (default: the path)."""
-    import numpy as np
+    # the model runtime (tinygrad) loads when a probe runs, not with the CLI
     from tinygrad.device import Device as TinyDevice
 
-    from ppharness.model.decoding import warm_up
-    from ppharness.model.slicing import GGUFFile, ModelSlice
-    from ppharness.plan.graph import model_graph
+    from ppharness.model.slicing import ModelSlice
 
     if not ID_NAME.match(device_id):
         raise PlanError(f"device id {device_id!r}: use lower-case letters, digits, - and _ (1 to 63)")
@@ -204,10 +209,7 @@ def probe_routing(
     """How often each routed expert of each MoE block is chosen when the whole model (in this process) reads
     ``prompts`` and greedily generates ``tokens`` after each: block -> frequency per expert (the share of routed
     tokens that chose it; a block's frequencies add up to its active count), and the number of tokens routed."""
-    import numpy as np
-
-    from ppharness.errors import ModelError
-    from ppharness.model.slicing import GGUFFile, ModelSlice
+    from ppharness.model.slicing import ModelSlice  # the model runtime (tinygrad): with a probe only
 
     f = GGUFFile(model_path)
     cfg = f.config
@@ -243,10 +245,6 @@ def probe_routing(
 
 def routing_report(freqs: dict[int, list[float]], routed: int) -> str:
     """Per block: the hottest and coldest expert's share, and how even the routing is (entropy over its maximum)."""
-    import math
-
-    from ppharness.model.moe import routing_entropy
-
     lines = [f"routing of {routed} token(s) per MoE block (frequency: share of tokens that chose the expert)"]
     for block, f in freqs.items():
         entropy = routing_entropy(f)

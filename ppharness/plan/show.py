@@ -5,7 +5,7 @@ and every edge (what it carries and its predicted time per token; the token edge
 times are the cost model's (``ppharness.plan.cost``), as ``simulate`` adds them up. Where the plan places the experts
 of a mixture-of-experts model, a stage's time leaves out its blocks' routed experts, an expert node's time is the
 expert work it is expected to do per token, an experts edge shows one request for one expert, and the table lists
-each block's predicted fan-out time (``ppharness.plan.experts``), which the per-token total includes.
+each block's predicted fan-out time (``ppharness.plan.fanout``), which the per-token total includes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from ppharness.plan import cost
 from ppharness.plan.check import gib, node_kv, node_memory, node_weights
 from ppharness.plan.doc import Edge, ExpertGroup, Node, PlanDoc, loop, plan_id
-from ppharness.plan.experts import LayerTime, layer_times
+from ppharness.plan.fanout import LayerTime, layer_times
 from ppharness.plan.text import op_text
 
 SPELLED_GROUPS = 4  # a node with more expert groups than this shows them as a count (its text form has them all)
@@ -153,6 +153,7 @@ def draw_png(doc: PlanDoc, path: str | Path) -> Path:
     """Draw the plan into a PNG at ``path``: the nodes around a circle in loop order (entry at the top, clockwise),
     each a box with its device, ops and ms per token; an arrow per edge with its ms (the token edge dashed, experts
     edges dotted); the plan id and predicted tokens per second in the title."""
+    # matplotlib is an optional extra (ppharness[bench]): loaded only to draw
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import FancyBboxPatch

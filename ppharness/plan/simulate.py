@@ -17,10 +17,11 @@ predicted here and what a traced run is compared with:
 - price: the hourly price of every device a node runs on, over the throughput;
 - a plan that places the experts of a mixture-of-experts model (``ppharness.plan.experts``): each stage's compute
   leaves out its blocks' routed experts, and each mixture-of-experts block has a row of its own, the expected time of
-  its fan-out (the owner's own experts overlapping the round trips to the expert nodes, over a fixed set of
-  routings); these rows are part of the loop. A node's busy time adds the expected expert work it serves: a stage's
-  to its compute row, an expert node's to the expert row of each block it serves (the row's busy time is its
-  busiest expert node's, over every block that node serves). Fan-out links are not counted as a bottleneck.
+  its fan-out (``ppharness.plan.fanout``: the owner's own experts overlapping the round trips to the expert nodes,
+  over a fixed set of routings); these rows are part of the loop. A node's busy time adds the expected expert work it
+  serves: a stage's to its compute row, an expert node's to the expert row of each block it serves (the row's busy
+  time is its busiest expert node's, over every block that node serves). Fan-out links are not counted as a
+  bottleneck.
 
 The rows are named as the trace names its components (``stage {i} compute`` with i the position along the loop, entry
 first; ``stage {i} experts {L}`` for block L's experts, after its owner's compute; ``hop {i}->{j}`` with
@@ -36,7 +37,7 @@ from typing import Literal
 
 from ppharness.plan import cost
 from ppharness.plan.doc import PlanDoc, hops, loop, plan_id
-from ppharness.plan.experts import LayerTime, layer_times
+from ppharness.plan.fanout import LayerTime, layer_times
 from ppharness.trace.report import Trace
 
 RowKind = Literal["compute", "activation", "token", "experts"]
@@ -157,34 +158,36 @@ def simulate(doc: PlanDoc, prompt_tokens: int = 8, requests: int | None = None) 
     for t in layers:
         for label, ms in t.busy.items():
             serving[label] = serving.get(label, 0.0) + ms
+    devices = [cluster.device(node.device) for node in order]
+    spans = [node.blocks or (0, 0) for node in order]
+    nodes = [
+        cost.LoopNode(device, lo, hi, node.heads, serving.get(node.label, 0.0))
+        for node, device, (lo, hi) in zip(order, devices, spans)
+    ]
+    compute, edges = cost.loop_parts(model, cluster, nodes, routed)
     rows: list[Row] = []
-    for i, node in enumerate(order):
-        device = cluster.device(node.device)
-        lo, hi = node.blocks or (0, 0)
-        ms = cost.node_ms(model, device, lo, hi, node.heads, routed)
+    for i, (node, device, (lo, hi), part) in enumerate(zip(order, devices, spans, compute)):
         prefill = cost.busy_ms(cost.prefill_ms(model, device, lo, hi, node.heads, prompt_tokens, routed), device)
-        busy = cost.busy_ms(ms + serving.get(node.label, 0.0), device)
-        rows.append(Row(f"stage {i} compute", ms, prefill, "compute", device.id, node.label, busy_ms=busy))
+        rows.append(Row(f"stage {i} compute", part.ms, prefill, "compute", device.id, node.label, busy_ms=part.busy_ms))
         rows += [_experts_row(doc, t, serving) for t in layers if t.stage == i]
-    if len(order) > 1:  # one node: the token stays on its device, and the trace has no hop either
-        for hop in hops(doc):
-            i, j = position[hop.src.label], position[hop.dst.label]
-            a, b = hop.src.device, hop.dst.device
-            nbytes = model.activation_bytes if hop.kind == "activation" else model.token_bytes
-            first = prompt_tokens * nbytes if hop.kind == "activation" else nbytes
-            rows.append(
-                Row(
-                    f"hop {i}->{j}",
-                    cost.edge_ms(cluster, a, b, nbytes),
-                    cost.edge_ms(cluster, a, b, first),
-                    hop.kind,
-                    f"{a}->{b}",
-                    nbytes=nbytes,
-                    busy_ms=cost.serialization_ms(cluster, a, b, nbytes),
-                )
+    for hop, part in zip(hops(doc), edges):  # none for one node: the trace has no hop either
+        i, j = position[hop.src.label], position[hop.dst.label]
+        a, b = hop.src.device, hop.dst.device
+        nbytes = model.activation_bytes if hop.kind == "activation" else model.token_bytes
+        first = prompt_tokens * nbytes if hop.kind == "activation" else nbytes
+        rows.append(
+            Row(
+                f"hop {i}->{j}",
+                part.ms,
+                cost.edge_ms(cluster, a, b, first),
+                hop.kind,
+                f"{a}->{b}",
+                nbytes=nbytes,
+                busy_ms=part.busy_ms,
             )
+        )
     busiest = max(rows, key=lambda row: row.busy_ms)
-    per_token = cost.loop_ms(sum(row.ms for row in rows), busiest.busy_ms)
+    per_token = cost.loop_ms(*cost.loop_time(cost.Part(row.ms, row.busy_ms) for row in rows))
     price = sum(cluster.device(n.device).usd_per_hour for n in doc.placement.nodes)
     return Prediction(
         plan_id=doc.id or plan_id(doc),

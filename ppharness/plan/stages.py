@@ -41,7 +41,7 @@ def names_of(index: int, num_stages: int) -> list[str]:
 
 
 def even_splits(blocks: int, num_stages: int) -> list[int]:
-    """The SPEC's even split: k = blocks // N blocks per stage, the last stage takes the remainder."""
+    """The even split: k = blocks // N blocks per stage, the last stage takes the remainder."""
     k = blocks // num_stages
     return [k * i for i in range(1, num_stages)]
 
@@ -89,7 +89,7 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def registers(self) -> list[str]:
         """The names this node registers: the program's (an expert node's also one per expert it holds), else the
-        SPEC's for its index."""
+        default names for its index (``names_of``)."""
         if not self.names:
             return names_of(self.stage, self.num_stages)
         names = list(self.names)

@@ -1,1 +1,2 @@
-"""Scenario YAML: the typed document, the limits its YAML must keep, and its one-line error messages."""
+"""Scenario YAML: the typed document and its loading (``schema``), its sections (``sections``) and what is known of
+its model before anything runs (``facts``)."""

@@ -21,15 +21,15 @@ from types import TracebackType
 from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Self, TypedDict, TypeVar, Unpack, cast
 
 from ppharness.errors import ProviderError
+from ppharness.seams.settings import ProviderSettings
 
 if TYPE_CHECKING:
-    from ppharness.scenario.schema import ProviderSettings
     from ppharness.seams.transport import JsonObject
 
 NodeAction = Literal["pause", "resume", "kill"]
 
 # the scenario's settings section for a provider kind (``provider.<kind>``), or None when the scenario has none
-SettingsT = TypeVar("SettingsT", bound="ProviderSettings | None")
+SettingsT = TypeVar("SettingsT", bound=ProviderSettings | None)
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,18 @@ class Reaped:
 class Provider(abc.ABC, Generic[SettingsT]):
     """Start nodes, watch them, read their logs, destroy them. ``run_label`` tags everything it creates.
 
-    ``SettingsT`` is the type of the scenario section the provider kind reads (``Provider[VastaiSettings]``)."""
+    ``SettingsT`` is the type of the scenario section the provider kind reads (``Provider[VastaiSettings]``), declared
+    beside the provider and named in ``ppharness.registry``. The class attributes below say what a kind can do; a
+    scenario that asks its provider for what it cannot do is refused before anything starts."""
 
     kind: ClassVar[str] = "abstract"
     # whether the orchestrator and the nodes reach each other over UDP on the addresses they advertise (SWIM gossip
     # works); otherwise membership falls back to heartbeats over the transport
     gossip_reachable: ClassVar[bool] = False
+    # whether ``signal_node`` can pause, resume and kill a node (a network event's orders)
+    signals_nodes: ClassVar[bool] = False
+    # whether a node can run in a network namespace of its own (``NodeSpec.own_network``): the packet layer
+    own_networks: ClassVar[bool] = False
 
     def __init__(
         self, run_label: str, settings: SettingsT | None = None, log_dir: str | os.PathLike[str] | None = None
@@ -139,7 +145,7 @@ class Provider(abc.ABC, Generic[SettingsT]):
     def signal_node(self, instance: Instance, action: NodeAction) -> None:
         """A network event's orders: ``pause`` stops the node where it is (SIGSTOP), ``resume`` lets it go on
         (SIGCONT), ``kill`` ends it at once (SIGKILL). A provider that cannot raises ProviderError (a scenario asks
-        only providers that can: ``ppharness.scenario.schema.NODE_SIGNAL_PROVIDERS``)."""
+        only providers that can: ``signals_nodes``)."""
         raise ProviderError(f"the {self.kind} provider cannot {action} a node")
 
     @abc.abstractmethod

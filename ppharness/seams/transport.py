@@ -55,6 +55,9 @@ class Transport(abc.ABC):
     """One endpoint. ``start()`` binds and returns the address peers use to reach it."""
 
     kind: ClassVar[str] = "abstract"
+    # whether its endpoints reach each other only within one process (no provider can run a chain over it); the
+    # scenario fields the kind adds to its ``transport`` section are named in ``ppharness.registry``
+    one_process: ClassVar[bool] = False
 
     @classmethod
     def plan_endpoints(cls, count: int, settings: JsonObject) -> list[JsonObject]:

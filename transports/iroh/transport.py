@@ -55,6 +55,7 @@ from ppharness.wire import codec
 from transports.iroh import fastcopy as _iroh_fastcopy
 from transports.iroh import sync as _iroh_sync
 from transports.iroh.session import ALPN, PREFIX, SCHEME, Peer, Session, iroh_reason, log, parse_address
+from transports.iroh.settings import RELAY_MODES
 
 if TYPE_CHECKING:  # the binding itself is imported by load_iroh()
     from iroh import EndpointBuilder, SendStream
@@ -62,7 +63,6 @@ if TYPE_CHECKING:  # the binding itself is imported by load_iroh()
 LINGER_S = 2.0
 INLINE_BYTES = 64 * 1024
 ONLINE_TIMEOUT_S = 15.0
-RELAY_MODES = ("disabled", "default")
 _T = TypeVar("_T")
 _iroh: ModuleType | None = None
 _direct_calls = False

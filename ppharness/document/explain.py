@@ -1,6 +1,6 @@
-"""Turning msgspec's validation and YAML errors on a scenario into one line: the ``$.path``, what was wrong, and the
-fix. Kept apart from the scenario's structs; ``explain`` walks whatever root struct type it is given. A value is shown
-through ``show``, which never builds the ``repr`` of a long text or of a list or mapping."""
+"""Turning msgspec's validation and YAML errors on a document (a scenario, a plan) into one line: the ``$.path``, what
+was wrong, and the fix. Kept apart from the documents' structs; ``explain`` walks whatever root struct type it is
+given. A value is shown through ``show``, which never builds the ``repr`` of a long text or of a list or mapping."""
 
 from __future__ import annotations
 

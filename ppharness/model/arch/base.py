@@ -1,0 +1,139 @@
+"""What a model architecture provides (``Architecture``), with the defaults of a dense llama-family model, and the
+checks and metadata keys the mixture-of-experts architectures share."""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ppharness.errors import ModelError
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+    from ppharness.model.config import ModelConfig
+    from ppharness.model.spec import ModelSpec
+    from ppharness.model.synthetic import TensorWriter
+
+Shape = tuple[int, ...]  # a tensor's shape in tinygrad's (out, in) order
+BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")  # a block's tensor: blk.{layer}.{part}
+
+
+class AttentionShape(Protocol):
+    """What costing a block's attention reads: a ``ModelConfig`` or the plan graph's shape of a model."""
+
+    @property
+    def heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def kv_lora_rank(self) -> int: ...
+    @property
+    def rope_dim(self) -> int: ...
+
+
+class Architecture(ABC):
+    """One model architecture: a synthetic model's checks, tensors and file contents; a GGUF file's metadata beyond
+    the keys every architecture shares, its tensors as the blocks need them, and its tinygrad blocks; and what the
+    plan graph needs to cost its attention and shared experts."""
+
+    name: str = ""
+    moe: bool = False  # its blocks have routed experts (a synthetic spec must give them)
+    renormalise: bool = False  # top-k weights renormalised where the file does not say (llama.cpp's ``norm_w``)
+    gating: str = "softmax"  # the experts' scoring where a synthetic spec does not say
+    router_bias: str = ""  # a block's tensor holding the router's selection bias, "" for none
+
+    # --- a synthetic model ------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def check(self, spec: ModelSpec) -> None:
+        """ModelError unless ``spec``'s architecture-specific fields fit this architecture."""
+
+    def tensors(self, spec: ModelSpec) -> dict[str, Shape]:
+        """Every tensor of the synthetic model ``spec``, name -> shape, in the order the writer stores them."""
+        d = spec.dim
+        out: dict[str, Shape] = {"token_embd.weight": (spec.vocab, d)}
+        for i in range(spec.blocks):
+            out |= self.block_tensors(spec, i)
+        out["output_norm.weight"] = (d,)
+        if not spec.tied_embeddings:
+            out["output.weight"] = (spec.vocab, d)
+        return out
+
+    @abstractmethod
+    def block_tensors(self, spec: ModelSpec, i: int) -> dict[str, Shape]:
+        """Block ``i``'s tensors (``blk.{i}.*``), in the order the writer stores them."""
+
+    def cache_heads(self, spec: ModelSpec) -> int:
+        """The KV head count the file states."""
+        return spec.kv_heads
+
+    @abstractmethod
+    def write_keys(self, spec: ModelSpec, w: Any) -> None:
+        """The metadata keys of this architecture, on the ``gguf.GGUFWriter`` ``w``, after the rope base."""
+
+    @abstractmethod
+    def write_block(self, spec: ModelSpec, i: int, out: TensorWriter) -> None:
+        """Block ``i``'s tensors, drawn from ``out``'s generator in ``block_tensors``' order."""
+
+    # --- a GGUF file ------------------------------------------------------------------------------------------------
+
+    def read(self, kv: dict[str, Any], tensor_names: set[str], common: dict[str, Any]) -> dict[str, Any]:
+        """The ``ModelConfig`` fields this architecture reads its own way, over the ``common`` ones read from the keys
+        every architecture has; KeyError names a key the file lacks."""
+        return {}
+
+    def file_tensor(self, cfg: ModelConfig, name: str, arr: NDArray[np.float16]) -> NDArray[np.float16]:
+        """A tensor as read from the file -> as the blocks compute with it."""
+        return arr
+
+    @abstractmethod
+    def block(self, cfg: ModelConfig, max_context: int, layer: int) -> Any:
+        """Block ``layer`` of the model, on tinygrad, with a KV cache of ``max_context`` positions."""
+
+    # --- the plan graph ---------------------------------------------------------------------------------------------
+
+    def attention_cost(self, shape: AttentionShape) -> tuple[int, int]:
+        """(values a block caches per token, FLOPs of attending to one cached position): keys and values of every KV
+        head; q.k and p.v for every head."""
+        return 2 * shape.kv_heads * shape.head_dim, 2 * 2 * shape.heads * shape.head_dim
+
+    def shared_experts(self, width: int, expert_ffn: int) -> int:
+        """How many shared experts a block whose shared experts are ``width`` wide has (one, unless said)."""
+        return 1
+
+
+def check_experts(spec: ModelSpec) -> None:
+    """A mixture-of-experts spec's routed experts."""
+    if not (1 <= spec.experts_used <= spec.experts and spec.expert_ffn >= 1):
+        raise ModelError(
+            f"{spec.arch} needs experts >= experts_used >= 1 and expert_ffn >= 1 (got experts {spec.experts}, "
+            f"experts_used {spec.experts_used}, expert_ffn {spec.expert_ffn})"
+        )
+
+
+def check_no_mla(spec: ModelSpec) -> None:
+    """A spec without deepseek2's fields."""
+    mla = (spec.q_lora_rank, spec.kv_lora_rank, spec.rope_dim, spec.v_head_dim, spec.dense_blocks)
+    if any(mla) or spec.shared_experts or spec.expert_groups or spec.yarn_factor:
+        raise ModelError(
+            "MLA attention, leading dense blocks, shared_experts, expert groups and YaRN belong to arch=deepseek2"
+        )
+
+
+def check_no_shared_ffn(spec: ModelSpec) -> None:
+    if spec.shared_ffn:
+        raise ModelError(f"a shared expert belongs to qwen2moe, not {spec.arch}")
+
+
+def write_expert_keys(spec: ModelSpec, w: Any) -> None:
+    """The routed experts' metadata keys (and the gated shared expert's width, where there is one)."""
+    w.add_expert_count(spec.experts)
+    w.add_expert_used_count(spec.experts_used)
+    w.add_expert_feed_forward_length(spec.expert_ffn)
+    if spec.shared_ffn:
+        w.add_expert_shared_feed_forward_length(spec.shared_ffn)

@@ -1,0 +1,319 @@
+"""Synthetic models: what one is (``ModelSpec``: architecture, dimensions, seed, weight type), the presets, and the
+``synthetic:`` source strings that name them.
+
+A spec's architecture (``ppharness.model.arch``) checks the fields that are its own and lists its tensors; the
+synthetic writer (``ppharness.model.synthetic``) turns a spec into a GGUF file, the same spec into the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ppharness.errors import ModelError
+from ppharness.model.arch import architecture
+from ppharness.model.vocab import SPECIAL_TOKENS
+
+# weight type -> (the GGML type of every 2-D weight, the file's general.file_type)
+WEIGHT_TYPES: dict[str, tuple[str, str]] = {
+    "f16": ("F16", "MOSTLY_F16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+}
+QUANT_BLOCK = 32  # elements per Q8_0 / Q4_0 block, along a row
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A synthetic model: its architecture, dimensions, vocabulary size, the seed of its weights and how they are
+    stored."""
+
+    blocks: int = 8
+    dim: int = 64
+    ffn: int = 192
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 512
+    context: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tied_embeddings: bool = False
+    seed: int = 0
+    type: str = "f16"
+    # mixture of experts (``arch`` qwen3moe or qwen2moe): routed experts per block, how many each token uses, one
+    # expert's FFN width, and the shared expert's width (qwen2moe; 0 for none); every block is a MoE block
+    arch: str = "llama"
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    head_dim: int = 0  # 0: dim // heads
+    # deepseek2 (DeepSeek V3, Kimi K2): leading dense blocks (the rest are MoE blocks), MLA attention (queries through
+    # a rank-``q_lora_rank`` bottleneck, 0 for none; keys and values compressed to ``kv_lora_rank`` plus a shared
+    # ``rope_dim`` rotary part; ``head_dim`` = each head's no-rope + rope key width, ``v_head_dim`` its value width),
+    # ``shared_experts`` ungated shared experts of width ``expert_ffn``, sigmoid (or softmax) ``gating`` with a
+    # selection bias, grouped top-k (``expert_groups``, ``groups_used``), the routed weights' ``routed_scale``, and
+    # YaRN rope scaling (``yarn_factor`` 0: none) as the model's config states it
+    dense_blocks: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    v_head_dim: int = 0
+    shared_experts: int = 0
+    expert_groups: int = 0
+    groups_used: int = 0
+    routed_scale: float = 0.0
+    gating: str = ""
+    yarn_factor: float = 0.0
+    yarn_original_context: int = 0
+    yarn_log_mul: float = 0.0
+    yarn_beta_fast: float = 0.0
+    yarn_beta_slow: float = 0.0
+
+    def __post_init__(self) -> None:
+        architecture(self.arch).check(self)
+        wtype = str(self.type).lower()
+        if wtype not in WEIGHT_TYPES:
+            raise ModelError(f"unknown weight type {self.type!r}: expected one of {', '.join(WEIGHT_TYPES)}")
+        object.__setattr__(self, "type", wtype)
+        widths = (self.dim, self.ffn, self.expert_ffn, self.shared_ffn)
+        if wtype != "f16" and any(w % QUANT_BLOCK for w in widths):
+            raise ModelError(
+                f"{wtype} stores rows in blocks of {QUANT_BLOCK}: dim {self.dim}, ffn {self.ffn}, expert_ffn "
+                f"{self.expert_ffn} and shared_ffn {self.shared_ffn} must be multiples of {QUANT_BLOCK}"
+            )
+        n_special = len(SPECIAL_TOKENS)
+        if self.vocab < 256 + n_special:
+            raise ModelError(
+                f"vocab {self.vocab} is too small: a byte-level BPE vocabulary needs at least {256 + n_special}"
+            )
+        if self.dim % self.heads or self.heads % self.kv_heads:
+            raise ModelError(
+                f"dim {self.dim}, heads {self.heads}, kv_heads {self.kv_heads}: dim must divide by heads "
+                "and heads by kv_heads"
+            )
+        if self.hd % 2:
+            raise ModelError(f"head dim {self.hd} must be even for rotary embeddings")
+        if self.blocks < 1:
+            raise ModelError(f"blocks {self.blocks} must be at least 1")
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.heads
+
+    @property
+    def nope_dim(self) -> int:
+        """deepseek2: the part of each head's key without rotary embedding."""
+        return self.hd - self.rope_dim
+
+    @property
+    def gating_func(self) -> str:
+        return self.gating or architecture(self.arch).gating
+
+    @property
+    def moe(self) -> bool:
+        return architecture(self.arch).moe
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the model, name -> shape in tinygrad's (out, in) order, as the writer stores them."""
+        return architecture(self.arch).tensors(self)
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(shape) for shape in self.tensors().values())
+
+    def slug(self) -> str:
+        """The cache file's name: dimensions, seed, weight type (when not f16) and a digest of every field (fields
+        added after the first files were built count only when set)."""
+        fields = asdict(self)
+        if self.type == "f16":  # f16 files keep the names they had before weight types existed
+            del fields["type"]
+        for key, default in _LATER_FIELDS.items():
+            if fields[key] == default:
+                del fields[key]
+        digest = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:12]
+        wtype = "" if self.type == "f16" else f"-{self.type}"
+        experts = f"-{self.arch}-e{self.experts}k{self.experts_used}" if self.moe else ""
+        return f"synthetic-{self.blocks}x{self.dim}{experts}-v{self.vocab}-s{self.seed}{wtype}-{digest}"
+
+
+_LATER_FIELDS: dict[str, object] = {
+    "arch": "llama",
+    "experts": 0,
+    "experts_used": 0,
+    "expert_ffn": 0,
+    "shared_ffn": 0,
+    "head_dim": 0,
+    "dense_blocks": 0,
+    "q_lora_rank": 0,
+    "kv_lora_rank": 0,
+    "rope_dim": 0,
+    "v_head_dim": 0,
+    "shared_experts": 0,
+    "expert_groups": 0,
+    "groups_used": 0,
+    "routed_scale": 0.0,
+    "gating": "",
+    "yarn_factor": 0.0,
+    "yarn_original_context": 0,
+    "yarn_log_mul": 0.0,
+    "yarn_beta_fast": 0.0,
+    "yarn_beta_slow": 0.0,
+}
+
+# Kimi K2 (moonshotai/Kimi-K2-Instruct's config.json), about 1.03 T parameters: for the simulator only, never
+# written to disk (SIMULATION_ONLY)
+KIMI_K2 = ModelSpec(
+    blocks=61,
+    dim=7168,
+    ffn=18432,
+    heads=64,
+    kv_heads=64,
+    head_dim=192,
+    vocab=163840,
+    context=131072,
+    rope_theta=50000.0,
+    norm_eps=1e-6,
+    arch="deepseek2",
+    experts=384,
+    experts_used=8,
+    expert_ffn=2048,
+    dense_blocks=1,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    rope_dim=64,
+    v_head_dim=128,
+    shared_experts=1,
+    routed_scale=2.827,
+    yarn_factor=32.0,
+    yarn_original_context=4096,
+    yarn_log_mul=0.1,
+    yarn_beta_fast=1.0,
+    yarn_beta_slow=1.0,
+)
+
+
+PRESETS: dict[str, ModelSpec] = {
+    # CI: fast to compile and run on two CPU cores, still 8 blocks so any N up to 8 is possible.
+    "tiny": ModelSpec(),
+    # A little more work per token, for CPU benchmarks.
+    "small": ModelSpec(blocks=12, dim=256, ffn=768, heads=8, kv_heads=4, vocab=2048),
+    # llama-3.2-1B dimensions, for GPU work (about 1.24 B parameters, 2.5 GB in fp16).
+    "llama-3.2-1b": ModelSpec(
+        blocks=16,
+        dim=2048,
+        ffn=8192,
+        heads=32,
+        kv_heads=8,
+        vocab=128256,
+        context=8192,
+        rope_theta=500000.0,
+        tied_embeddings=True,
+    ),
+    # mixture of experts for CI: qwen3moe with 4 blocks of 8 experts, 2 per token
+    "tiny-moe": ModelSpec(blocks=4, arch="qwen3moe", experts=8, experts_used=2, expert_ffn=96),
+    # the shared-expert variant (qwen2moe: q/k/v biases, no top-k renormalisation, a sigmoid-gated shared expert)
+    "tiny-moe-shared": ModelSpec(blocks=4, arch="qwen2moe", experts=8, experts_used=2, expert_ffn=96, shared_ffn=128),
+    # more work per token, for CPU benchmarks: 8 blocks of 16 experts, 4 per token
+    "small-moe": ModelSpec(
+        blocks=8,
+        dim=256,
+        ffn=768,
+        heads=8,
+        kv_heads=4,
+        vocab=2048,
+        arch="qwen3moe",
+        experts=16,
+        experts_used=4,
+        expert_ffn=256,
+    ),
+    # Qwen3-30B-A3B's shape (48 blocks there; override blocks= to fit a disk): 128 experts of width 768, 8 per token
+    "qwen3-30b-a3b": ModelSpec(
+        blocks=48,
+        dim=2048,
+        ffn=6144,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        vocab=151936,
+        context=40960,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        arch="qwen3moe",
+        experts=128,
+        experts_used=8,
+        expert_ffn=768,
+    ),
+    # deepseek2 for CI: 4 blocks (the first dense), 16 experts in 4 groups (2 used), top 4, one shared expert; MLA
+    # without a query bottleneck (as DeepSeek-V2-Lite), no rope scaling
+    "tiny-deepseek": ModelSpec(
+        blocks=4,
+        heads=4,
+        kv_heads=4,
+        head_dim=32,
+        arch="deepseek2",
+        experts=16,
+        experts_used=4,
+        expert_ffn=32,
+        dense_blocks=1,
+        kv_lora_rank=32,
+        rope_dim=16,
+        v_head_dim=16,
+        shared_experts=1,
+        expert_groups=4,
+        groups_used=2,
+        routed_scale=2.5,
+    ),
+    # Kimi K2's counts at width 64: 61 blocks (the first dense), 384 experts, 8 per token plus one shared, MLA with
+    # a query bottleneck, sigmoid routing with a selection bias, the routed scale and Kimi's YaRN rope settings
+    "kimi-tiny": replace(
+        KIMI_K2,
+        dim=64,
+        ffn=192,
+        heads=4,
+        kv_heads=4,
+        head_dim=32,
+        vocab=512,
+        expert_ffn=32,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        rope_dim=16,
+        v_head_dim=16,
+    ),
+    "kimi-k2": KIMI_K2,
+}
+# presets too large to write here: the simulator and the planner take them (ppharness.plan.graph), resolve_model
+# refuses them
+SIMULATION_ONLY = frozenset({"kimi-k2"})
+
+
+def preset_spec(preset: str, **overrides: object) -> ModelSpec:
+    """A preset's spec with the non-None overrides applied."""
+    try:
+        spec = PRESETS[preset]
+    except KeyError:
+        raise ModelError(f"unknown model preset {preset!r}: expected one of {', '.join(PRESETS)}") from None
+    # field name -> value: of the field's type, which differs from field to field
+    changes: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    return replace(spec, **changes)
+
+
+def parse_synthetic(source: str) -> ModelSpec:
+    """``synthetic:tiny,blocks=4,seed=3`` -> ModelSpec."""
+    preset, *pairs = source.removeprefix("synthetic:").split(",")
+    fields = {f: type(v) for f, v in asdict(PRESETS["tiny"]).items()}
+    overrides: dict[str, object] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in fields:
+            raise ModelError(f"{source!r}: unknown synthetic model field {key!r}; expected one of {', '.join(fields)}")
+        typ = fields[key]
+        overrides[key] = value.lower() in ("1", "true", "yes") if typ is bool else typ(value)
+    return preset_spec(preset or "tiny", **overrides)
+
+
+def synthetic_source(spec: ModelSpec) -> str:
+    """The inverse of ``parse_synthetic``: a spec as a ``synthetic:`` source string (every field explicit)."""
+    return "synthetic:tiny," + ",".join(f"{k}={v}" for k, v in asdict(spec).items())

@@ -1,0 +1,116 @@
+"""The synthetic GGUF writer: ``make_synthetic(spec, path)`` writes a model that tinygrad 0.12 and llama.cpp read like
+any file of its architecture, random weights from a seeded generator and the byte-level BPE vocabulary of
+``ppharness.model.vocab``. The same spec gives the same bytes.
+
+``spec.type`` picks how the 2-D weight matrices are stored: ``f16`` (default), or quantised by the ``gguf`` package's
+own quantisers to ``q8_0`` (the format ``ollama pull llama3.2:1b`` serves) or ``q4_0``; the quantised model is the f16
+model of the same seed, quantised. 1-D weights (the norms) stay F32, as llama.cpp keeps them. What is written here is
+every architecture's: the shared metadata, the vocabulary, the embedding, the final norm and the output head; the
+architecture (``ppharness.model.arch``) writes its own keys and its blocks' tensors through a ``TensorWriter``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ppharness.model.arch import architecture
+from ppharness.model.spec import WEIGHT_TYPES, ModelSpec
+from ppharness.model.vocab import SPECIAL_TOKENS, build_vocab
+
+
+class TensorWriter:
+    """A synthetic file's tensors as they are drawn, in order, from one generator seeded by the spec: the order of
+    the calls is the file's content."""
+
+    def __init__(self, writer: Any, qtype: Any, seed: int) -> None:
+        import gguf  # loads with the writer only
+
+        self.rng = np.random.default_rng(seed)
+        self._writer, self._qtype = writer, qtype
+        self._f16, self._quantize = qtype == gguf.GGMLQuantizationType.F16, gguf.quants.quantize
+
+    def rand(self, *shape: int, std: float) -> NDArray[np.float16]:
+        """Normal weights of standard deviation ``std``, as float16."""
+        return (self.rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float16)
+
+    def norm(self, n: int) -> NDArray[np.float32]:
+        """An RMS norm's weight: about 1."""
+        return (1.0 + self.rng.standard_normal(n, dtype=np.float32) * 0.1).astype(np.float32)
+
+    def vector(self, n: int, std: float) -> NDArray[np.float32]:
+        return (self.rng.standard_normal(n, dtype=np.float32) * std).astype(np.float32)
+
+    def matrix(self, name: str, arr: NDArray[Any]) -> None:
+        """A weight matrix, stored in the spec's weight type."""
+        if self._f16:
+            self._writer.add_tensor(name, arr)
+        else:  # (rows, bytes) of blocks; the writer records the element shape
+            self._writer.add_tensor(name, self._quantize(arr, self._qtype), raw_dtype=self._qtype)
+
+    def add(self, name: str, arr: NDArray[Any]) -> None:
+        """A tensor stored as it is (the norms, routers and biases: F32)."""
+        self._writer.add_tensor(name, arr)
+
+
+def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
+    """Write ``spec`` as a GGUF file at ``path`` (atomically) and return the path. Deterministic in ``spec``.
+
+    Every 2-D weight (embedding, attention and FFN matrices, the untied head) is stored in ``spec.type``, quantised
+    with ``gguf.quants.quantize`` for q8_0 and q4_0, as llama.cpp's converter writes ``--outtype q8_0``; the 1-D norm
+    weights are F32. (llama.cpp's ``llama-quantize`` to Q4_0 would also store the output head as Q6_K, which the
+    ``gguf`` package cannot quantise; here the head is Q4_0 like every other matrix.)
+    """
+    import gguf
+
+    arch = architecture(spec.arch)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n_special = len(SPECIAL_TOKENS)
+    tokens, merges = build_vocab(spec.vocab - 256 - n_special, spec.seed)
+    tokens = tokens + list(SPECIAL_TOKENS)
+    token_types = [1] * (len(tokens) - n_special) + [3] * n_special
+    bos, eos = tokens.index("<|begin_of_text|>"), tokens.index("<|end_of_text|>")
+
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")  # processes building the same model do not collide
+    w = gguf.GGUFWriter(str(tmp), spec.arch)
+    w.add_name(spec.slug())
+    w.add_context_length(spec.context)
+    w.add_embedding_length(spec.dim)
+    w.add_block_count(spec.blocks)
+    w.add_feed_forward_length(spec.ffn)
+    w.add_head_count(spec.heads)
+    w.add_head_count_kv(arch.cache_heads(spec))
+    w.add_layer_norm_rms_eps(spec.norm_eps)
+    w.add_rope_freq_base(spec.rope_theta)
+    arch.write_keys(spec, w)
+    w.add_vocab_size(spec.vocab)
+    ggml_type, file_type = WEIGHT_TYPES[spec.type]
+    w.add_file_type(gguf.LlamaFileType[file_type])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("llama-bpe")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(True)
+
+    # Shapes are tinygrad's (out, in); GGUF stores dimensions reversed and tinygrad reverses them back.
+    out = TensorWriter(w, gguf.GGMLQuantizationType[ggml_type], spec.seed)
+    out.matrix("token_embd.weight", out.rand(spec.vocab, spec.dim, std=1.0))
+    for i in range(spec.blocks):
+        arch.write_block(spec, i, out)
+    out.add("output_norm.weight", out.norm(spec.dim))
+    if not spec.tied_embeddings:
+        out.matrix("output.weight", out.rand(spec.vocab, spec.dim, std=1.0 / np.sqrt(spec.dim)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    os.replace(tmp, path)
+    return path
