@@ -1,6 +1,6 @@
 """pytest hooks and fixtures for ppharness: markers, --num-stages, --scenario, hypothesis profiles, skip-with-reason.
 
-Decisions (which backends can run here) live in ``ppharness.testing.availability``; this file only acts on them.
+Decisions (which backends can run here) live in ``tests/availability.py``; this file only acts on them.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import signal
 import pytest
 import tinygrad  # noqa: F401  (raises the recursion limit on import: do it before hypothesis watches it)
 from hypothesis import HealthCheck, settings
+
+from tests.availability import must_fail, unavailable_reason, vastai_reason
 
 MARKERS = {
     "local": "chain on local pp-node processes over real sockets: pytest -m local --num-stages 5",
@@ -107,8 +109,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if not any(item.get_closest_marker("docker") for item in session.items):
         return
-    from ppharness.testing.availability import unavailable_reason
-
     if unavailable_reason("docker"):
         return
     import subprocess
@@ -141,8 +141,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    from ppharness.testing.availability import must_fail, unavailable_reason
-
     for marker in ("docker", "vastai", "gpu"):
         if item.get_closest_marker(marker):
             reason = unavailable_reason(marker)
@@ -155,14 +153,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     """The synthetic tiny model (8 blocks), built once into the ppharness cache."""
-    from ppharness.model.files import PRESETS, synthetic_path
+    from ppharness.model.files import synthetic_path
+    from ppharness.model.spec import PRESETS
 
     return str(synthetic_path(PRESETS["tiny"]))
 
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tiny_model_path: str):
-    from ppharness.model.slicing import GGUFFile
+    from ppharness.model.gguf_file import GGUFFile
 
     return GGUFFile(tiny_model_path)
 
@@ -175,7 +174,6 @@ def vastai_api(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, 
     import os
 
     from backends.vastai.emulator.server import ApiTarget, Emulator
-    from ppharness.testing.availability import vastai_reason
 
     if request.config.getoption("--vastai-real"):
         reason = vastai_reason(real=True)

@@ -39,7 +39,7 @@ from ppharness.benchmarks.chaos import (
     to_json,
     with_policy,
 )
-from ppharness.run.orchestrator import Recovery
+from ppharness.run.failover import Recovery
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,8 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from ppharness.model.files import parse_synthetic, synthetic_path, synthetic_source
+from ppharness.model.files import synthetic_path
+from ppharness.model.spec import parse_synthetic, synthetic_source
 from ppharness.plan.build import chain
 from ppharness.plan.compile import compile_plan, implicit_cluster, programs
 from ppharness.plan.doc import Edge, ExpertGroup, Node, PlanDoc, Source, pretty, with_id
@@ -139,7 +140,7 @@ def test_plan_probe_routing_measures_frequencies_that_a_plan_takes(tmp_path):
     import json
 
     from ppharness.cli import main as cli
-    from ppharness.plan.experts import load_routing, with_frequencies
+    from ppharness.plan.routing import load_routing, with_frequencies
 
     out = tmp_path / "routing.json"
     args = ["plan", "probe", "--routing", "--model", MODEL, "--tokens", "4", "--prompt", "experts, chosen", "-o"]

@@ -15,7 +15,8 @@ import pytest
 from backends.local import labelled_pids
 from ppharness.network.spec import Event, Impairment, Network
 from ppharness.run.orchestrator import run_scenario
-from ppharness.scenario.schema import ClusterSection, FaultToleranceSection, Scenario, scenario_from_args
+from ppharness.scenario.schema import Scenario, scenario_from_args
+from ppharness.scenario.sections import ClusterSection, FaultToleranceSection
 
 pytestmark = pytest.mark.local
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,9 +13,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from backends.local import labelled_pids
-from ppharness.scenario.schema import FaultSection, LocalSettings, scenario_from_args
-from ppharness.testing.watched import WatchedRun
+from backends.local import LocalSettings, labelled_pids
+from ppharness.benchmarks.watched import WatchedRun
+from ppharness.scenario.schema import scenario_from_args
+from ppharness.scenario.sections import FaultSection
 
 pytestmark = pytest.mark.local
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from ppharness.errors import TransportTimeout
 from ppharness.plan.stages import ENTRY, names_of
 from ppharness.registry import transport_class
+from ppharness.run.inprocess import load_slices
 from ppharness.run.reliable import GaveUp, Outbox, RetryPolicy, ack_of
 from ppharness.run.stage import Stage
-from ppharness.testing.inprocess import load_slices
 from ppharness.wire.messages import (
     Ack,
     InferenceRequest,
@@ -147,7 +147,7 @@ def run_chain(
                     continue
                 for _copy in range(fate(str(i), msg, seen[(str(i), kind)])):
                     delivered[kind] += 1
-                    stages[i].handle(sender, msg)
+                    stages[i].deliver(sender, msg)
             try:
                 sender, msg = client_t.recv(0)
             except TransportTimeout:

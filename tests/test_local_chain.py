@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from backends.local import labelled_pids
+from ppharness.benchmarks.watched import WatchedRun
 from ppharness.run.orchestrator import Progress, run_scenario
 from ppharness.scenario.schema import load_scenario, scenario_from_args
-from ppharness.testing.watched import WatchedRun
 
 pytestmark = pytest.mark.local
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,8 +134,9 @@ def test_requests_in_flight_on_pp_node_processes(tiny_model_path, tiny_gguf):
     import msgspec
 
     from ppharness.model.oracle import oracle_decode
-    from ppharness.run.orchestrator import Chain, Job
-    from ppharness.testing.inprocess import load_slices
+    from ppharness.run.client import Job
+    from ppharness.run.inprocess import load_slices
+    from ppharness.run.orchestrator import Chain
 
     base = scenario_from_args(num_stages=2, max_tokens=12)
     scenario = msgspec.structs.replace(base, serving=msgspec.structs.replace(base.serving, slots=3, queue=1))

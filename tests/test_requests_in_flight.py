@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from interleaved import Arrival, run_interleaved
 
 from ppharness.model.oracle import oracle_decode
-from ppharness.testing.inprocess import Arrival, load_slices, run_interleaved
+from ppharness.run.inprocess import load_slices
 from ppharness.wire.messages import Error, InferenceResponse
 
 MAX_CONTEXT = 64

@@ -1,6 +1,6 @@
 """Property: for any N, any split points and any prompt, the chain equals the unsplit model bit for bit.
 
-Runs the real Stage objects and wire format in one process over the memory transport (ppharness.testing.inprocess), so
+Runs the real Stage objects and wire format in one process over the memory transport (ppharness.run.inprocess), so
 many splits fit in CI. Outputs are long as well as short (up to the whole context), because a split that rounds a
 hidden state differently shows only after tens of tokens, when a near-tie in the logits turns a last-bit difference into
 another token. Tokens are compared, and so is every hidden state a stage sends: byte for byte against the unsplit
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from ppharness.model.exactness import compare, digest
 from ppharness.model.oracle import oracle_decode
-from ppharness.testing.inprocess import load_slices, run_inprocess
+from ppharness.run.inprocess import load_slices, run_inprocess
 from ppharness.wire import codec
 from ppharness.wire.messages import StageActivation
 

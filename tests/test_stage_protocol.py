@@ -7,8 +7,8 @@ import pytest
 from ppharness.errors import TransportTimeout
 from ppharness.plan.stages import names_of
 from ppharness.registry import transport_class
+from ppharness.run.inprocess import load_slices
 from ppharness.run.stage import Stage
-from ppharness.testing.inprocess import load_slices
 from ppharness.wire import codec
 from ppharness.wire.messages import Error, InferenceRequest, NextToken, RequestOpen, StageActivation
 
@@ -91,7 +91,7 @@ def test_tensor_of_wrong_size_is_dropped_then_the_request_goes_on(two_stage):
         ),
     )
     assert "shape" in logs[-1]
-    stage.handle(t0.address, good)  # the real prefill still works
+    stage.deliver(t0.address, good)  # the real prefill still works
     _, msg = t0.recv(0)
     assert isinstance(msg, NextToken) and msg.position == 3 and not msg.done
 
@@ -100,7 +100,7 @@ def test_duplicate_activation_is_dropped(two_stage):
     stage, t0, client, logs, slices = two_stage
     stage.handle(t0.address, _open(client))
     act = _activation(slices)
-    stage.handle(t0.address, act)
+    stage.deliver(t0.address, act)
     t0.recv(0)
     stage.handle(t0.address, act)
     assert "duplicate" in logs[-1]
@@ -155,7 +155,7 @@ def test_an_activation_of_the_wrong_shape_for_the_plan_is_refused_before_compute
         n *= d
     stage.handle(t0.address, _activation(slices, seq_len=seq_len, shape=shape, hidden=b"\0\0" * n))
     assert "the plan expects (1, 3, 64)" in logs[-1] and stage.reqs["r1"].next_position == 0
-    stage.handle(t0.address, _activation(slices))  # the real prefill still works
+    stage.deliver(t0.address, _activation(slices))  # the real prefill still works
     assert isinstance(t0.recv(0)[1], NextToken)
 
 
@@ -210,7 +210,7 @@ def test_a_request_beyond_the_slots_and_the_queue_is_refused_as_busy_and_the_orc
     """With every slot taken and no room in the queue, stage 0 refuses; the refusal is told apart by type
     (Error.busy -> StageBusy), which Chain.request retries; other errors fail."""
     from ppharness.errors import StageBusy, StageError
-    from ppharness.run.orchestrator import _raise_on_error
+    from ppharness.run.session import raise_on_error as _raise_on_error
 
     memory = transport_class("memory")
     t0, t1, client = memory(), memory(), memory()

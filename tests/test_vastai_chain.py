@@ -20,10 +20,10 @@ import msgspec
 import pytest
 
 from backends.local import labelled_pids
+from ppharness.benchmarks.watched import WatchedRun
 from ppharness.errors import HarnessError, NotReady, ProvisionFailed
 from ppharness.run.orchestrator import Progress, run_scenario
 from ppharness.scenario.schema import load_scenario, scenario_from_args
-from ppharness.testing.watched import WatchedRun
 
 pytestmark = pytest.mark.vastai
 ROOT = Path(__file__).resolve().parent.parent

@@ -68,7 +68,7 @@ def client(timeout: float = 120.0) -> docker.DockerClient:
     problem = daemon_problem()
     if problem is not None:
         raise ProvisionFailed(
-            f"no Docker daemon answers ({problem}); start one: `bash docker/dockerd.sh` (README, 'Docker')"
+            f"no Docker daemon answers ({problem}); start one: `bash docker/dockerd.sh` (docs/docker.md)"
         )
     try:
         # types-docker says ``timeout: int``; the SDK hands it to requests, which takes seconds as a float

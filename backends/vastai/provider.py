@@ -1,6 +1,6 @@
 """vast.ai: one rented instance per stage, running the node image's ``pp-node``.
 
-Guarantees (the SPEC's error table):
+Guarantees (docs/vastai.md's failure table):
 - Fewer matching offers than stages, or a plan over ``max_total_dph``: ProvisionFailed before anything is rented.
 - The plan (offers, $/hr each, total, estimated cost) is printed before the first create.
 - A failed create destroys every instance already created (and any the failed reply names); an offer that vanished
@@ -147,7 +147,7 @@ class VastaiProvider(Provider[VastaiSettings]):
             raise ProvisionFailed(
                 f"the node image {self.image!r} is a local tag vast.ai cannot pull: push "
                 "docker/Dockerfile's image to a registry and set provider.vastai.image or "
-                f"{IMAGE_VAR} (README, vast.ai); nothing was rented"
+                f"{IMAGE_VAR} (docs/vastai.md); nothing was rented"
             )
         for line in plan_lines(plan, [sp.name for sp in specs], s, self.run_label):
             _say(line)

@@ -8,6 +8,7 @@ shared machine hits every contender alike. Figures are medians over the repeats 
 
 from __future__ import annotations
 
+import io
 import json
 import statistics
 from collections.abc import Callable
@@ -16,10 +17,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
+from ppharness.benchmarks.transport import run_transport_bench
 from ppharness.errors import HarnessError
+from ppharness.model.decoding import warm_up
+from ppharness.model.files import resolve_model
+from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.oracle import oracle_decode
+from ppharness.model.slicing import ModelSlice
+from ppharness.model.spec import PRESETS
+from ppharness.run.orchestrator import Chain, decode_tok_s
+from ppharness.scenario.schema import scenario_from_args
 
 if TYPE_CHECKING:
-    from ppharness.run.orchestrator import Chain
     from ppharness.scenario.schema import Scenario
     from ppharness.wire.messages import InferenceResponse
 
@@ -52,9 +63,6 @@ class BenchResult:
 
 
 def _scenario(preset: str, n: int, kind: str, tokens: int, max_context: int) -> Scenario:
-    import msgspec
-
-    from ppharness.scenario.schema import scenario_from_args
 
     base = scenario_from_args(num_stages=n, transport=kind, prompt=PROMPT, max_tokens=tokens)
     synthetic = base.model.synthetic
@@ -68,9 +76,6 @@ def _scenario(preset: str, n: int, kind: str, tokens: int, max_context: int) -> 
 
 def _raw_rtt_ms(kinds: list[str], nbytes: int, count: int) -> dict[str, float]:
     """p50 round trip of the raw library under each transport, at ``nbytes`` (the transport benchmark's paths)."""
-    import io
-
-    from ppharness.benchmarks.transport import run_transport_bench
 
     rows = run_transport_bench([nbytes], count, kinds, out=io.StringIO())
     raw = {"zmq": "raw zmq", "iroh": "raw iroh, bulk copy"}
@@ -88,10 +93,6 @@ def run_chain_bench(
     progress: Callable[[str], None],
 ) -> BenchResult:
     """Measure; write ``bench.json`` and ``bench.png`` into ``out_dir``; return the result."""
-    from ppharness.model.files import PRESETS, resolve_model
-    from ppharness.model.oracle import oracle_decode
-    from ppharness.model.slicing import GGUFFile, ModelSlice
-    from ppharness.run.orchestrator import Chain, decode_tok_s
 
     if preset not in PRESETS:
         raise HarnessError(f"unknown preset {preset!r}: expected one of {', '.join(PRESETS)}")
@@ -106,7 +107,6 @@ def run_chain_bench(
         activation_bytes=2 * cfg.dim,
     )
     progress(f"single process: loading {res.model}")
-    from ppharness.model.decoding import warm_up
 
     single = ModelSlice(GGUFFile(path), 0, cfg.blocks, True, True, max_context, taps=True)
     warm_up(single)

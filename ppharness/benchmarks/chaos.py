@@ -38,14 +38,16 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+import msgspec
+
+from ppharness.model.oracle import oracle_decode
 from ppharness.network.spec import Bursty, Event, Impairment, Network, stage_node
+from ppharness.run.failover import Recovery
+from ppharness.run.orchestrator import Chain, decode_tok_s
+from ppharness.scenario.schema import Scenario, scenario_from_args
 from ppharness.trace.report import percentile
-
-if TYPE_CHECKING:
-    from ppharness.run.orchestrator import Chain, Recovery
-    from ppharness.scenario.schema import Scenario
 
 FaultKind = Literal["kill", "pause", "partition", "loss"]
 KINDS: tuple[FaultKind, ...] = ("kill", "pause", "partition", "loss")
@@ -134,9 +136,6 @@ def schedule_network(faults: list[Fault], seed: int) -> Network:
 
 def base_scenario(num_stages: int, tokens: int) -> Scenario:
     """The built-in scenario with ``num_stages`` stages and ``tokens`` tokens, membership on fast heartbeats."""
-    import msgspec
-
-    from ppharness.scenario.schema import scenario_from_args
 
     sc = scenario_from_args(num_stages=num_stages, max_tokens=tokens, prompt=PROMPT, name="bench-chaos")
     cluster = msgspec.structs.replace(
@@ -155,9 +154,6 @@ def with_policy(
 ) -> Scenario:
     """``base`` with a fault-tolerance policy, its spares, a network and a detection timeout, checked as a scenario
     file would be."""
-    import msgspec
-
-    from ppharness.scenario.schema import Scenario
 
     ft = msgspec.structs.replace(base.fault_tolerance, policy=policy, spares=spares)
     cluster = msgspec.structs.replace(base.cluster, dead_after_s=dead_after_s)
@@ -287,7 +283,6 @@ def run_trial(
     base: Scenario, index: int, seed: int, oracle: Callable[[str], list[int]], log: Callable[[str], None]
 ) -> Trial:
     """One request under the schedule drawn from ``seed``; any exception ends the trial as failed, not the bench."""
-    from ppharness.run.orchestrator import Chain
 
     faults = draw_schedule(random.Random(seed), base.stages.num_stages)
     trial = Trial(index=index, seed=seed, faults=faults, spares=spares_for(faults))
@@ -352,7 +347,6 @@ def measure_overhead(
 ) -> Overhead:
     """Two chains on the same model, policy none and failover, no faults: a warm-up request each, then ``requests``
     each, interleaved (in turns, neither always first)."""
-    from ppharness.run.orchestrator import Chain, decode_tok_s
 
     res = Overhead(requests=requests)
     prompt, tokens = base.request.prompt, base.request.max_tokens
@@ -412,8 +406,6 @@ class _Oracle:
 
     def __call__(self, model_path: str) -> list[int]:
         if self.token_ids is None:
-            from ppharness.model.oracle import oracle_decode
-
             self.log("running the unsplit model in this process (the oracle, once)")
             self.token_ids = list(oracle_decode(model_path, self.prompt, self.tokens, self.max_context).token_ids)
         return self.token_ids

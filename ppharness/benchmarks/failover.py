@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+from ppharness.benchmarks.watched import WatchedRun
 from ppharness.errors import HarnessError
-from ppharness.testing.watched import WatchedRun
 
 if TYPE_CHECKING:
     from backends.local import LocalProvider

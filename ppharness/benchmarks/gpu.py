@@ -24,10 +24,12 @@ import msgspec
 
 from ppharness.benchmarks.chain import _scenario
 from ppharness.errors import HarnessError
+from ppharness.model.files import resolve_model
+from ppharness.run.client import Job
+from ppharness.run.orchestrator import Chain, decode_span, decode_tok_s
 
 if TYPE_CHECKING:
-    from ppharness.model.slicing import ModelConfig
-    from ppharness.run.orchestrator import Chain
+    from ppharness.model.config import ModelConfig
 
 
 class Tokenizer(Protocol):
@@ -97,12 +99,12 @@ def run_gpu_bench(
     """``in_flight`` above 1: each chain also serves that many requests at once (every stage keeps a KV cache per
     request), reported as a contender of its own with the aggregate decode tokens/s."""
     os.environ["DEV"] = device.upper()  # this process and every stage process it starts
+    # the model code (tinygrad, which takes its device from DEV) is imported once DEV is set
     from ppharness.model.decoding import warm_up
-    from ppharness.model.files import resolve_model
+    from ppharness.model.gguf_file import GGUFFile
     from ppharness.model.oracle import oracle_decode
-    from ppharness.model.slicing import GGUFFile, ModelSlice
+    from ppharness.model.slicing import ModelSlice
     from ppharness.run.node import device_bytes
-    from ppharness.run.orchestrator import Chain, decode_span, decode_tok_s
 
     progress(f"model: synthetic {preset} (built once into the cache)")
     path = str(resolve_model(f"synthetic:{preset}"))
@@ -191,7 +193,6 @@ def _serve_many(
 ) -> None:
     """``in_flight`` requests sent at once, ``repeats`` times: aggregate decode tokens/s (every token after each
     request's first, over the time from the first of them to the last token), every answer checked."""
-    from ppharness.run.orchestrator import Job
 
     c.tokens_match_oracle = True
     for _ in range(repeats):

@@ -25,15 +25,22 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import msgspec
+
+from ppharness.benchmarks.chain import _scenario as chain_scenario
 from ppharness.errors import HarnessError
+from ppharness.model.decoding import warm_up
+from ppharness.model.files import resolve_model
+from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.oracle import oracle_decode
+from ppharness.model.slicing import ModelSlice
+from ppharness.model.spec import PRESETS
 from ppharness.network.spec import Impairment, Network
+from ppharness.run.client import Job, Served
+from ppharness.run.orchestrator import Chain
+from ppharness.scenario.schema import Scenario
 from ppharness.trace.report import percentile
-
-if TYPE_CHECKING:
-    from ppharness.run.orchestrator import Chain, Job, Served
-    from ppharness.scenario.schema import Scenario
 
 WORDS = (
     "pipeline parallel inference over the wide area network keeps every stage busy while requests arrive at random "
@@ -54,8 +61,6 @@ class LoadSpec:
     seed: int = 0
 
     def jobs(self) -> list[Job]:
-        from ppharness.run.orchestrator import Job
-
         rng = random.Random(self.seed)
         out, t = [], 0.0
         for k in range(self.requests):
@@ -94,10 +99,6 @@ class LoadResult:
 def _scenario(
     preset: str, num_stages: int, transport: str, network: Network | None, slots: int, queue: int, max_context: int
 ) -> Scenario:
-    import msgspec
-
-    from ppharness.benchmarks.chain import _scenario as chain_scenario
-    from ppharness.scenario.schema import Scenario
 
     base = chain_scenario(preset, num_stages, transport, 1, max_context)  # its request is not sent: the load is
     serving = msgspec.structs.replace(base.serving, slots=slots, queue=queue)
@@ -114,9 +115,6 @@ def delay_network(delay_ms: float, seed: int = 0) -> Network | None:
 
 def _answers(path: str, jobs: list[Job], max_context: int, progress: Callable[[str], None]) -> dict[str, list[int]]:
     """The unsplit model's answer to each distinct prompt alone, as long as the longest asked of it."""
-    from ppharness.model.decoding import warm_up
-    from ppharness.model.oracle import oracle_decode
-    from ppharness.model.slicing import GGUFFile, ModelSlice
 
     longest: dict[str, int] = {}
     for j in jobs:
@@ -156,9 +154,6 @@ def run_load_bench(
     json_out: str | None = None,
 ) -> LoadResult:
     """Start the chain, warm it, measure the single request and the load; every answer checked."""
-    from ppharness.model.files import PRESETS, resolve_model
-    from ppharness.model.slicing import GGUFFile
-    from ppharness.run.orchestrator import Chain, Job
 
     if preset not in PRESETS:
         raise HarnessError(f"unknown preset {preset!r}: expected one of {', '.join(PRESETS)}")
@@ -224,7 +219,6 @@ def run_load_bench(
 def _warm(chain: Chain, jobs: list[Job], progress: Callable[[str], None]) -> None:
     """One token of each distinct prompt, twice: a prompt length's first prefill compiles its kernels, the second
     captures the compiled step that later ones replay (``ModelSlice.prefill``)."""
-    from ppharness.run.orchestrator import Job
 
     t0 = time.monotonic()
     prompts = list(dict.fromkeys(j.prompt for j in jobs))

@@ -30,13 +30,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+import msgspec
+
 from ppharness.errors import HarnessError
+from ppharness.model.files import resolve_model
+from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.oracle import OracleResult, oracle_decode
+from ppharness.model.spec import PRESETS
 from ppharness.network.spec import Impairment, Network, stage_node
+from ppharness.run.orchestrator import Chain, decode_tok_s
+from ppharness.scenario.schema import Scenario, scenario_from_args
 from ppharness.trace.report import STAGE_PARTS, percentile
 
 if TYPE_CHECKING:
-    from ppharness.model.oracle import OracleResult
-    from ppharness.scenario.schema import Scenario
     from ppharness.trace.report import TokenRecord
 
 PROMPT = "Pipeline parallel inference over the wide area network"
@@ -157,9 +163,6 @@ def estimate_s(cases: list[Case], num_stages: int, tokens: int, repeats: int) ->
 
 
 def _scenario(case: Case, num_stages: int, tokens: int, max_context: int, seed: int) -> Scenario:
-    import msgspec
-
-    from ppharness.scenario.schema import Scenario, scenario_from_args
 
     base = scenario_from_args(num_stages=num_stages, transport=case.transport, prompt=PROMPT, max_tokens=tokens)
     synthetic = base.model.synthetic
@@ -226,7 +229,6 @@ def run_case(
     progress: Callable[[str], None],
 ) -> CaseResult:
     """Start the case's chain, warm it, run ``repeats`` requests; every answer checked against ``oracle``."""
-    from ppharness.run.orchestrator import Chain, decode_tok_s
 
     t0 = time.monotonic()
     res = CaseResult(case.preset, case.transport, case.layer, case.delay_ms, case.loss_pct)
@@ -277,9 +279,6 @@ def run_wan_bench(
     progress: Callable[[str], None],
 ) -> WanBenchResult:
     """Run every case; write ``bench-wan.json`` (after every case) into ``out_dir``; return the result."""
-    from ppharness.model.files import PRESETS, resolve_model
-    from ppharness.model.oracle import oracle_decode
-    from ppharness.model.slicing import GGUFFile
 
     for p in presets:
         if p not in PRESETS:

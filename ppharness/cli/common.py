@@ -7,19 +7,19 @@ import contextlib
 import os
 import signal
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import click
 
 from ppharness.errors import HarnessError
+from ppharness.registry import provider_class
 from ppharness.run.locks import RunLabelInUse
+from ppharness.run.orchestrator import Progress, RunResult, run_scenario
+from ppharness.scenario.schema import Scenario, load_scenario, scenario_from_args
 from ppharness.seams.provider import Reaped
-
-if TYPE_CHECKING:
-    from ppharness.run.orchestrator import RunResult
-    from ppharness.scenario.schema import Scenario
 
 SCENARIO_HELP = "Scenario YAML file (see scenarios/); flags given here override its values."
 
@@ -126,8 +126,6 @@ def print_summary(result: RunResult) -> None:
 
 def reap_own(kind: str, run_label: str) -> list[Reaped]:
     """The last sweep of every run: destroy whatever still carries its label; say what that was."""
-    from ppharness.registry import provider_class
-
     try:
         found = provider_class(kind).reap(run_label)
     except HarnessError as exc:
@@ -146,10 +144,6 @@ def run_and_report(
     trace: bool | None = None,
 ) -> None:
     """Run ``scenario``; print the summary; exit 1 on failure or mismatch."""
-    import uuid
-
-    from ppharness.run.orchestrator import Progress, run_scenario
-
     run_label = run_label or f"pp-{uuid.uuid4().hex[:8]}"
     trace_path = trace_path or scenario.trace.path
     trace_on = bool(trace_path) or (scenario.trace.enabled if trace is None else trace)
@@ -170,8 +164,6 @@ def run_and_report(
 
 
 def load_scenario_or_fail(scenario_file: str | None, **overrides: Any) -> Scenario:
-    from ppharness.scenario.schema import load_scenario, scenario_from_args
-
     try:
         base = load_scenario(scenario_file) if scenario_file else None
         return scenario_from_args(base=base, **overrides)

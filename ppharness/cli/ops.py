@@ -8,6 +8,8 @@ import click
 
 from ppharness.cli.common import fail
 from ppharness.errors import HarnessError
+from ppharness.registry import PROVIDERS, provider_class, tool
+from ppharness.run.locks import forget, run_state
 
 
 @click.command("vastai-emulator")
@@ -55,9 +57,6 @@ def vastai_emulator(
     """Serve an API-compatible vast.ai emulator whose instances run local pp-node processes, until Ctrl-C.
 
     It accepts the key in VAST_API_KEY, or generates one and prints it."""
-
-    from ppharness.registry import tool
-
     try:
         d = tuple(float(x) for x in delays.split(","))
         if len(d) != 3:
@@ -94,9 +93,6 @@ def reap(label: str | None, providers: tuple[str, ...], dry_run: bool, strict: b
     run is never touched; resources of runs this machine does not know (another user's, another machine's) are
     listed and kept: name one with --label to reap it.
     """
-    from ppharness.registry import PROVIDERS, provider_class
-    from ppharness.run.locks import forget, run_state
-
     if label is not None:
         info = run_state(label)
         if info.state == "live":

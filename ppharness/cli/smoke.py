@@ -4,11 +4,13 @@ same command (for environments where the console script is not on PATH)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import click
 
 from ppharness.cli.common import SCENARIO_HELP, fail, load_scenario_or_fail, run_and_report
+from ppharness.model.files import cache_dir
 
 
 @click.command(name="pp-smoke-run")
@@ -95,10 +97,6 @@ def smoke_run(
 def _default_trace(plan_file: str) -> Path:
     """Where a plan run's trace goes unless --trace says: the cache directory's traces/, named after the plan and
     the time (a plan run always leaves its per-token trace behind, outside the working tree)."""
-    import time
-
-    from ppharness.model.files import cache_dir
-
     return cache_dir() / "traces" / f"{Path(plan_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 

@@ -9,6 +9,7 @@ from and go to; tokens go to ``pp-entry``).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from ppharness.plan.doc import (
     Source,
     expert_holders,
     expert_nodes,
+    load_plan,
     loop,
 )
 from ppharness.plan.stages import (
@@ -69,6 +71,23 @@ class Compiled:
     @property
     def provider_kind(self) -> str:
         return self.devices[0].source.kind
+
+
+def load_compiled(path: str) -> tuple[PlanDoc, Compiled]:
+    """The plan file at ``path``, read, checked and compiled once per process while the file is unchanged: the
+    scenario that runs it (``ppharness.scenario.schema.with_plan``) and the run itself share one compiled plan."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        doc = load_plan(path)  # refuses the missing or unreadable file in the plan reader's words
+        return doc, compile_plan(doc)
+    return _compiled(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(path: str, mtime_ns: int, size: int) -> tuple[PlanDoc, Compiled]:
+    doc = load_plan(path)
+    return doc, compile_plan(doc)
 
 
 def compile_plan(doc: PlanDoc) -> Compiled:

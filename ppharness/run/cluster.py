@@ -7,13 +7,10 @@ directory. Failure detection of a member that dies is the provider's ``exited()`
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
-from ppharness.errors import ClusterError, CodecError, TransportTimeout, WaitTimedOut
+from ppharness.errors import ClusterError
+from ppharness.run.loop import Loop
+from ppharness.seams.transport import Received
 from ppharness.wire.messages import Join, Members, Message
-
-POLL_S = 0.2
 
 
 class Directory:
@@ -64,55 +61,20 @@ class Directory:
             raise ClusterError(f"name {name!r} is not registered; known: {', '.join(sorted(self.names))}") from None
 
 
-def wait_for(
-    recv: Callable[[float], tuple[str, Message]],
-    on_message: Callable[[str, Message], bool],
-    timeout: float,
-    what: str,
-    check: Callable[[], None] = lambda: None,
-    log: Callable[[str], None] = print,
-    done: Callable[[], bool] = lambda: False,
-    poll_s: Callable[[], float] = lambda: POLL_S,
-) -> None:
-    """Pump messages into ``on_message`` until it returns True (or ``done()`` holds), at most ``timeout`` seconds.
-
-    ``check`` runs between polls and raises to abort (e.g. a member died). A bad frame is logged and dropped.
-    ``poll_s`` is the longest wait for one message (shorter when ``check`` has timers to keep).
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        check()
-        if done():
-            return
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise WaitTimedOut(f"timed out after {timeout:g} s waiting for {what}")
-        try:
-            sender, msg = recv(min(poll_s(), left))
-        except TransportTimeout:
-            continue
-        except CodecError as exc:
-            log(f"dropped a bad frame: {exc}")
-            continue
-        if on_message(sender, msg):
-            return
-
-
-def resolve_members(
-    recv: Callable[[float], tuple[str, Message]],
-    timeout: float,
-    on_other: Callable[[str, Message], None],
-    log: Callable[[str], None] = print,
-) -> dict[str, str]:
-    """Node side: wait (bounded) for the seed's Members; other messages go to ``on_other``."""
+def resolve_members(loop: Loop, timeout: float) -> dict[str, str]:
+    """Node side: wait (bounded) for the seed's Members; what else comes meanwhile is kept, in order, for the
+    node's next wait."""
     found: dict[str, str] = {}
+    early: list[tuple[str, Message, Received | None]] = []
 
-    def on_message(sender: str, msg: Message) -> bool:
+    def on_message(sender: str, msg: Message, rx: Received | None) -> bool:
         if isinstance(msg, Members):
             found.update(msg.names)
             return True
-        on_other(sender, msg)
+        early.append((sender, msg, rx))
         return False
 
-    wait_for(recv, on_message, timeout, "the cluster's name directory (Members) from the seed", log=log)
+    loop.wait(on_message, timeout, "the cluster's name directory (Members) from the seed")
+    for sender, msg, rx in early:
+        loop.push(sender, msg, rx)
     return found

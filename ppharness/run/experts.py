@@ -7,9 +7,11 @@ reads who holds what from the directory alone.
 The owner's side (``ExpertParallel``, a StageModel around a ModelSlice): at each MoE block the slice yields an
 ``ExpertCall``; each (row, expert) pair goes to the owner's own bank when it holds that expert, else to the holder with
 the fewest pairs so far in this call (ties: the first replica). One ``ExpertRequest`` per distinct expert node goes out
-at once, the local pairs are computed while they are away, and the owner then waits for every ``ExpertResult``.
-Whatever else arrives meanwhile is kept, in order, for the stage's loop. A request unanswered after ``resend_s`` is
-sent again (the key (request, position, layer) makes the copy harmless); after ``timeout_s`` the step fails.
+at once, the local pairs are computed while they are away, and the owner then waits for every ``ExpertResult`` on the
+stage's loop (``ppharness.run.loop``), nested in the step that computes: whatever else arrives meanwhile goes to the
+stage, which only records it. The requests go through an outbox (``ppharness.run.reliable``) whose Ack is the
+ExpertResult: unanswered after ``resend_s``, a request is sent again, the waits doubling (the key (request, position,
+layer) makes the copy harmless); after ``timeout_s`` the step fails.
 
 The expert node's side (``ExpertServer``): it answers an ``ExpertRequest`` only from the member that runs that block
 (by the address the transport authenticated), only for experts it holds, and keeps its last answers so that a copy
@@ -20,7 +22,6 @@ records that beside the round trip, so that an expert node keeps no trace of its
 from __future__ import annotations
 
 import re
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING
@@ -28,18 +29,22 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from ppharness.errors import CodecError, HarnessError, ModelError, TransportTimeout
+from ppharness.errors import CodecError, HarnessError, ModelError, WaitTimedOut
+from ppharness.run.loop import Loop
+from ppharness.run.reliable import Key, Outbox, RetryPolicy
+from ppharness.seams.transport import Received, Transport
 from ppharness.trace.tracer import Tracer, now_ns
 from ppharness.wire import codec
 from ppharness.wire.messages import ExpertRequest, ExpertResult, Message
 
 if TYPE_CHECKING:
+    from ppharness.model.config import ModelConfig
     from ppharness.model.moe import ExpertBank, ExpertCall
-    from ppharness.model.slicing import ModelConfig, ModelSlice
-    from ppharness.seams.transport import Received, Transport
+    from ppharness.model.slicing import ModelSlice
 
 _EXPERT_NAME = re.compile(r"^moe-expert-(\d+)-(\d+)(?:\.r(\d+))?$")
 ANSWERS_KEPT = 256  # an expert node's last answers, to answer a copy of a request again
+RESEND_MAX_S = 8.0  # the longest an owner waits between two copies of a request
 
 
 def holders_of(names: dict[str, str]) -> dict[tuple[int, int], list[str]]:
@@ -53,7 +58,10 @@ def holders_of(names: dict[str, str]) -> dict[tuple[int, int], list[str]]:
 
 
 class ExpertParallel:
-    """A stage's model whose MoE blocks send their routed experts to expert nodes (see the module's docstring)."""
+    """A stage's model whose MoE blocks send their routed experts to expert nodes (see the module's docstring).
+
+    ``loop``: the stage's loop, which the gather waits on (nested in the step that computes) and whose timers resend
+    the requests; a loop of its own over ``transport`` when none is given."""
 
     def __init__(
         self,
@@ -66,11 +74,16 @@ class ExpertParallel:
         tracer: Tracer | None = None,
         resend_s: float = 1.0,
         timeout_s: float = 60.0,
+        loop: Loop | None = None,
     ):
         self.model, self.transport, self.plan_id, self.wire_dtype = model, transport, plan_id, wire_dtype
         self.log, self.tracer, self.resend_s, self.timeout_s = log, tracer, resend_s, timeout_s
-        self.deferred: list[tuple[str, Message, Received | None]] = []
-        self.request_id, self.step_index, self.epoch = "", 0, 0
+        self.loop = loop if loop is not None else Loop(transport, log)
+        # resent after resend_s, doubling up to RESEND_MAX_S; the step fails after timeout_s (the wait's), not before
+        retry = RetryPolicy(first_s=resend_s, min_s=resend_s, max_s=RESEND_MAX_S, budget_s=2 * timeout_s, jitter=0.0)
+        self.outbox = Outbox(transport.send, lambda address: address, retry, on_resend=self._resending)
+        self.loop.add_timer(self.outbox)
+        self.request_id, self.step_index, self.epoch, self.layer = "", 0, 0, -1
         self.late = 0  # results that came after their step was done (copies of answered requests)
         self.holders: dict[tuple[int, int], list[str]] = {}
         self.node_of: dict[str, str] = {}
@@ -174,17 +187,20 @@ class ExpertParallel:
                 epoch=self.epoch,
             )
             slots[address] = pairs
+        self.layer = call.layer
         sent_ns: dict[str, int] = {}
+        keys: dict[str, Key] = {}
         for address, req in requests.items():
             sent_ns[address] = now_ns()
-            self.transport.send(address, req)
+            keys[address] = (f"experts {call.layer}", f"{self.request_id} to {address}", position)
+            self.outbox.put(keys[address], address, req)
         t_sent = now_ns()
         if local:
             got = self.model.bank.run_pairs(call.layer, call.hidden, [(t, int(ids[t, j])) for t, j in local])
             for (t, j), y in zip(local, got):
                 out[t, j] = y
         t_local = now_ns()
-        self._wait(call.layer, position, requests, slots, out, sent_ns)
+        self._wait(call.layer, position, keys, slots, out, sent_ns)
         if self.tracer:
             step, layer = self.step_index, call.layer
             self.tracer.add(step, f"fanout {layer}", t_start, t_sent, sum(len(r.hidden) for r in requests.values()))
@@ -197,64 +213,56 @@ class ExpertParallel:
         self,
         layer: int,
         position: int,
-        requests: dict[str, ExpertRequest],
+        keys: dict[str, Key],
         slots: dict[str, list[tuple[int, int]]],
         out: npt.NDArray[np.float16],
         sent_ns: dict[str, int],
     ) -> None:
-        pending = dict(requests)
-        started = time.monotonic()
-        resend_at = started + self.resend_s
-        wait_s = self.resend_s
-        while pending:
-            now = time.monotonic()
-            if now - started > self.timeout_s:
-                raise ModelError(
-                    f"expert node(s) {', '.join(a[:60] for a in pending)} did not answer block {layer}'s experts "
-                    f"within {self.timeout_s:g} s"
-                )
-            if now >= resend_at:
-                for address, req in pending.items():
-                    self.log(f"no answer from expert node {address[:60]} for block {layer} yet; sending again")
-                    self.transport.send(address, req)
-                wait_s = min(wait_s * 2, 8.0)
-                resend_at = now + wait_s
-            try:
-                rx = self.transport.receive(max(0.001, min(resend_at, started + self.timeout_s) - now))
-            except TransportTimeout:
-                continue
-            except CodecError as exc:
-                self.log(f"dropped a bad frame: {exc}")
-                continue
-            msg = rx.message
-            if (
-                isinstance(msg, ExpertResult)
-                and rx.sender in pending
-                and (msg.request_id, msg.position, msg.layer, msg.plan_id)
-                == (self.request_id, position, layer, self.plan_id)
-            ):
-                outputs = codec.unpack_tensor(msg.outputs, msg.shape, msg.dtype, f"experts of block {layer}")
-                pairs = slots[rx.sender]
-                if outputs.shape != (len(pairs), out.shape[-1]):
-                    raise ModelError(
-                        f"expert node {rx.sender[:60]} answered block {layer} with shape {outputs.shape}, "
-                        f"expected {(len(pairs), out.shape[-1])}"
-                    )
-                for (t, j), y in zip(pairs, outputs, strict=True):
-                    out[t, j] = y
-                del pending[rx.sender]
-                if self.tracer:  # the round trip, and within it the expert node's own compute (placed at its end)
-                    node, t1 = self.node_of.get(rx.sender, "expert node"), now_ns()
-                    self.tracer.add(self.step_index, f"experts {layer} {node}", sent_ns[rx.sender], t1)
-                    self.tracer.add(self.step_index, f"experts {layer} {node} compute", t1 - msg.compute_ns, t1)
-            elif isinstance(msg, ExpertResult):
-                self.late += 1
-            else:
-                self.deferred.append((rx.sender, msg, rx))
+        """Wait on the loop for every expert node's ExpertResult (the outbox resends meanwhile); anything else that
+        comes goes on to the wait this one is nested in (the stage's, which records it)."""
+        pending = dict(keys)
 
-    def take_deferred(self) -> tuple[str, Message, Received | None] | None:
-        """The oldest message that arrived while a step waited for its experts, for the stage's loop."""
-        return self.deferred.pop(0) if self.deferred else None
+        def take(sender: str, msg: Message, rx: Received | None) -> bool:
+            if not isinstance(msg, ExpertResult):
+                self.loop.forward(sender, msg, rx)
+                return False
+            if sender not in pending or (msg.request_id, msg.position, msg.layer, msg.plan_id) != (
+                self.request_id,
+                position,
+                layer,
+                self.plan_id,
+            ):
+                self.late += 1
+                return False
+            outputs = codec.unpack_tensor(msg.outputs, msg.shape, msg.dtype, f"experts of block {layer}")
+            pairs = slots[sender]
+            if outputs.shape != (len(pairs), out.shape[-1]):
+                raise ModelError(
+                    f"expert node {sender[:60]} answered block {layer} with shape {outputs.shape}, "
+                    f"expected {(len(pairs), out.shape[-1])}"
+                )
+            for (t, j), y in zip(pairs, outputs, strict=True):
+                out[t, j] = y
+            self.outbox.settle(pending.pop(sender), sender)
+            if self.tracer:  # the round trip, and within it the expert node's own compute (placed at its end)
+                node, t1 = self.node_of.get(sender, "expert node"), now_ns()
+                self.tracer.add(self.step_index, f"experts {layer} {node}", sent_ns[sender], t1)
+                self.tracer.add(self.step_index, f"experts {layer} {node} compute", t1 - msg.compute_ns, t1)
+            return not pending
+
+        try:
+            self.loop.wait(take, self.timeout_s, f"block {layer}'s experts", done=lambda: not pending)
+        except WaitTimedOut:
+            raise ModelError(
+                f"expert node(s) {', '.join(a[:60] for a in pending)} did not answer block {layer}'s experts "
+                f"within {self.timeout_s:g} s"
+            ) from None
+        finally:
+            unanswered = set(pending.values())
+            self.outbox.drop(lambda key, role: key not in unanswered)
+
+    def _resending(self, key: Key, address: str) -> None:
+        self.log(f"no answer from expert node {address[:60]} for block {self.layer} yet; sending again")
 
 
 class ExpertServer:
@@ -281,12 +289,6 @@ class ExpertServer:
 
     def rejoin(self, names: dict[str, str], epoch: int) -> None:
         self.owners = {layer: names[name] for layer, name in self.owner_names.items() if name in names}
-
-    def due_in(self) -> float | None:
-        return None
-
-    def tick(self) -> None:
-        pass
 
     def handle(self, sender: str, msg: Message, rx: Received | None = None) -> None:
         if not isinstance(msg, ExpertRequest):

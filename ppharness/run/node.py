@@ -22,8 +22,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ppharness.errors import CodecError, HarnessError, TransportTimeout
+from ppharness.errors import HarnessError
 from ppharness.model.decoding import warm_up
+from ppharness.model.files import resolve_model
+from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.moe import ExpertBank
+from ppharness.model.slicing import ModelSlice
 from ppharness.network.bridge import Bridge
 from ppharness.network.clock import EventClock
 from ppharness.network.packet import decode_ports, loopback_up, start_bridge
@@ -32,10 +36,13 @@ from ppharness.plan.stages import StagePlan, decode_program
 from ppharness.registry import impaired_transport, transport_class
 from ppharness.run.cluster import resolve_members
 from ppharness.run.experts import ExpertParallel, ExpertServer, warm_bank
+from ppharness.run.faults import with_fault
+from ppharness.run.loop import Loop
 from ppharness.run.membership import NodeMembership
-from ppharness.run.reliable import ack_of
+from ppharness.run.reliable import RetryPolicy, ack_of
+from ppharness.run.stage import Stage
+from ppharness.run.stage_requests import StageModel
 from ppharness.seams.transport import JsonObject, Received, Transport
-from ppharness.testing.faults import with_fault
 from ppharness.trace.tracer import Tracer, now_ns
 from ppharness.wire.messages import (
     Assign,
@@ -59,12 +66,10 @@ from ppharness.wire.messages import (
 if TYPE_CHECKING:
     from tinygrad.apps.llm import SimpleTokenizer
 
-    from ppharness.model.moe import ExpertBank
-    from ppharness.model.slicing import GGUFFile, ModelSlice
-
 REQUIRED_ENV = ("STAGE", "NUM_STAGES", "SEED_ADDR", "MODEL", "PLAN", "TRANSPORT")
 STANDBY_ENV = ("PP_STANDBY", "SEED_ADDR", "MODEL", "TRANSPORT")
 STANDBY_NODE = "standby"  # a standby's name in the network emulation until it becomes a stage
+POLL_S = 1.0  # the longest a node waits for a message before it looks again whether its parent is gone
 
 
 def _log(stage: int | str, text: str) -> None:
@@ -152,9 +157,6 @@ def load_stage_model(
 ) -> tuple[ModelSlice, SimpleTokenizer | None, float]:
     """(ModelSlice, tokenizer or None, seconds): only this stage's tensors, decode step compiled and warmed.
     ``gguf_file``: the model file, when already open."""
-    from ppharness.model.files import resolve_model
-    from ppharness.model.slicing import GGUFFile, ModelSlice
-
     t0 = time.monotonic()
     if gguf_file is None:
         gguf_file = GGUFFile(resolve_model(model_source))
@@ -168,10 +170,6 @@ def load_stage_model(
 
 def load_expert_bank(model_source: str, plan: StagePlan) -> tuple[ExpertBank, float]:
     """An expert node's bank: the routed experts its program names, loaded and compiled. (bank, seconds)"""
-    from ppharness.model.files import resolve_model
-    from ppharness.model.moe import ExpertBank
-    from ppharness.model.slicing import GGUFFile
-
     t0 = time.monotonic()
     bank = ExpertBank(GGUFFile(resolve_model(model_source)), plan.experts or {})
     warm_bank(bank)
@@ -183,6 +181,23 @@ def _idle_until_orphaned(parent: int) -> int:
     while os.getppid() == parent:
         time.sleep(0.5)
     return 1
+
+
+class Orphaned(HarnessError):
+    """The process that started this node is gone."""
+
+
+def node_loop(transport: Transport, log: Callable[[str], None], parent: int) -> Loop:
+    """A node's loop over its transport: its waits end (Orphaned) when ``parent``, the process that started the node,
+    is gone."""
+
+    def orphaned() -> None:
+        if os.getppid() != parent:
+            raise Orphaned("the process that started this node is gone")
+
+    loop = Loop(transport, log, poll_s=POLL_S)
+    loop.add_check(orphaned)
+    return loop
 
 
 # what only the orchestrator may send a node; replies go to the orchestrator, never to an address a frame names
@@ -199,12 +214,14 @@ def _reply(transport: Transport, seed: str, msg: Message, log: Callable[[str], N
 
 @dataclass
 class Standing:
-    """What a standby spare prepared before it was assigned a stage: its started transport and the open model."""
+    """A node's started transport and what goes with it: a standby spare's prepared model file (before it was
+    assigned a stage), a packet-layer node's bridge."""
 
     transport: Transport
     address: str
     clock: EventClock
     gguf_file: GGUFFile | None
+    bridge: Bridge | None = None
 
 
 def stand_by(env: dict[str, str]) -> int:
@@ -240,7 +257,7 @@ def stand_by(env: dict[str, str]) -> int:
         transport.send(seed, join)
         gguf_file = _prepare(env["MODEL"], int(env.get("PP_MAX_CONTEXT") or 256), log)
         log("standing by")
-        assigned = _await_assignment(transport, seed, clock, parent, log)
+        assigned = _await_assignment(node_loop(transport, log, parent), seed, clock, log)
     except (HarnessError, msgspec.DecodeError) as exc:
         log(f"failed: {exc}")
         transport.close()
@@ -260,33 +277,30 @@ def stand_by(env: dict[str, str]) -> int:
 
 
 def _await_assignment(
-    transport: Transport, seed: str, clock: EventClock, parent: int, log: Callable[[str], None]
+    loop: Loop, seed: str, clock: EventClock, log: Callable[[str], None]
 ) -> tuple[StagePlan, str] | None:
     """Wait for the orchestrator's Assign: (the program, the gossip name); None on Shutdown. Anything else, and
     anything from another member, is dropped."""
-    while True:
-        try:
-            rx = transport.receive(1.0)
-        except TransportTimeout:
-            if os.getppid() != parent:
-                raise HarnessError("the process that started this node is gone") from None
-            continue
-        except CodecError as exc:
-            log(f"dropped a bad frame: {exc}")
-            continue
-        if rx.sender != seed:
-            log(f"dropped {type(rx.message).__name__} from {rx.sender[:120]}: a standby takes orders from the seed")
-            continue
-        match rx.message:
+    assigned: list[tuple[StagePlan, str] | None] = []
+
+    def on_message(sender: str, msg: Message, rx: Received | None) -> bool:
+        if sender != seed:
+            log(f"dropped {type(msg).__name__} from {sender[:120]}: a standby takes orders from the seed")
+            return False
+        match msg:
             case Shutdown():
                 log("shutting down unused")
-                return None
+                assigned.append(None)
             case Assign(program=program, gossip_name=gossip):
-                return decode_program(program), gossip
+                assigned.append((decode_program(program), gossip))
             case NetworkStart(t0_unix_ns=t0):
                 clock.start(t0)
             case other:
                 log(f"dropped {type(other).__name__}: a standby waits for an Assign")
+        return bool(assigned)
+
+    loop.wait(on_message, None, "an Assign from the orchestrator")
+    return assigned[0]
 
 
 def _prepare(model: str, max_context: int, log: Callable[[str], None]) -> GGUFFile | None:
@@ -295,9 +309,6 @@ def _prepare(model: str, max_context: int, log: Callable[[str], None]) -> GGUFFi
     model has the same shapes, and tinygrad keeps what it scheduled and compiled for the whole process, so the range
     the standby is later assigned loads and warms up several times faster (on the tiny model, 0.3 s and 0.8 s instead
     of 2.1 s and 2.3 s). It costs one block's memory while it lasts."""
-    from ppharness.model.files import resolve_model
-    from ppharness.model.slicing import GGUFFile, ModelSlice
-
     try:
         t0 = time.monotonic()
         gguf_file = GGUFFile(resolve_model(model))
@@ -312,204 +323,216 @@ def _prepare(model: str, max_context: int, log: Callable[[str], None]) -> GGUFFi
         return None
 
 
+def _start(env: dict[str, str], log: Callable[[str], None]) -> Standing | None:
+    """Start the node's transport (behind its bridge, on the packet layer); None, logged, when it fails."""
+    bridge: Bridge | None = None
+    try:
+        network = read_network(env)
+        clock = EventClock()
+        extra: JsonObject = {}
+        if network is not None and network.layer == "packet":
+            bridge, extra = start_packet_bridge(network, env, clock)
+        transport = make_transport(env["TRANSPORT"], env, network, clock, extra)
+        return Standing(transport, transport.start(), clock, None, bridge)
+    except HarnessError as exc:
+        log(f"failed: could not start the {env['TRANSPORT']} transport: {exc}")
+        if bridge is not None:
+            bridge.close()
+        return None
+
+
 def serve(plan: StagePlan, env: dict[str, str], standing: Standing | None = None) -> int:
     """Serve stage ``plan.stage`` until Shutdown; ``standing``: what a standby spare prepared (its transport is
     started and has joined as a spare)."""
-    from ppharness.run.reliable import RetryPolicy
-    from ppharness.run.stage import Stage, StageModel
-
-    seed = env["SEED_ADDR"]
 
     def log(text: str) -> None:
         _log(plan.stage, text)
 
-    parent = os.getppid()
-    bridge: Bridge | None = None
-    gguf_file: GGUFFile | None = None
-    if standing is not None:
-        transport, address, clock, gguf_file = standing.transport, standing.address, standing.clock, standing.gguf_file
-    else:
+    started = standing if standing is not None else _start(env, log)
+    if started is None:
+        return 1
+    node = Node(plan, env, started, log)
+    try:
+        return node.run()
+    finally:
+        node.close()
+
+
+class Node:
+    """A started node from its Join to its exit: load, learn the directory, report Ready, then serve on its loop
+    (``ppharness.run.loop``): control messages from the orchestrator are answered here, every other message goes to
+    the stage (or expert server), whose steps the loop runs between messages."""
+
+    def __init__(self, plan: StagePlan, env: dict[str, str], started: Standing, log: Callable[[str], None]):
+        self.plan, self.env, self.log, self.seed = plan, env, log, env["SEED_ADDR"]
+        self.transport, self.address, self.clock = started.transport, started.address, started.clock
+        self.gguf_file, self.bridge = started.gguf_file, started.bridge
+        self.fault = env.get("PP_FAULT", "")
+        self.parent = os.getppid()
+        self.loop = node_loop(self.transport, log, self.parent)
+        self.membership: NodeMembership | None = None
+        self.tracer = Tracer() if plan.trace else None
+        self.fanout: ExpertParallel | None = None
+        self.served: Stage | ExpertServer | None = None
+
+    def run(self) -> int:
+        """Join, load, serve until Shutdown (0); any failure is reported to the seed as an Error (1)."""
+        plan = self.plan
         try:
-            network = read_network(env)
-            clock = EventClock()
-            extra: JsonObject = {}
-            if network is not None and network.layer == "packet":
-                bridge, extra = start_packet_bridge(network, env, clock)
-            transport = make_transport(env["TRANSPORT"], env, network, clock, extra)
-            address = transport.start()
+            if self.fault == "never-join":
+                self.log("fault never-join: not joining the cluster")
+                return _idle_until_orphaned(self.parent)
+            self._join()
+            loaded, tokenizer, params, tied_params, load_s = self._load()
+            self.log(f"loaded {params} parameters and compiled the decode step in {load_s:.1f} s")
+            if self.fault == "stall-before-ready":
+                self.log("fault stall-before-ready: never reporting Ready")
+                return _idle_until_orphaned(self.parent)
+            directory = resolve_members(self.loop, plan.resolve_s)
+            self._reply(ack_of("members", self.address, plan.epoch, plan.plan_id))  # resent till then
+            served = self.served = self._build(loaded, tokenizer, directory)
+            ready = Ready(
+                stage=plan.stage, params=params, tied_params=tied_params, load_s=load_s, rss_bytes=peak_rss_bytes()
+            )
+            self.transport.send(self.seed, ready)
+            self.loop.wait(self._on_message, None, "a Shutdown from the orchestrator")
+            stopped = Stopped(
+                stage=plan.stage, served=served.served, peak_rss_bytes=peak_rss_bytes(), device_bytes=device_bytes()
+            )
+            self._reply(stopped)
+            self.log(f"shutting down after {served.served} request(s)")
+            return 0
+        except Orphaned:
+            self.log("the process that started this node is gone; exiting")
+            return 1
         except HarnessError as exc:
-            log(f"failed: could not start the {env['TRANSPORT']} transport: {exc}")
-            if bridge is not None:
-                bridge.close()
+            self.log(f"failed: {exc}")
+            try:
+                self.transport.send(self.seed, Error(stage=plan.stage, reason=str(exc)))
+            except HarnessError:
+                pass
             return 1
 
-    fault = env.get("PP_FAULT", "")
-    membership: NodeMembership | None = None
-    try:
-        if fault == "never-join":
-            log("fault never-join: not joining the cluster")
-            return _idle_until_orphaned(parent)
-        names = [] if fault == "no-names" else plan.registers
-        transport.send(
-            seed,
-            Join(
-                stage=plan.stage,
-                num_stages=plan.num_stages,
-                address=address,
-                names=names,
-                run_label=env.get("PP_RUN_LABEL", ""),
-                pid=os.getpid(),
-            ),
+    def close(self) -> None:
+        if self.membership is not None:
+            self.membership.close()
+        self.transport.close()
+        if self.bridge is not None:
+            self.bridge.close()
+
+    def _join(self) -> None:
+        """Join the cluster through the seed (under this node's names), and start the membership engine's side."""
+        plan = self.plan
+        join = Join(
+            stage=plan.stage,
+            num_stages=plan.num_stages,
+            address=self.address,
+            names=[] if self.fault == "no-names" else plan.registers,
+            run_label=self.env.get("PP_RUN_LABEL", ""),
+            pid=os.getpid(),
         )
-        membership = NodeMembership(env, plan.stage, seed, transport, log)
-        log(
-            f"joined seed {seed} from {address} ({membership.engine or 'no'} membership); "
-            + (
-                f"loading blocks [{plan.lo}, {plan.hi})"
-                if plan.role == "stage"
-                else f"loading experts of block(s) {', '.join(map(str, sorted(plan.experts or {})))}"
-            )
+        self.transport.send(self.seed, join)
+        self.membership = NodeMembership(self.env, plan.stage, self.seed, self.transport, self.log)
+        loading = (
+            f"loading blocks [{plan.lo}, {plan.hi})"
+            if plan.role == "stage"
+            else f"loading experts of block(s) {', '.join(map(str, sorted(plan.experts or {})))}"
         )
-        bank: ExpertBank | None = None
+        self.log(
+            f"joined seed {self.seed} from {self.address} ({self.membership.engine or 'no'} membership); {loading}"
+        )
+
+    def _load(self) -> tuple[ModelSlice | ExpertBank, SimpleTokenizer | None, int, int, float]:
+        """(the slice or the expert bank, the tokenizer, parameters, tied parameters, seconds)."""
         try:
-            if plan.role == "experts":
-                bank, load_s = load_expert_bank(env["MODEL"], plan)
-                params, tied_params = bank.n_params, 0
-            else:
-                model, tokenizer, load_s = load_stage_model(
-                    "/nonexistent/bad-model.gguf" if fault == "bad-model" else env["MODEL"], plan, gguf_file
-                )
-                params, tied_params = model.n_params, model.tied_params
+            if self.plan.role == "experts":
+                bank, load_s = load_expert_bank(self.env["MODEL"], self.plan)
+                return bank, None, bank.n_params, 0, load_s
+            source = "/nonexistent/bad-model.gguf" if self.fault == "bad-model" else self.env["MODEL"]
+            model, tokenizer, load_s = load_stage_model(source, self.plan, self.gguf_file)
+            return model, tokenizer, model.n_params, model.tied_params, load_s
         except Exception as exc:
             raise HarnessError(f"loading the model failed: {type(exc).__name__}: {exc}") from exc
-        log(f"loaded {params} parameters and compiled the decode step in {load_s:.1f} s")
-        if fault == "stall-before-ready":
-            log("fault stall-before-ready: never reporting Ready")
-            return _idle_until_orphaned(parent)
 
-        early: list[tuple[str, Message]] = []
-        directory = resolve_members(transport.recv, plan.resolve_s, lambda s, m: early.append((s, m)), log=log)
-        _reply(transport, seed, ack_of("members", address, plan.epoch, plan.plan_id), log)  # resent till then
-        tracer = Tracer() if plan.trace else None
-        fanout: ExpertParallel | None = None
-        stage: Stage | ExpertServer
-        if bank is not None:
-            stage = ExpertServer(bank, transport, directory, plan.owners, plan.plan_id, plan.wire_dtype, log)
-        else:
-            served_model: StageModel = with_fault(model, fault)
-            if plan.experts is not None and model.config.moe:  # the plan puts (some of) its blocks' experts elsewhere
-                fanout = ExpertParallel(
-                    model, transport, directory, plan.plan_id, plan.wire_dtype, log, tracer, plan.ack_timeout_s * 4
-                )
-                served_model = fanout
-            stage = Stage(
-                plan.stage,
-                plan.num_stages,
-                served_model,
-                transport,
+    def _build(
+        self, loaded: ModelSlice | ExpertBank, tokenizer: SimpleTokenizer | None, directory: dict[str, str]
+    ) -> Stage | ExpertServer:
+        """The stage (or expert server) this node serves, on the node's loop."""
+        plan = self.plan
+        if isinstance(loaded, ExpertBank):
+            return ExpertServer(loaded, self.transport, directory, plan.owners, plan.plan_id, plan.wire_dtype, self.log)
+        served_model: StageModel = with_fault(loaded, self.fault)
+        if plan.experts is not None and loaded.config.moe:  # the plan puts (some of) its blocks' experts elsewhere
+            self.fanout = ExpertParallel(
+                loaded,
+                self.transport,
                 directory,
                 plan.plan_id,
                 plan.wire_dtype,
-                tokenizer,
-                log=log,
-                tracer=tracer,
-                seed=seed,
-                route=(plan.prev, plan.next),
-                policy=plan.fault_tolerance,
-                retry=RetryPolicy(first_s=plan.ack_timeout_s, max_s=plan.retry_max_s, budget_s=plan.retry_budget_s),
-                epoch=plan.epoch,
-                queue=plan.queue,
+                self.log,
+                self.tracer,
+                plan.ack_timeout_s * 4,
+                loop=self.loop,
             )
-        transport.send(
-            seed,
-            Ready(
-                stage=plan.stage,
-                params=params,
-                tied_params=tied_params,
-                load_s=load_s,
-                rss_bytes=peak_rss_bytes(),
-            ),
+            served_model = self.fanout
+        stage = Stage(
+            plan.stage,
+            plan.num_stages,
+            served_model,
+            self.transport,
+            directory,
+            plan.plan_id,
+            plan.wire_dtype,
+            tokenizer,
+            log=self.log,
+            tracer=self.tracer,
+            seed=self.seed,
+            route=(plan.prev, plan.next),
+            policy=plan.fault_tolerance,
+            retry=RetryPolicy(first_s=plan.ack_timeout_s, max_s=plan.retry_max_s, budget_s=plan.retry_budget_s),
+            epoch=plan.epoch,
+            queue=plan.queue,
         )
-        while True:
-            rx: Received | None = None
-            stage.tick()  # resend what waits for an acknowledgement too long
-            kept = fanout.take_deferred() if fanout is not None else None
-            if kept is not None:
-                sender, msg, rx = kept
-            elif early:
-                sender, msg = early.pop(0)
-            else:
-                due = stage.due_in()
-                try:
-                    rx = transport.receive(1.0 if due is None else min(1.0, max(due, 0.001)))
-                    sender, msg = rx.sender, rx.message
-                except TransportTimeout:
-                    if os.getppid() != parent:
-                        log("the process that started this node is gone; exiting")
-                        return 1
-                    continue
-                except CodecError as exc:
-                    log(f"dropped a bad frame: {exc}")
-                    continue
-            if isinstance(msg, CONTROL) and sender != seed:
-                log(f"dropped {type(msg).__name__} from {sender[:120]}: only the orchestrator sends it")
-                continue
-            match msg:
-                case Shutdown():
-                    _reply(
-                        transport,
-                        seed,
-                        Stopped(
-                            stage=plan.stage,
-                            served=stage.served,
-                            peak_rss_bytes=peak_rss_bytes(),
-                            device_bytes=device_bytes(),
-                        ),
-                        log,
-                    )
-                    log(f"shutting down after {stage.served} request(s)")
-                    return 0
-                case NetworkStart():
-                    clock.start(msg.t0_unix_ns)
-                case Members():
-                    stage.rejoin(msg.names, msg.epoch)
-                    if fanout is not None:
-                        fanout.set_directory(msg.names, msg.epoch)
-                    _reply(transport, seed, ack_of("members", address, msg.epoch, plan.plan_id), log)
-                case ExpertResult():  # a copy of an answer whose step is done
-                    if fanout is not None:
-                        fanout.late += 1
-                case ClockProbe():
-                    _reply(
-                        transport, seed, ClockReply(stage=plan.stage, t_seed_ns=msg.t_seed_ns, t_node_ns=now_ns()), log
-                    )
-                case TraceRequest():
-                    spans = tracer.take(msg.request_id) if tracer else []
-                    _reply(transport, seed, TraceReport(stage=plan.stage, request_id=msg.request_id, spans=spans), log)
-                case DigestRequest():
-                    _reply(
-                        transport,
-                        seed,
-                        DigestReport(
-                            stage=plan.stage, request_id=msg.request_id, digests=stage.digests.get(msg.request_id, [])
-                        ),
-                        log,
-                    )
-                case _:
-                    stage.handle(sender, msg, rx)
-    except HarnessError as exc:
-        log(f"failed: {exc}")
-        try:
-            transport.send(seed, Error(stage=plan.stage, reason=str(exc)))
-        except HarnessError:
-            pass
-        return 1
-    finally:
-        if membership is not None:
-            membership.close()
-        transport.close()
-        if bridge is not None:
-            bridge.close()
+        self.loop.add_timer(stage)  # the outbox's resends
+        self.loop.add_worker(stage)  # its steps
+        return stage
+
+    def _on_message(self, sender: str, msg: Message, rx: Received | None) -> bool:
+        """The node's handler: what the orchestrator alone sends is answered here, everything else goes to the stage
+        (which records it); True on Shutdown."""
+        served = self.served
+        assert served is not None  # the loop runs once the node serves
+        if isinstance(msg, CONTROL) and sender != self.seed:
+            self.log(f"dropped {type(msg).__name__} from {sender[:120]}: only the orchestrator sends it")
+            return False
+        stage = self.plan.stage
+        match msg:
+            case Shutdown():
+                return True
+            case NetworkStart():
+                self.clock.start(msg.t0_unix_ns)
+            case Members():
+                served.rejoin(msg.names, msg.epoch)
+                if self.fanout is not None:
+                    self.fanout.set_directory(msg.names, msg.epoch)
+                self._reply(ack_of("members", self.address, msg.epoch, self.plan.plan_id))
+            case ExpertResult():  # a copy of an answer whose step is done
+                if self.fanout is not None:
+                    self.fanout.late += 1
+            case ClockProbe():
+                self._reply(ClockReply(stage=stage, t_seed_ns=msg.t_seed_ns, t_node_ns=now_ns()))
+            case TraceRequest():
+                spans = self.tracer.take(msg.request_id) if self.tracer else []
+                self._reply(TraceReport(stage=stage, request_id=msg.request_id, spans=spans))
+            case DigestRequest():
+                digests = served.digests.get(msg.request_id, [])
+                self._reply(DigestReport(stage=stage, request_id=msg.request_id, digests=digests))
+            case _:
+                served.handle(sender, msg, rx)
+        return False
+
+    def _reply(self, msg: Message) -> None:
+        _reply(self.transport, self.seed, msg, self.log)
 
 
 def main() -> None:

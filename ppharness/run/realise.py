@@ -1,9 +1,10 @@
-"""Plan -> run: a pure function from (scenario, compiled plan, the run's addresses) to every node's spec.
+"""Plan -> run: the plan a scenario's run realises, and a pure function from (scenario, compiled plan, the run's
+addresses) to every node's spec.
 
 What the orchestrator hands each provider is decided here, with no I/O: the node contract's environment (the node's
 compiled program as ``PLAN``), the membership settings, the faults the scenario injects, the run's network and the
-node's own limits from its device. The orchestrator's runner (``Chain``) does the I/O: starting the seed's endpoint,
-provisioning these specs, and the phases (join, ready, request, shutdown).
+node's own limits from its device. The orchestrator's session (``ppharness.run.session``) does the I/O: starting the
+seed's endpoint, provisioning these specs, and the phases (join, ready, request, shutdown).
 """
 
 from __future__ import annotations
@@ -14,14 +15,18 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from ppharness.errors import PlanError
+from ppharness.model.spec import preset_spec, synthetic_source
 from ppharness.network.packet import PortTable, encode_ports
-from ppharness.plan.compile import Compiled, programs
+from ppharness.plan.compile import Compiled, check_model, compile_plan, load_compiled, programs, scenario_plan
+from ppharness.plan.graph import file_sha256, model_graph
 from ppharness.plan.stages import StagePlan, StageSettings, encode_program, expert_node_name, stage_name
 
 if TYPE_CHECKING:
     from ppharness.network.spec import Network
-    from ppharness.plan.doc import Device
+    from ppharness.plan.doc import Device, PlanDoc
     from ppharness.scenario.schema import Scenario
+    from ppharness.scenario.sections import TransportSection
     from ppharness.seams.provider import NodeOptions
     from ppharness.seams.transport import JsonObject
 
@@ -48,6 +53,52 @@ class NodeRequest:
     env: dict[str, str]
     options: NodeOptions
     program: StagePlan | None  # None: a standby spare, which gets its program when it takes over a stage
+
+
+def model_source(scenario: Scenario) -> tuple[str, str | None]:
+    """The scenario's model as a source string for ``resolve_model`` (and its sha256)."""
+    m = scenario.model
+    if m.synthetic is not None:
+        s = m.synthetic
+        spec = preset_spec(
+            s.preset, seed=s.seed, blocks=s.blocks, dim=s.dim, tied_embeddings=s.tied_embeddings, type=s.type
+        )
+        return synthetic_source(spec), None
+    assert m.gguf is not None  # a model section has exactly one of synthetic and gguf
+    return m.gguf, m.sha256
+
+
+def realise_plan(scenario: Scenario, source: str, model_path: str) -> tuple[PlanDoc, Compiled]:
+    """The plan a run of ``scenario`` realises, compiled: its plan file (compiled once, when the scenario was read;
+    checked against the model file the run resolved), else the chain its stages section describes."""
+    compiled: Compiled | None = None
+    if scenario.plan is not None:
+        doc, compiled = load_compiled(scenario.plan)
+        check_model(doc, file_sha256(model_path), model_path, scenario.plan)
+    else:
+        graph = model_graph(model_path, source, scenario.model.max_context, scenario.transport.wire_dtype, digest=False)
+        st = scenario.stages
+        doc = scenario_plan(
+            graph,
+            st.num_stages,
+            list(st.splits) if st.splits else None,
+            scenario.provider.kind,
+            scenario.fault_tolerance.spares,
+            requests=scenario.serving.slots,
+        )
+    slots, counted = scenario.serving.slots, doc.placement.objective.requests
+    if slots > counted:
+        raise PlanError(
+            f"{scenario.plan}: $.placement.objective.requests: the plan counts the KV cache of {counted} request(s) "
+            f"per stage, the scenario serves {slots} at once (serving.slots) — make the plan with --requests {slots} "
+            "or lower serving.slots"
+        )
+    return doc, compiled if compiled is not None else compile_plan(doc)
+
+
+def transport_settings(section: TransportSection) -> JsonObject:
+    """The scenario's transport section less what every transport shares (kind, wire dtype)."""
+    return {k: v for k, v in msgspec.structs.asdict(section).items() if k not in ("kind", "wire_dtype")}
 
 
 def fault_policy(scenario: Scenario, compiled: Compiled) -> str:

@@ -90,6 +90,7 @@ class Outbox:
     stamp: Callable[[Message], Message] = lambda m: m
     clock: Callable[[], float] = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
+    on_resend: Callable[[Key, str], None] = lambda key, role: None  # told of every resend, before it goes
     pending: dict[Key, _Pending] = field(default_factory=dict)
     rto: dict[str, _Rto] = field(default_factory=dict)
     resends: int = 0  # messages sent again, over the outbox's life
@@ -118,7 +119,11 @@ class Outbox:
 
     def ack(self, sender: str, msg: Ack) -> bool:
         """Take an Ack; True when it settled a pending message (from the address that message last went to)."""
-        key = (msg.kind, msg.request_id, msg.position)
+        return self.settle((msg.kind, msg.request_id, msg.position), sender)
+
+    def settle(self, key: Key, sender: str) -> bool:
+        """``key`` is answered by ``sender``, as by its Ack (an answer that stands for one: an ExpertResult); True
+        when that settled a pending message (from the address that message last went to)."""
         item = self.pending.get(key)
         if item is None or sender != item.address:
             return False
@@ -161,6 +166,7 @@ class Outbox:
                 )
             item.sends += 1
             self.resends += 1
+            self.on_resend(key, item.role)
             item.msg = self.stamp(item.msg)
             self._transmit(item, now, first=False)
 

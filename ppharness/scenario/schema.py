@@ -26,8 +26,7 @@ from ppharness.document.reader import read_text_file, screen_text
 from ppharness.document.yaml_limits import SCENARIO_LIMITS
 from ppharness.errors import ScenarioError
 from ppharness.network.spec import SEED_NODE, Network
-from ppharness.plan.compile import compile_plan
-from ppharness.plan.doc import load_plan
+from ppharness.plan.compile import load_compiled
 from ppharness.scenario.facts import check_against_model, known_model
 from ppharness.scenario.sections import (
     TRANSPORT_FIELDS,
@@ -199,9 +198,8 @@ def load_scenario(path: str | Path) -> Scenario:
 def with_plan(scenario: Scenario, plan_file: str, source: str = "<arguments>") -> Scenario:
     """``scenario`` running the plan in ``plan_file``: its stages are the plan's nodes (their block ranges), its
     provider the kind of the plan's devices, its ``max_context`` the plan's. The plan is read and checked here, so
-    that a bad plan is refused before anything starts."""
-    doc = load_plan(plan_file)
-    compiled = compile_plan(doc)
+    that a bad plan is refused before anything starts; the run takes the same compiled plan."""
+    doc, compiled = load_compiled(plan_file)
     if scenario.stages != Stages() and scenario.plan is None:
         raise ScenarioError(
             f"{source}: $.stages: a run with a plan takes its stages from the plan ({compiled.num_stages} nodes) — "

@@ -19,6 +19,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ppharness.errors import CodecError
+from ppharness.model.hidden import Hidden
 from ppharness.wire.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, StageActivation
 
 MAGIC = b"PP"
@@ -235,8 +236,11 @@ _NUMPY_WIRE: dict[str, np.dtype[_WireScalar]] = {
 }
 
 
-def pack_hidden(x: NDArray[np.floating], wire_dtype: str) -> tuple[bytes, tuple[int, ...]]:
-    """A float array -> raw little-endian bytes in ``wire_dtype``. f16/f32 are exact for an fp16 model; bf16 rounds."""
+def pack_hidden(x: Hidden | NDArray[np.floating], wire_dtype: str) -> tuple[bytes, tuple[int, ...]]:
+    """A hidden state (a handle, copied to the host here, or a float array) -> raw little-endian bytes in
+    ``wire_dtype``, and its shape. f16/f32 are exact for an fp16 model; bf16 rounds."""
+    if isinstance(x, Hidden):
+        x = x.host()
     if wire_dtype not in _NUMPY_WIRE:
         raise CodecError(f"unknown wire dtype {wire_dtype!r}: expected one of {', '.join(WIRE_DTYPES)}")
     if wire_dtype == "bf16":
@@ -248,6 +252,31 @@ def pack_hidden(x: NDArray[np.floating], wire_dtype: str) -> tuple[bytes, tuple[
         bits = np.where(np.isnan(f32), (bits >> 16) | 0x7FC0, rounded)
         return bits.astype("<u2").tobytes(), tuple(x.shape)
     return np.ascontiguousarray(x, dtype=_NUMPY_WIRE[wire_dtype]).tobytes(), tuple(x.shape)
+
+
+def pack_activation(
+    hidden: Hidden,
+    wire_dtype: str,
+    *,
+    request_id: str,
+    position: int,
+    is_prefill: bool,
+    plan_id: str,
+    epoch: int,
+) -> StageActivation:
+    """The StageActivation carrying ``hidden`` (rows, positions, width) from ``position``, packed in ``wire_dtype``."""
+    data, shape = pack_hidden(hidden, wire_dtype)
+    return StageActivation(
+        request_id=request_id,
+        position=position,
+        hidden=data,
+        seq_len=shape[1],
+        is_prefill=is_prefill,
+        shape=shape,
+        dtype=wire_dtype,
+        plan_id=plan_id,
+        epoch=epoch,
+    )
 
 
 def unpack_hidden(msg: StageActivation) -> NDArray[np.float16]:

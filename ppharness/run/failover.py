@@ -1,0 +1,216 @@
+"""Failover: a dead stage replaced by a spare device while the run goes on (policy ``failover``).
+
+The spare starts in a new membership epoch (or a standby node on it takes the dead stage's program), joins, loads the
+stage's blocks and reports Ready; every node then gets the new directory, the dead node's address is fenced off (a
+paused node that comes back is not heard again), and the request in progress goes on: the stages replay to their new
+neighbour themselves, and a new stage 0 is handed the request with the tokens streamed so far (``Resume``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ppharness.errors import ClusterError
+from ppharness.plan.stages import stage_name
+from ppharness.run.realise import gossip_name, replacement
+from ppharness.wire.messages import Assign, Join, Members, Message, Ready
+
+if TYPE_CHECKING:
+    from ppharness.run.client import Client
+    from ppharness.run.session import Death, Session
+
+
+@dataclass
+class Recovery:
+    """One dead stage replaced by a spare (policy failover), on the orchestrator's monotonic clock: when the death
+    was detected, when the spare had loaded its blocks (Ready), and when the next token reached the client."""
+
+    stage: int
+    cause: str
+    spare: str  # the device id
+    epoch: int
+    detected_at: float
+    ready_at: float = 0.0
+    load_s: float = 0.0  # the spare's own report: loading and compiling its blocks
+    next_token_at: float | None = None  # None: no token came after it (the request had finished)
+
+    @property
+    def reload_s(self) -> float:
+        """Detection to the spare's Ready: starting it, loading, compiling."""
+        return self.ready_at - self.detected_at
+
+    @property
+    def replay_s(self) -> float | None:
+        """The spare's Ready to the next token at the client: the replay and the token's way round (None: no token
+        came after it)."""
+        return self.next_token_at - self.ready_at if self.next_token_at is not None else None
+
+
+class SpareLost(ClusterError):
+    """The spare coming up for a dead stage died too."""
+
+    def __init__(self, death: Death) -> None:
+        super().__init__(f"the spare for {stage_name(death.stage)} {death.cause}")
+        self.death = death
+
+
+def no_spare(err: ClusterError, used: int) -> ClusterError:
+    err.add_note(
+        f"no spare device is left to replace it (policy failover; {used} replacement(s) so far) — name more spares "
+        "in the plan (placement.spares) or the scenario (fault_tolerance.spares)"
+    )
+    return err
+
+
+class Failover:
+    """Replaces dead stages by the session's spares; the membership epoch, the fenced-off addresses and the
+    recoveries so far. ``on_deaths`` is the session's death policy, ``fence`` one of its screens."""
+
+    def __init__(self, session: Session, client: Client):
+        self.session, self.client = session, client
+        self.epoch = 0
+        self.recoveries: list[Recovery] = []
+        self.fenced: set[str] = set()  # addresses of replaced nodes
+        self._replacing = ""  # the instance id of the spare coming up, while one does
+        self._fenced_seen: set[str] = set()
+
+    def fence(self, sender: str, msg: Message) -> bool:
+        """A replaced node that came back: nothing it says counts (True: the message is taken out)."""
+        if sender not in self.fenced:
+            return False
+        key = f"{sender}|{type(msg).__name__}"
+        if key not in self._fenced_seen:
+            self._fenced_seen.add(key)
+            self.session.progress(f"fenced off a {type(msg).__name__} from a replaced node ({sender[:60]})")
+        return True
+
+    def token_arrived(self) -> None:
+        """A new token reached the client: the first after a spare's Ready ends that recovery's replay."""
+        for r in self.recoveries:
+            if r.next_token_at is None and r.ready_at:
+                r.next_token_at = time.monotonic()
+
+    def on_deaths(self, deaths: list[Death], phase: str) -> list[Death]:
+        """Deal with what it can of ``deaths``: a lost standby, a dead stage replaced (policy failover, once the run
+        is ready); returns those that end the run."""
+        for d in [d for d in deaths if d.stage < 0 and d.instance is not None]:
+            if d.instance is not None and d.instance.id == self._replacing:
+                raise SpareLost(d)
+            self._standby_lost(d)
+        deaths = [d for d in deaths if d.stage >= 0]
+        if not deaths:
+            return []
+        if self.session.policy == "failover" and self.session.ready and not self._replacing:
+            for death in deaths:
+                self.replace(death, phase)
+            return []
+        if self._replacing:  # another death while a spare comes up waits for it, unless it is that spare's
+            mine = [d for d in deaths if d.instance is not None and d.instance.id == self._replacing]
+            if mine:
+                raise SpareLost(mine[0])
+            return []
+        return deaths
+
+    def _standby_lost(self, death: Death) -> None:
+        """A standby spare exited before it was needed: its device is started afresh if a stage dies."""
+        assert death.instance is not None
+        self.session.retired.add(death.instance.id)
+        for device, sb in list(self.session.standbys.items()):
+            if sb.instance.id == death.instance.id:
+                del self.session.standbys[device]
+                self.session.progress(
+                    f"warning: the standby on spare {device} {death.cause}; it is started afresh if needed"
+                )
+
+    def _send_members(self, address: str, members: Members) -> None:
+        """A newer directory, resent until the node acknowledges it (failover is a reliable policy): a node that
+        missed it would go on talking to the replaced one."""
+        assert self.session.outbox is not None
+        self.session.outbox.put(("members", address, members.epoch), address, members)
+
+    def replace(self, death: Death, phase: str) -> None:
+        """Replace the dead ``death.stage`` by the first spare device: start it in a new epoch, wait for its Join and
+        Ready, hand every node the new directory (the dead node's address is fenced off), and resume the request in
+        progress where the replaced stage was stage 0 (the others replay to their new neighbour themselves)."""
+        s = self.session
+        assert s.provider is not None and s.transport is not None and s.detector is not None
+        stage, progress = death.stage, s.progress
+        detected = time.monotonic()
+        if not s.spares:
+            raise no_spare(s.death_error(death, phase), len(self.recoveries))
+        spare = s.spares.pop(0)
+        self.epoch += 1
+        epoch = self.epoch
+        old = s.directory.joins[stage].address
+        self.fenced.add(old)
+        if death.instance is not None:
+            s.retired.add(death.instance.id)
+        s.detector.forget(stage)  # declared dead once; the spare is watched from its Join
+        progress(
+            f"failover: {stage_name(stage)} {death.cause} while {phase}; spare {spare.id} takes blocks "
+            f"{list(s.plan.ranges[stage])} (epoch {epoch})"
+        )
+        recovery = Recovery(stage=stage, cause=death.cause, spare=spare.id, epoch=epoch, detected_at=detected)
+        node = replacement(s.scenario, s.compiled, s.endpoints, stage, spare, epoch, s.spare_opts[spare.id], s.trace_on)
+        sb = s.standbys.pop(spare.id, None)
+        try:
+            if sb is not None and sb.address:  # the standby takes the stage's program
+                assert node.program is not None
+                program = msgspec.json.encode(node.program).decode()
+                s.transport.send(sb.address, Assign(program=program, gossip_name=node.env.get("PP_GOSSIP_NAME", "")))
+                inst = sb.instance
+            else:  # no standby ready: the spare device gets a node of its own now
+                if sb is not None:
+                    s.retired.add(sb.instance.id)
+                    s.provider.destroy(sb.instance)
+                name = f"pp-spare-{s.plan_doc.placement.spares.index(spare.id)}"  # a name no other node had
+                spec = s.provider.spec(name, node.env, **node.options)
+                (inst,) = s.provider.provision([spec])
+            self._replacing = inst.id
+            s.stage_instances[stage], s.instance_stages[inst.id] = inst, stage
+            joined: list[Join] = []
+
+            def on_join(sender: str, msg: Message) -> bool:
+                if isinstance(msg, Join) and msg.stage == stage and msg.address == sender and sender not in self.fenced:
+                    joined.append(msg)
+                return bool(joined)
+
+            budget = s.scenario.budget
+            s.wait(on_join, budget.join_s, f"the spare for {stage_name(stage)} to join", "replacing a stage")
+            s.directory.replace(joined[0])
+            s.detector.replace(stage, gossip_name(stage, epoch))  # watched from its Join on, as at the start
+            members = Members(names=s.directory.names, epoch=epoch)
+            self._send_members(joined[0].address, members)
+            ready: list[Ready] = []
+
+            def on_ready(sender: str, msg: Message) -> bool:
+                if isinstance(msg, Ready) and sender == joined[0].address:
+                    ready.append(msg)
+                return bool(ready)
+
+            what = f"the spare for {stage_name(stage)} to load (Ready)"
+            s.wait(on_ready, budget.ready_s, what, "replacing a stage")
+        except SpareLost as lost:  # the next spare, if any, replaces the one that died coming up
+            self._replacing = ""
+            progress(f"failover: the spare {spare.id} for {stage_name(stage)} {lost.death.cause} before it was ready")
+            return self.replace(lost.death, "replacing a stage")
+        finally:
+            self._replacing = ""
+        recovery.ready_at, recovery.load_s = time.monotonic(), ready[0].load_s
+        s.reports[stage].load_s = ready[0].load_s
+        for j in s.directory.joins.values():
+            if j.stage != stage:
+                self._send_members(j.address, members)
+        if s.outbox is not None:
+            s.outbox.redirect()
+        self.recoveries.append(recovery)
+        progress(
+            f"failover: {stage_name(stage)} is back on {spare.id} after {recovery.reload_s:.2f} s "
+            f"(loading {recovery.load_s:.2f} s); {len(s.spares)} spare(s) left"
+        )
+        if stage == 0:
+            self.client.resume(epoch)
