@@ -1,5 +1,5 @@
-"""Every failure mode of the SPEC, provoked for real on local pp-node processes: exit 1, a one-line reason naming the
-stage, and nothing left behind (the run's labelled processes are counted after the run)."""
+"""Every failure mode of a run (docs/fault-tolerance.md), provoked for real on local pp-node processes: exit 1, a
+one-line reason naming the stage, and nothing left behind (the run's labelled processes are counted after the run)."""
 
 from __future__ import annotations
 

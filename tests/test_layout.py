@@ -126,3 +126,118 @@ def test_backends_own_their_settings() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", f"importing the scenario format loaded {out}"
+
+
+PRODUCT = ("ppharness", "transports", "backends")
+MAX_LINES = 600  # a product file over this holds more than one concern: split it
+MAX_LOCAL_IMPORTS = 40
+
+
+def _product_files() -> list[Path]:
+    return sorted(p for package in PRODUCT for p in (ROOT / package).rglob("*.py"))
+
+
+def _room(module: str) -> str | None:
+    """The room (``ppharness.<subpackage>``, or ``transports``/``backends``) a module of the project lives in."""
+    parts = module.split(".")
+    if parts[0] == "ppharness":
+        return ".".join(parts[:2])
+    return parts[0] if parts[0] in IMPLEMENTATIONS else None
+
+
+def _module_of(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _top_level_imports(path: Path) -> list[str]:
+    """The project modules ``path`` imports when it is imported (module level, outside ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append(node.module)
+    return [m for m in found if _room(m) is not None]
+
+
+def _local_imports(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, module, explained) of each import of a project module made inside a function; ``explained``: a comment
+    on its line or the line above says why it is not at module level."""
+    text = path.read_text()
+    lines = text.splitlines()
+    tree = ast.parse(text, str(path))
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            module = None
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                module = node.module
+            elif isinstance(node, ast.Import):
+                module = node.names[0].name
+            if module is None or _room(module) is None:
+                continue
+            explained = _commented(lines, node.lineno)
+            found.append((node.lineno, module, explained))
+    return sorted(set(found))
+
+
+def _commented(lines: list[str], lineno: int) -> bool:
+    """Whether a comment says why the import on ``lineno`` (1-based) is made here: on its own line, or on the line
+    above the run of imports (blank lines allowed) it belongs to."""
+    if "#" in lines[lineno - 1]:
+        return True
+    for line in reversed(lines[: lineno - 1]):
+        text = line.strip()
+        if text.startswith("#"):
+            return True
+        if text and not text.startswith(("from ", "import ")):
+            return False
+    return False
+
+
+def test_no_circle_between_rooms_at_module_level() -> None:
+    """Importing a room never imports, through module-level imports, a room that imports it back."""
+    edges: dict[str, set[str]] = {}
+    for path in _product_files():
+        src = _room(_module_of(path))
+        assert src is not None
+        for module in _top_level_imports(path):
+            dst = _room(module)
+            if dst is not None and dst != src:
+                edges.setdefault(src, set()).add(dst)
+    circles = []
+    for start in sorted(edges):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            room, way = stack.pop()
+            for nxt in sorted(edges.get(room, ())):
+                if nxt == start:
+                    circles.append(" -> ".join(way + [start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, way + [nxt]))
+    assert not circles, "rooms that import each other at module level:\n" + "\n".join(sorted(set(circles)))
+
+
+def test_no_product_file_holds_more_than_one_room() -> None:
+    long = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in _product_files()
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    ]
+    assert not long, f"product files over {MAX_LINES} lines (split them by concern):\n" + "\n".join(long)
+
+
+def test_function_local_imports_are_few_and_each_says_why() -> None:
+    """An import of the project's own modules inside a function is for a heavy optional dependency or a real cycle,
+    and a comment says which; there are at most ``MAX_LOCAL_IMPORTS`` of them."""
+    found = [(p, line, m, why) for p in _product_files() for line, m, why in _local_imports(p)]
+    silent = [f"{p.relative_to(ROOT)}:{line} imports {m}" for p, line, m, why in found if not why]
+    assert not silent, "function-local imports with no comment saying why:\n" + "\n".join(silent)
+    assert len(found) <= MAX_LOCAL_IMPORTS, (
+        f"{len(found)} function-local imports of the project's modules (at most {MAX_LOCAL_IMPORTS}):\n"
+        + "\n".join(f"{p.relative_to(ROOT)}:{line} {m}" for p, line, m, _ in found)
+    )

@@ -286,7 +286,7 @@ def test_provider_settings_of_another_kind_are_rejected(tmp_path, kind):
         load_scenario(path)
 
 
-# --- quantised synthetic models and the SPEC's request on vast.ai ---------------------------------------------------
+# --- quantised synthetic models and the acceptance request on vast.ai -------------------------------------------------
 
 SPEC_TEMPLATE = SCENARIOS / "templates" / "acceptance-5stage-vastai-llama3.2-1b.yaml"
 # the model layer of ollama's llama3.2:1b: its sha256, and its name in the registry

@@ -1,7 +1,7 @@
 """The vast.ai provider end to end (marker ``vastai``): against the emulator by default, vast.ai with --vastai-real.
 
 The chain runs real pp-node processes started by the emulator's instances with the environment the client sent, and
-must equal the oracle token for token. Every provider-side failure mode of the SPEC fails the run (exit 1 or a
+must equal the oracle token for token. Every provider-side failure mode of docs/vastai.md fails the run (exit 1 or a
 HarnessError) and leaves no live instance and no pp-node process behind.
 """
 

@@ -12,14 +12,19 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+import msgspec
+
 from ppharness.benchmarks.watched import WatchedRun
 from ppharness.errors import HarnessError
+from ppharness.registry import provider_class
+from ppharness.scenario.schema import scenario_from_args
 
 if TYPE_CHECKING:
     from backends.local import LocalProvider
@@ -36,20 +41,12 @@ class FailoverRun:
 
 
 def _labelled_pids(label: str) -> list[int]:
-    from ppharness.registry import provider_class
-
     # the registry types every kind as a plain Provider; ``labelled`` is the local provider's own
     local = cast("type[LocalProvider]", provider_class("local"))
     return local.labelled(label)
 
 
 def _scenario_file(num_stages: int, engine: str) -> str:
-    import tempfile
-
-    import msgspec
-
-    from ppharness.scenario.schema import scenario_from_args
-
     sc = scenario_from_args(num_stages=num_stages, max_tokens=200)
     sc = msgspec.structs.replace(sc, cluster=msgspec.structs.replace(sc.cluster, engine=engine))
     fd, path = tempfile.mkstemp(prefix="ppharness-failover-", suffix=".yaml")

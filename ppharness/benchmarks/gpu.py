@@ -24,8 +24,13 @@ import msgspec
 
 from ppharness.benchmarks.chain import _scenario
 from ppharness.errors import HarnessError
+from ppharness.model.decoding import warm_up
 from ppharness.model.files import resolve_model
+from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.oracle import oracle_decode
+from ppharness.model.slicing import ModelSlice
 from ppharness.run.client import Job
+from ppharness.run.node import device_bytes
 from ppharness.run.orchestrator import Chain, decode_span, decode_tok_s
 
 if TYPE_CHECKING:
@@ -98,13 +103,8 @@ def run_gpu_bench(
 ) -> GpuBench:
     """``in_flight`` above 1: each chain also serves that many requests at once (every stage keeps a KV cache per
     request), reported as a contender of its own with the aggregate decode tokens/s."""
-    os.environ["DEV"] = device.upper()  # this process and every stage process it starts
-    # the model code (tinygrad, which takes its device from DEV) is imported once DEV is set
-    from ppharness.model.decoding import warm_up
-    from ppharness.model.gguf_file import GGUFFile
-    from ppharness.model.oracle import oracle_decode
-    from ppharness.model.slicing import ModelSlice
-    from ppharness.run.node import device_bytes
+    os.environ["DEV"] = device.upper()  # this process and every stage process it starts; tinygrad, imported
+    # when the first slice is built (ppharness.model.slicing), takes its device from it
 
     progress(f"model: synthetic {preset} (built once into the cache)")
     path = str(resolve_model(f"synthetic:{preset}"))

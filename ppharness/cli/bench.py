@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
 
+from ppharness.benchmarks import chain as chain_bench
+from ppharness.benchmarks import chaos as chaos_bench
+from ppharness.benchmarks import failover as failover_bench
+from ppharness.benchmarks import gpu as gpu_bench
+from ppharness.benchmarks import load as load_bench
+from ppharness.benchmarks import moe as moe_bench
+from ppharness.benchmarks import plan as plan_bench
+from ppharness.benchmarks import planner as planner_bench
+from ppharness.benchmarks import transport as transport_bench
+from ppharness.benchmarks import wan as wan_bench
+from ppharness.benchmarks import wan_chain as wan_chain_bench
 from ppharness.cli.common import exit_1_on_failure, fail, split_csv
+from ppharness.run.orchestrator import Progress
+from ppharness.scenario.schema import load_scenario
 
 
 @click.group(invoke_without_command=True)
@@ -47,12 +61,12 @@ def bench(
     """
     if ctx.invoked_subcommand is not None:
         return
-    from ppharness.benchmarks.chain import report, run_chain_bench
-    from ppharness.run.orchestrator import Progress
 
     with exit_1_on_failure():
-        res = run_chain_bench(preset, num_stages, split_csv(transports), tokens, repeats, out_dir, sweep, Progress())
-    click.echo(report(res))
+        res = chain_bench.run_chain_bench(
+            preset, num_stages, split_csv(transports), tokens, repeats, out_dir, sweep, Progress()
+        )
+    click.echo(chain_bench.report(res))
     click.echo(f"\nwritten: {out_dir}/bench.json, {out_dir}/bench.png")
     if any(res.mismatch.values()):
         fail("a chain's answer differs from the unsplit model's (MISMATCH above)")
@@ -65,10 +79,8 @@ def bench(
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
 def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) -> None:
     """Round-trip latency p50/p99 per payload size: raw libraries vs ppharness transports, with ratios."""
-    from ppharness.benchmarks.transport import run_transport_bench
-
     with exit_1_on_failure():
-        run_transport_bench([int(x) for x in sizes.split(",")], repeats, split_csv(kinds), json_out)
+        transport_bench.run_transport_bench([int(x) for x in sizes.split(",")], repeats, split_csv(kinds), json_out)
 
 
 @bench.command("gpu")
@@ -95,11 +107,8 @@ def bench_gpu(
     out_dir: str,
 ) -> None:
     """The chain on an accelerator vs single-process tinygrad and HF transformers (docs/gpu-bench.md)."""
-    from ppharness.benchmarks.gpu import report, run_gpu_bench
-    from ppharness.run.orchestrator import Progress
-
     with exit_1_on_failure():
-        res = run_gpu_bench(
+        res = gpu_bench.run_gpu_bench(
             device,
             preset,
             [int(x) for x in stages.split(",")],
@@ -112,7 +121,7 @@ def bench_gpu(
             Progress(),
             in_flight,
         )
-    click.echo(report(res))
+    click.echo(gpu_bench.report(res))
     click.echo(f"\nwritten: {out_dir}/gpu-bench.json, {out_dir}/gpu-bench.png")
     if any(c.tokens_match_oracle is False for c in res.contenders):
         fail("a chain's answer differs from the single-process oracle's (MISMATCH above)")
@@ -132,12 +141,9 @@ def bench_gpu(
 @click.option("--engine", type=click.Choice(["auto", "kinship", "heartbeat"]), default="auto", show_default=True)
 def bench_failover(num_stages: int, runs: int, sig: str, engine: str) -> None:
     """Time from a stage's death mid-decode to pp-smoke-run's exit 1 (median over runs)."""
-    from ppharness.benchmarks.failover import report, run_failover_bench
-    from ppharness.run.orchestrator import Progress
-
     with exit_1_on_failure():
-        results = run_failover_bench(num_stages, runs, sig, engine, Progress())
-    click.echo(report(results, num_stages, sig, engine))
+        results = failover_bench.run_failover_bench(num_stages, runs, sig, engine, Progress())
+    click.echo(failover_bench.report(results, num_stages, sig, engine))
 
 
 @bench.command("chaos")
@@ -158,16 +164,13 @@ def bench_chaos(
 ) -> None:
     """Random kills, pauses, partitions and loss bursts mid-request under policy failover: answers against the
     oracle, time from each fault to the next token, the parts of each failover, and the policy's fault-free cost."""
-    from ppharness.benchmarks.chaos import report, run_chaos_bench, write_json
-    from ppharness.run.orchestrator import Progress
-
     if trials < 1 or num_stages < 2 or tokens < 1 or overhead_requests < 0:
         raise click.BadParameter("--trials and --tokens must be at least 1, --stages at least 2")
     with exit_1_on_failure():
-        res = run_chaos_bench(trials, seed, num_stages, tokens, overhead_requests, Progress())
-    click.echo(report(res))
+        res = chaos_bench.run_chaos_bench(trials, seed, num_stages, tokens, overhead_requests, Progress())
+    click.echo(chaos_bench.report(res))
     if json_out:
-        write_json(res, json_out)
+        chaos_bench.write_json(res, json_out)
         click.echo(f"\nwritten: {json_out}")
     if res.diverged:
         fail(f"{res.diverged} answer(s) differ from the unsplit model's (DIVERGED above)")
@@ -230,13 +233,9 @@ def bench_wan(
     With --calibrate: how faithfully the emulator applies delay, loss and rate caps (about a minute).
     """
     if calibrate:
-        from ppharness.benchmarks.wan import run_calibration
-
         with exit_1_on_failure():
-            run_calibration(json_out, seed)
+            wan_bench.run_calibration(json_out, seed)
         return
-    from ppharness.benchmarks.wan_chain import plot, report, run_wan_bench
-    from ppharness.run.orchestrator import Progress
 
     try:
         delay_ms = [float(x) for x in split_csv(delays)]
@@ -244,7 +243,7 @@ def bench_wan(
     except ValueError as exc:
         raise click.BadParameter(f"not a number: {exc}") from None
     with exit_1_on_failure():
-        res = run_wan_bench(
+        res = wan_chain_bench.run_wan_bench(
             split_csv(presets),
             split_csv(transports),
             delay_ms,
@@ -256,9 +255,9 @@ def bench_wan(
             seed,
             Progress(),
         )
-    click.echo(report(res))
+    click.echo(wan_chain_bench.report(res))
     png = Path(out_dir) / "bench-wan.png"
-    if plot(res, png):
+    if wan_chain_bench.plot(res, png):
         click.echo(f"\nwritten: {out_dir}/bench-wan.json, {png}")
     else:
         click.echo(f"\nwritten: {out_dir}/bench-wan.json (no PNG: matplotlib is not installed)")
@@ -295,16 +294,14 @@ def bench_plan(
 ) -> None:
     """The planner's plan against the even and the memory-proportional split: predicted and measured per-token time
     on each cluster."""
-    from ppharness.benchmarks.plan import plot, report, run_plan_bench, shipped_clusters
-    from ppharness.run.orchestrator import Progress
 
-    files = list(cluster_files) or [str(p) for p in shipped_clusters()]
+    files = list(cluster_files) or [str(p) for p in plan_bench.shipped_clusters()]
     with exit_1_on_failure():
-        res = run_plan_bench(files, preset, tokens, repeats, provider, out_dir, Progress())
-    click.echo(report(res))
+        res = plan_bench.run_plan_bench(files, preset, tokens, repeats, provider, out_dir, Progress())
+    click.echo(plan_bench.report(res))
     for case in res.cases:
         click.echo(f"\n{case.cluster} / {case.policy}:\n{case.rows}")
-    drawn = plot(res, Path(out_dir) / "bench-plan.png")
+    drawn = plan_bench.plot(res, Path(out_dir) / "bench-plan.png")
     click.echo(f"\nwritten: {out_dir}/bench-plan.json" + (f", {out_dir}/bench-plan.png" if drawn else ""))
 
 
@@ -325,13 +322,10 @@ def bench_plan(
 def bench_moe(preset: str, tokens: int, repeats: int, expert_nodes: int, delays: str, out_dir: str) -> None:
     """A mixture-of-experts model in one process against its experts on expert nodes: tok/s, the per-token
     breakdown, and the simulator's prediction at each link delay."""
-    from ppharness.benchmarks.moe import report, run_moe_bench
-    from ppharness.run.orchestrator import Progress
-
     with exit_1_on_failure():
         values = [float(d) for d in delays.split(",") if d.strip()]
-        res = run_moe_bench(preset, tokens, repeats, expert_nodes, values, out_dir, Progress())
-    click.echo(report(res))
+        res = moe_bench.run_moe_bench(preset, tokens, repeats, expert_nodes, values, out_dir, Progress())
+    click.echo(moe_bench.report(res))
     for case in res.cases:
         click.echo(f"\ndelay {case.delay_ms:g} ms:\n{case.rows}")
     click.echo(f"\nwritten: {out_dir}/bench-moe.json")
@@ -346,15 +340,12 @@ def bench_moe(preset: str, tokens: int, repeats: int, expert_nodes: int, delays:
 def bench_planner(sizes: str, blocks: int, repeats: int, gap_instances: int, json_out: str | None) -> None:
     """The planner's own speed (seconds per plan by cluster size and objective) and the heuristic's gap to the exact
     search, on seeded random clusters."""
-    import json
-
-    from ppharness.benchmarks.planner import planner_timings
 
     try:
         counts = tuple(int(x) for x in split_csv(sizes))
     except ValueError as exc:
         raise click.BadParameter(f"not a number: {exc}") from None
-    res = planner_timings(counts, blocks, repeats, gap_instances)
+    res = planner_bench.planner_timings(counts, blocks, repeats, gap_instances)
     seconds, worst = res["seconds"], res["seconds_max"]
     assert isinstance(seconds, dict) and isinstance(worst, dict)
     click.echo(f"{'objective':<11}" + "".join(f"{f'{n} devices':>18}" for n in counts) + "   (seconds: median, max)")
@@ -424,25 +415,25 @@ def bench_load(
 ) -> None:
     """An open-loop client: REQUESTS arriving at RATE per second, many in flight at once; aggregate tok/s against one
     request alone, time to first token and inter-token latency p50/p99. Every answer is checked."""
-    from ppharness.benchmarks.load import LoadSpec, delay_network, report, run_load_bench
-    from ppharness.run.orchestrator import Progress
-
     if requests < 1 or rate < 0:
         raise click.BadParameter("--requests must be at least 1 and --rate at least 0")
-    spec = LoadSpec(requests, rate, _range(prompt_words, "--prompt-words"), _range(max_tokens, "--max-tokens"), seed)
+    spec = load_bench.LoadSpec(
+        requests, rate, _range(prompt_words, "--prompt-words"), _range(max_tokens, "--max-tokens"), seed
+    )
     with exit_1_on_failure():
         if network_file is not None:
-            from ppharness.scenario.schema import load_scenario
-
             network = load_scenario(network_file).network
             if network is None:
                 fail(f"{network_file}: the scenario has no network section to run the load under")
             name = Path(network_file).stem
         else:
-            network, name = delay_network(delay_ms, seed), (f"{delay_ms:g} ms per hop" if delay_ms > 0 else "none")
-        res = run_load_bench(
+            network, name = (
+                load_bench.delay_network(delay_ms, seed),
+                (f"{delay_ms:g} ms per hop" if delay_ms > 0 else "none"),
+            )
+        res = load_bench.run_load_bench(
             preset, num_stages, transport, spec, slots or min(requests, 16), queue, network, name, Progress(), json_out
         )
-    click.echo(report(res))
+    click.echo(load_bench.report(res))
     if not res.exact:
         fail("an answer differs from the unsplit model's")

@@ -45,7 +45,7 @@ from ppharness.model.files import cache_dir
 @click.option(
     "--vastai",
     is_flag=True,
-    help="Rent one vast.ai instance per stage (default scenario: the SPEC's "
+    help="Rent one vast.ai instance per stage (default scenario: the acceptance "
     "request, scenarios/templates/acceptance-5stage-vastai-llama3.2-1b.yaml; its CI variant on the tiny "
     "model is scenarios/acceptance-5stage-vastai.yaml); prints the plan and its cost first.",
 )
@@ -100,7 +100,7 @@ def _default_trace(plan_file: str) -> Path:
     return cache_dir() / "traces" / f"{Path(plan_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
-# the SPEC's rung-1 request on vast.ai (llama3.2:1b, "Say hello", 64 tokens): what --vastai runs by default
+# the acceptance request on vast.ai (llama3.2:1b, "Say hello", 64 tokens): what --vastai runs by default
 
 
 VASTAI_ACCEPTANCE = "acceptance-5stage-vastai-llama3.2-1b.yaml"

@@ -31,6 +31,7 @@ from ppharness.errors import ModelError, PlanError
 from ppharness.model.decoding import warm_up
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.moe import routing_entropy
+from ppharness.model.slicing import ModelSlice
 from ppharness.plan.doc import ID_NAME, Device
 from ppharness.plan.graph import model_graph
 
@@ -120,8 +121,6 @@ def probe_fit(
     # the model runtime (tinygrad) loads when a probe runs, not with the CLI
     from tinygrad.device import Device as TinyDevice
 
-    from ppharness.model.slicing import ModelSlice
-
     if not ID_NAME.match(device_id):
         raise PlanError(f"device id {device_id!r}: use lower-case letters, digits, - and _ (1 to 63)")
     if tokens < 1:
@@ -209,8 +208,6 @@ def probe_routing(
     """How often each routed expert of each MoE block is chosen when the whole model (in this process) reads
     ``prompts`` and greedily generates ``tokens`` after each: block -> frequency per expert (the share of routed
     tokens that chose it; a block's frequencies add up to its active count), and the number of tokens routed."""
-    from ppharness.model.slicing import ModelSlice  # the model runtime (tinygrad): with a probe only
-
     f = GGUFFile(model_path)
     cfg = f.config
     if not cfg.moe:

@@ -1,7 +1,7 @@
 """One Stage class for any N >= 1; its role (first / middle / last) follows from the index alone. This module is a
 token's way through a stage, in the order it goes: receipt, the model call, the send.
 
-The token's way, as DESIGN.md draws it::
+The token's way::
 
     InferenceRequest -> stage 0 (tokenize, embed, blocks) -RequestOpen, StageActivation-> ... -> stage N-1 (blocks,
     norm, head, argmax) -NextToken-> stage 0 -> ... until EOS or max_tokens; stage N-1 -InferenceResponse-> reply_to.

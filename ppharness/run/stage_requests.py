@@ -142,7 +142,7 @@ class StageState(ABC):
         keep_digests: bool = True,
     ):
         """``route``: the names the activations come from and go to, as the compiled plan gives them (empty: the
-        SPEC's pp-stage-{index -/+ 1}). ``policy``: none, retry or failover (``ppharness.run.stage``); ``retry`` its
+        default pp-stage-{index -/+ 1}). ``policy``: none, retry or failover (``ppharness.run.stage``); ``retry`` its
         timings; ``epoch`` the directory's epoch ``names`` belongs to. ``queue``: on stage 0, how many requests may
         wait for a free slot (the model's ``slots`` say how many are served at once). ``keep_digests``: keep the
         digest of every hidden state sent, for a DigestRequest (``ppharness.model.exactness``)."""

@@ -3,7 +3,7 @@
 A provider turns node specs (environment, resources, image) into running instances of the one node entry point
 (``pp-node``), and takes them down again. Every instance carries the run's label so a reaper can find leftovers.
 Used as a context manager: whatever happens inside the ``with``, every instance it created is destroyed on the way out
-(the SPEC's "any path that allocates an instance also destroys it").
+(any path that allocates an instance also destroys it).
 """
 
 from __future__ import annotations

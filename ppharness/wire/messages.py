@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary, as frozen tagged msgspec structs.
 
-The SPEC's four (InferenceRequest, StageActivation, NextToken, InferenceResponse) keep their names and fields; what the
-harness needs besides them is added as further message types. Hidden states travel as raw little-endian bytes with
+The chain's four (InferenceRequest, StageActivation, NextToken, InferenceResponse) keep their names and fields; what
+the harness needs besides them is added as further message types. Hidden states travel as raw little-endian bytes with
 their shape and wire dtype (never JSON, never base64): see ``ppharness.wire.codec`` for framing and tensor packing.
 """
 
@@ -21,7 +21,7 @@ class _Msg(msgspec.Struct, frozen=True, tag=True, forbid_unknown_fields=True):
     pass
 
 
-# --- the SPEC's messages ------------------------------------------------------------------------------------------
+# --- the chain's messages ------------------------------------------------------------------------------------------
 
 
 class InferenceRequest(_Msg, frozen=True):
