@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from ppharness.model.exactness import check_splits, compare, digest, first_difference
+from ppharness.model.exactness import compare, digest, first_difference
+from ppharness.run.inprocess import check_splits
 
 RANGES = [(0, 3), (3, 5), (5, 8)]
 

@@ -9,13 +9,13 @@ import click
 
 from ppharness.cli.common import SCENARIO_HELP, exit_1_on_failure, fail, load_scenario_or_fail, split_csv
 from ppharness.errors import HarnessError
-from ppharness.model.exactness import check_splits
 from ppharness.model.files import resolve_model, sha256_file
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.oracle import oracle_decode
 from ppharness.model.spec import preset_spec
 from ppharness.model.synthetic import make_synthetic
 from ppharness.plan.stages import make_plan
+from ppharness.run.inprocess import check_splits
 from ppharness.run.realise import model_source
 
 

@@ -13,16 +13,11 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
 
-from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.hidden import Hidden
-
-if TYPE_CHECKING:
-    from ppharness.model.oracle import OracleResult
 
 
 def digest(hidden: NDArray[np.floating]) -> bytes:
@@ -142,43 +137,3 @@ def compare(
         missing=missing,
         unverified=unverified,
     )
-
-
-@dataclass(frozen=True)
-class SplitCheck:
-    """One split checked in process against the unsplit model."""
-
-    ranges: list[tuple[int, int]]
-    verdict: Verdict
-    token_ids: list[int]
-    same_kernels: bool  # the stages' compiled decode steps run exactly the whole model's kernels
-
-    @property
-    def exact(self) -> bool:
-        return self.verdict.exact and self.same_kernels
-
-
-def check_splits(
-    model_path: str, prompt: str, max_tokens: int, splits: list[list[tuple[int, int]]], max_context: int = 256
-) -> tuple[OracleResult, list[SplitCheck]]:
-    """Run the unsplit model (tapped) once and every split in one process over the memory transport, on whatever
-    device tinygrad uses (``DEV``); compare tokens, every stage-boundary hidden state and the compiled kernels."""
-    from ppharness.model.oracle import oracle_decode  # a cycle: ppharness.model.oracle imports this module
-    from ppharness.run.inprocess import load_slices, run_inprocess  # a cycle: ppharness.run.stage imports this module
-
-    gguf = GGUFFile(model_path)
-    whole = load_slices(gguf, [(0, gguf.config.blocks)], max_context, taps=True)[0]
-    oracle = oracle_decode(model_path, prompt, max_tokens, max_context, model=whole, boundaries=True)
-    kernels = whole.decode_kernels()
-    out = []
-    for ranges in splits:
-        slices = load_slices(gguf, ranges, max_context)
-        digests: dict[int, list[bytes]] = {}
-        chain = run_inprocess(gguf, slices, prompt, max_tokens, digests=digests)
-        verdict = compare(
-            chain.token_ids, oracle.token_ids, ranges, digests, oracle.boundary_digests, oracle.prompt_tokens
-        )
-        same = [k for s in slices for k in s.decode_kernels()] == kernels
-        out.append(SplitCheck(ranges, verdict, chain.token_ids, same))
-        del slices
-    return oracle, out

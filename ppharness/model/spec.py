@@ -104,11 +104,6 @@ class ModelSpec:
         return self.head_dim or self.dim // self.heads
 
     @property
-    def nope_dim(self) -> int:
-        """deepseek2: the part of each head's key without rotary embedding."""
-        return self.hd - self.rope_dim
-
-    @property
     def gating_func(self) -> str:
         return self.gating or architecture(self.arch).gating
 

@@ -144,10 +144,6 @@ class Network(_Spec, frozen=True):
                 return link.impairment()
         return Impairment() if SEED_NODE in (src, dst) else self.default
 
-    def nodes_named(self) -> set[str]:
-        """Every node a link or an event names (to check against the run's stage count)."""
-        return {n for link in self.links for n in (link.src, link.dst)} | {n for e in self.events for n in e.nodes}
-
     def cut(self, src: str, dst: str, t_s: float, src_since: float = 0.0, dst_since: float = 0.0) -> bool:
         """Whether a partition separates ``src`` from ``dst`` at ``t_s`` seconds after the request started.
         ``src_since``/``dst_since``: when each endpoint became that node (a spare that replaced it); a partition cuts

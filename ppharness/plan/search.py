@@ -13,7 +13,7 @@ exact search up to ``exact_limit`` devices (``ppharness.plan.exact``), the heuri
 # L*(T), the least latency of a plan whose bottleneck is at most T, and finds the best T by branch and bound. The
 # heuristic searches ordered device lists locally, each scored by the exact cuts for its order, from the exact plan
 # over a pool of ``exact_limit`` devices and other seeds. ``brute_force`` in the tests enumerates every plan, and the
-# exact search must equal it.
+# exact search must equal it. docs/plans.md, "How the planner searches", has the whole argument.
 
 from __future__ import annotations
 

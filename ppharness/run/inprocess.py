@@ -1,19 +1,23 @@
 """The whole N-stage chain in one process over the in-memory transport, on one thread.
 
 The same Stage objects and wire format as the multi-process chain, without processes or sockets: what the split check
-(``ppharness.model.exactness``) and the property tests use to try many splits quickly. Each stage turns on a loop of
-its own (``ppharness.run.loop``) over its endpoint; the driver hands one stage one message at a time, and the stage runs
-what that made ready before the next. Slices can be passed in (and kept between calls) since loading dominates.
+(``check_splits`` below, ``ppharness split-check``) and the property tests use to try many splits quickly. Each stage
+turns on a loop of its own (``ppharness.run.loop``) over its endpoint; the driver hands one stage one message at a time,
+and the stage runs what that made ready before the next. Slices can be passed in (and kept between calls) since loading
+dominates.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 
 from ppharness.errors import StageError, TransportTimeout
 from ppharness.model.decoding import warm_up
+from ppharness.model.exactness import Verdict, compare
 from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.oracle import OracleResult, oracle_decode
 from ppharness.model.slicing import ModelSlice
 from ppharness.plan.stages import ENTRY, names_of
 from ppharness.registry import transport_class
@@ -161,3 +165,40 @@ def run_inprocess(
                 digests.update({s.index: s.digests.get("r0", []) for s in chain.stages})
             return reply
         raise StageError(f"the in-process chain did not finish in {MAX_STEPS} steps")
+
+
+@dataclass(frozen=True)
+class SplitCheck:
+    """One split checked in process against the unsplit model."""
+
+    ranges: list[tuple[int, int]]
+    verdict: Verdict
+    token_ids: list[int]
+    same_kernels: bool  # the stages' compiled decode steps run exactly the whole model's kernels
+
+    @property
+    def exact(self) -> bool:
+        return self.verdict.exact and self.same_kernels
+
+
+def check_splits(
+    model_path: str, prompt: str, max_tokens: int, splits: list[list[tuple[int, int]]], max_context: int = 256
+) -> tuple[OracleResult, list[SplitCheck]]:
+    """Run the unsplit model (tapped) once and every split in one process over the memory transport, on whatever
+    device tinygrad uses (``DEV``); compare tokens, every stage-boundary hidden state and the compiled kernels."""
+    gguf = GGUFFile(model_path)
+    whole = load_slices(gguf, [(0, gguf.config.blocks)], max_context, taps=True)[0]
+    oracle = oracle_decode(model_path, prompt, max_tokens, max_context, model=whole, boundaries=True)
+    kernels = whole.decode_kernels()
+    out = []
+    for ranges in splits:
+        slices = load_slices(gguf, ranges, max_context)
+        digests: dict[int, list[bytes]] = {}
+        chain = run_inprocess(gguf, slices, prompt, max_tokens, digests=digests)
+        verdict = compare(
+            chain.token_ids, oracle.token_ids, ranges, digests, oracle.boundary_digests, oracle.prompt_tokens
+        )
+        same = [k for s in slices for k in s.decode_kernels()] == kernels
+        out.append(SplitCheck(ranges, verdict, chain.token_ids, same))
+        del slices
+    return oracle, out
