@@ -69,6 +69,15 @@ def test_a_stage_without_digests_is_not_called_exact():
     assert "stage(s) [0] sent no hidden-state digests" in v.describe([1, 2], [1, 2])
 
 
+def test_a_stage_that_reports_fewer_steps_than_the_oracle_is_not_called_exact():
+    oracle = _digests(3)
+    stages = _stage_view(oracle)
+    stages[1] = stages[1][:2]  # the last step's digest is not there: that step was never checked
+    v = compare([1, 2, 3], [1, 2, 3], RANGES, stages, oracle, prompt_tokens=2)
+    assert not v.exact and v.truncated == [1] and v.boundary_diff is None
+    assert "stage(s) [1] reported fewer hidden-state digests" in v.describe([1, 2, 3], [1, 2, 3])
+
+
 def test_the_check_catches_an_fp32_residual_between_blocks(tiny_model_path, monkeypatch):
     """The check can fail: with tinygrad's own block (fp32 residual stream between blocks, rounded only where a split
     puts a stage boundary) a split changes the hidden states, and split-check says where."""

@@ -60,13 +60,15 @@ class Verdict:
     boundaries_compared: int  # hidden states compared byte for byte (stage boundaries x steps)
     boundary_diff: BoundaryDiff | None = None
     missing: list[int] = field(default_factory=list)  # stages that reported no digests for this request
+    # stages that reported fewer steps than the oracle computed: the steps they left out were not checked
+    truncated: list[int] = field(default_factory=list)
     # stages whose node was replaced by a spare that never computed for this request (the request finished on the
     # nodes it started on): their boundaries could not be collected, and are not counted as missing
     unverified: list[int] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
-        return self.tokens_equal and self.boundary_diff is None and not self.missing
+        return self.tokens_equal and self.boundary_diff is None and not self.missing and not self.truncated
 
     def describe(self, chain: list[int], oracle: list[int]) -> str:
         """One line for a mismatch: the first differing token and the first differing boundary."""
@@ -81,6 +83,11 @@ class Verdict:
             parts.append(str(self.boundary_diff))
         elif self.missing:
             parts.append(f"stage(s) {self.missing} sent no hidden-state digests, so no boundary could be checked")
+        elif self.truncated:
+            parts.append(
+                f"stage(s) {self.truncated} reported fewer hidden-state digests than the unsplit model computed "
+                "steps, so the steps left out could not be checked"
+            )
         elif self.unverified:
             parts.append(
                 f"{self.boundaries_compared} stage-boundary hidden states are equal; stage(s) {self.unverified} were "
@@ -115,6 +122,11 @@ def compare(
     absent = [i for i in range(len(ranges) - 1) if not stage_digests.get(i)]
     missing = [i for i in absent if i not in replaced]
     unverified = [i for i in absent if i in replaced]
+    truncated = [
+        i
+        for i, (_, hi) in enumerate(ranges[:-1])
+        if i not in absent and i not in replaced and len(stage_digests[i]) < len(oracle_digests.get(hi - 1, []))
+    ]
     compared = 0
     first: BoundaryDiff | None = None
     steps = max((len(d) for d in stage_digests.values()), default=0)
@@ -135,5 +147,6 @@ def compare(
         boundaries_compared=compared,
         boundary_diff=first,
         missing=missing,
+        truncated=truncated,
         unverified=unverified,
     )
