@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from ppharness.errors import ModelError, ScenarioError
 from ppharness.model.files import cache_dir
 from ppharness.model.gguf_header import read_header
-from ppharness.model.spec import preset_spec
 from ppharness.model.vocab import SPECIAL_TOKENS, build_vocab
 from ppharness.scenario.sections import SyntheticModel
 
@@ -110,14 +109,7 @@ def known_model(scenario: Scenario, source: str = "<file>") -> ModelFacts | None
 
 
 def _synthetic_facts(synthetic: SyntheticModel) -> ModelFacts:
-    spec = preset_spec(
-        synthetic.preset,
-        seed=synthetic.seed,
-        blocks=synthetic.blocks,
-        dim=synthetic.dim,
-        tied_embeddings=synthetic.tied_embeddings,
-        type=synthetic.type,
-    )
+    spec = synthetic.spec()
     name = f"synthetic preset {synthetic.preset!r}"
     longest: int | None = None
     if spec.vocab <= SMALL_VOCAB:

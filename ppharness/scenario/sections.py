@@ -17,7 +17,7 @@ from ppharness import registry
 from ppharness.document.explain import FieldError, show
 from ppharness.document.yaml_limits import MAX_SCALAR_BYTES
 from ppharness.errors import ModelError
-from ppharness.model.spec import PRESETS, WEIGHT_TYPES, preset_spec
+from ppharness.model.spec import PRESETS, WEIGHT_TYPES, ModelSpec, preset_spec
 from ppharness.plan.stages import make_plan
 from ppharness.seams.settings import PositiveInt, ProviderSettings, Seconds, Settings
 
@@ -40,16 +40,20 @@ class SyntheticModel(Settings, frozen=True):
                 "type", f"unknown weight type {show(self.type)} — expected one of: {', '.join(WEIGHT_TYPES)}"
             )
         try:
-            preset_spec(
-                self.preset,
-                seed=self.seed,
-                blocks=self.blocks,
-                dim=self.dim,
-                tied_embeddings=self.tied_embeddings,
-                type=self.type,
-            )
+            self.spec()
         except ModelError as exc:
             raise FieldError("", f"{exc} — change the preset's overrides or the type") from None
+
+    def spec(self) -> ModelSpec:
+        """The model this section describes: the preset with its overrides."""
+        return preset_spec(
+            self.preset,
+            seed=self.seed,
+            blocks=self.blocks,
+            dim=self.dim,
+            tied_embeddings=self.tied_embeddings,
+            type=self.type,
+        )
 
 
 class ModelSection(Settings, frozen=True):
