@@ -6,9 +6,10 @@ Every command exits 0 on success and 1 with a one-line reason on any failure, af
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
-from ppharness.cli.bench import bench
 from ppharness.cli.common import load_scenario_or_fail, run_and_report
 from ppharness.cli.model import model, oracle, split_check
 from ppharness.cli.ops import reap, vastai_emulator
@@ -18,7 +19,27 @@ from ppharness.cli.scenario import scenario
 __all__ = ["main"]
 
 
-@click.group()
+class LazyGroup(click.Group):
+    """A command group whose heavier subcommands (``lazy``: name -> "module:attribute") are imported only when they
+    are run or listed, so that every other command starts without them."""
+
+    def __init__(self, *args: object, lazy: dict[str, str], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.lazy])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy:
+            module, attribute = self.lazy[name].split(":")
+            command: click.Command = getattr(importlib.import_module(module), attribute)
+            return command
+        return super().get_command(ctx, name)
+
+
+# ppharness bench imports every benchmark (the chain, the orchestrator, the transports' raw libraries)
+@click.group(cls=LazyGroup, lazy={"bench": "ppharness.cli.bench:bench"})
 def main() -> None:
     """ppharness: pipeline-parallel inference harness."""
 
@@ -32,5 +53,5 @@ def run(scenario_file: str, num_stages: int | None, quiet: bool) -> None:
     run_and_report(load_scenario_or_fail(scenario_file, num_stages=num_stages), quiet=quiet)
 
 
-for command in (run, scenario, plan, model, split_check, oracle, bench, vastai_emulator, reap):
+for command in (run, scenario, plan, model, split_check, oracle, vastai_emulator, reap):
     main.add_command(command)
