@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+from pathlib import Path
 
 import pytest
 import tinygrad  # noqa: F401  (raises the recursion limit on import: do it before hypothesis watches it)
@@ -22,21 +24,46 @@ MARKERS = {
     "slow": "left out of the default run (5-stage chains, benchmarks, runs that wait out a failure): pytest -m slow; "
     ".ci/run runs them",
 }
+ROOT = Path(__file__).resolve().parent
 SLOW_STAGES = 5  # chain tests with this many stages or more are marked slow unless --num-stages asks for them
 MAX_WORKERS = 4  # pytest -n auto: one worker per core, at most this many (each runs multi-process chains)
 
 # Property-test budgets; pick one with HYPOTHESIS_PROFILE (CI defaults to "ci"). tests/README.md lists them.
 settings.register_profile("dev", max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile(
-    "ci",
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    derandomize=True,
-    print_blob=True,
+    "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
 settings.register_profile("thorough", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
+
+
+def property_seed() -> tuple[int, str] | None:
+    """(the seed every property test draws from, where it came from) under the ci profile: HYPOTHESIS_SEED, else
+    the checked-out commit, so CI explores new examples at every commit and a failure replays from its commit (or
+    with the printed HYPOTHESIS_SEED); None elsewhere (hypothesis draws at random and remembers failures)."""
+    if os.environ.get("HYPOTHESIS_SEED"):
+        return int(os.environ["HYPOTHESIS_SEED"]), "HYPOTHESIS_SEED"
+    if settings.get_current_profile_name() != "ci":
+        return None
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return 0, "no git commit to derive it from"
+    return int(head[:8], 16), f"commit {head[:12]}"
+
+
+PROPERTY_SEED = property_seed()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    seed = config.getoption("hypothesis_seed", None)
+    profile = settings.get_current_profile_name()
+    if seed is None:
+        return f"property tests: profile {profile}, random examples"
+    source = PROPERTY_SEED[1] if PROPERTY_SEED else "--hypothesis-seed"
+    return f"property tests: profile {profile}, seed {seed} ({source}; HYPOTHESIS_SEED={seed} replays it)"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,7 +84,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before hypothesis' own pytest_configure reads its --hypothesis-seed option
 def pytest_configure(config: pytest.Config) -> None:
+    if PROPERTY_SEED is not None and config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = str(PROPERTY_SEED[0])
     for name, usage in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {usage}")
     # Started as a background job of a non-interactive shell (`bash .ci/run &`), the suite inherits SIGINT ignored, and

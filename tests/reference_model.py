@@ -145,6 +145,9 @@ class ReferenceModel:
         self.output_norm = self.tensor("output_norm.weight")
         self.output = self.tensor("output.weight") if self.has("output.weight") else self.token_embd
         self.block_weights = [self._block(i) for i in range(self.blocks)]
+        self.routing: dict[int, tuple[NDArray[np.int64], NDArray[np.float32]]] = {}  # of the last forward
+        self.follow: dict[int, NDArray[np.int64]] = {}
+        self.follow_margin = 0.0
         if self._unused:
             raise ValueError(f"{self.path}: tensors the reference does not use: {sorted(self._unused)[:8]}")
 
@@ -216,9 +219,28 @@ class ReferenceModel:
         return (out + w["attn_output.bias"] if "attn_output.bias" in w else out).astype(F32)
 
     def route(self, i: int, x: NDArray[np.float32]) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-        """Block ``i``'s routing of the normed rows ``x``: (T, k) expert ids, best first, and their weights."""
-        probs = softmax((x @ self.block_weights[i]["ffn_gate_inp.weight"].T).astype(F32))
-        ids = np.argsort(-probs, axis=-1, kind="stable")[:, : self.experts_used]
+        """Block ``i``'s routing of the normed rows ``x``: (T, k) expert ids, best first, and their weights.
+
+        Records, per row, the experts it chose and the router-logit gap between the last chosen expert and the first
+        left out in ``self.routing[i]``. Where ``self.follow`` gives block ``i`` other experts for a row whose gap is
+        below ``self.follow_margin`` (a routing near-tie), those experts are used instead, weighted by their own
+        probabilities: the model teacher-forced on another implementation's tie-breaks."""
+        logits = (x @ self.block_weights[i]["ffn_gate_inp.weight"].T).astype(F32)
+        probs = softmax(logits)
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        k = self.experts_used
+        ids = order[:, :k]
+        gap = np.full(len(x), np.inf, dtype=F32)
+        if k < self.experts:
+            gap = (
+                np.take_along_axis(logits, order[:, k - 1 : k], -1)
+                - np.take_along_axis(logits, order[:, k:], -1)[:, :1]
+            )[:, 0]
+        self.routing[i] = (ids, gap)
+        if i in self.follow:
+            other = self.follow[i][: len(x)]
+            differs = np.array([set(a.tolist()) != set(b.tolist()) for a, b in zip(ids, other)])
+            ids = np.where((differs & (gap < self.follow_margin))[:, None], other, ids)
         weights = np.take_along_axis(probs, ids, -1)
         if self.arch.renormalise:
             weights = weights / weights.sum(-1, keepdims=True)
@@ -245,8 +267,19 @@ class ReferenceModel:
             out += gate_in[:, None].astype(F32) * y
         return out.astype(F32)
 
-    def forward(self, ids: list[int] | NDArray[Any]) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
-        """The sequence ``ids`` from position 0, causal: (the last block's output (T, D), the logits (T, vocab))."""
+    def forward(
+        self,
+        ids: list[int] | NDArray[Any],
+        follow: dict[int, NDArray[np.int64]] | None = None,
+        margin: float = 0.0,
+    ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+        """The sequence ``ids`` from position 0, causal: (the last block's output (T, D), the logits (T, vocab)); a
+        MoE model's own routing of every position in ``self.routing`` (block -> (ids (T, k), gaps (T,))). ``follow``
+        (block -> (T, k) experts) is another implementation's routing, taken where the reference's gap is below
+        ``margin``."""
+        self.follow_margin = margin
+        self.routing = {}
+        self.follow = dict(follow or {})
         h = self.token_embd[np.asarray(ids, dtype=np.int64)].astype(F32)
         for i in range(self.blocks):
             w = self.block_weights[i]

@@ -45,10 +45,11 @@ PROMPT = (
     "naïve café: the answer must not change, token for token, whichever node computes an expert."
 )
 TOKENS = 12
-# |ppharness - reference| <= ATOL + RTOL * |reference|, element-wise. ppharness keeps the weights in fp16, rounds the
-# normed input of the experts to fp16 (the router and the experts read it), computes each expert in fp16 and rounds the
-# block's output to fp16: half an fp16 ulp is already 2e-3 at |x| in [4, 8), and the errors seen are below 2.5e-3. The
-# mistakes the test must catch (weights not renormalised, the shared expert left out) move outputs by 0.5 and more.
+# |ppharness - reference| <= ATOL + RTOL * |reference|, element-wise. ppharness keeps the weights in fp16 (the router
+# and the norm before it in fp32), rounds the normed input of the experts to fp16, computes each expert in fp16 and
+# rounds the block's output to fp16: half an fp16 ulp is already 2e-3 at |x| in [4, 8), and the errors seen are below
+# 2.5e-3. The mistakes the test must catch (weights not renormalised, the shared expert left out) move outputs by 0.5
+# and more.
 ATOL, RTOL = 1e-2, 1e-2
 
 
@@ -325,12 +326,12 @@ def drive(
     max_tokens: int,
 ) -> tuple[list[int], dict[int, list[bytes]]]:
     """Greedy decode through ``stages`` by their ``step`` generators, every ExpertCall answered by ``answer``: (the
-    generated tokens without a closing EOS, block -> digest of its output at each step)."""
+    generated tokens without a closing end-of-generation token, block -> digest of its output at each step)."""
     cfg = f.config
     ids = ([cfg.bos_id] if cfg.bos_id is not None else []) + f.tokenizer.encode(prompt)
     tokens: list[int] = []
     digests: dict[int, list[bytes]] = collections.defaultdict(list)
-    while not tokens or (tokens[-1] != cfg.eos_id and len(tokens) < max_tokens):
+    while not tokens or (tokens[-1] not in cfg.eog_ids and len(tokens) < max_tokens):
         position = 0 if not tokens else len(ids) + len(tokens) - 1
         x: Any = ids if not tokens else [tokens[-1]]
         for stage in stages:
@@ -345,7 +346,7 @@ def drive(
                 digests[block].append(digest(hidden))
         assert isinstance(x, int)
         tokens.append(x)
-    return (tokens[:-1] if tokens[-1] == cfg.eos_id else tokens), dict(digests)
+    return (tokens[:-1] if tokens[-1] in cfg.eog_ids else tokens), dict(digests)
 
 
 PAIRS = [(layer, e) for layer in range(BLOCKS) for e in range(EXPERTS)]

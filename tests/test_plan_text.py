@@ -8,7 +8,7 @@ import time
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppharness.errors import PlanError
@@ -30,6 +30,8 @@ from ppharness.plan.doc import (
 )
 from ppharness.plan.parse import MAX_LINE_CHARS, MAX_TEXT_BYTES, parse
 from ppharness.plan.text import render, render_plan
+
+CHEAP_EXAMPLES = 8 * settings.default.max_examples  # examples here take microseconds: explore more
 
 # --- strategies -------------------------------------------------------------------------------------------------
 
@@ -105,6 +107,7 @@ def _grouped(p: Placement) -> Placement:
 # --- round trips ------------------------------------------------------------------------------------------------
 
 
+@settings(max_examples=CHEAP_EXAMPLES)
 @given(chains())
 def test_chains_round_trip(p: Placement) -> None:
     text = render(p)
@@ -112,6 +115,7 @@ def test_chains_round_trip(p: Placement) -> None:
     assert render(parse(text)) == text
 
 
+@settings(max_examples=CHEAP_EXAMPLES)
 @given(graphs())
 def test_any_graph_round_trips(p: Placement) -> None:
     text = render(p)
@@ -119,6 +123,7 @@ def test_any_graph_round_trips(p: Placement) -> None:
     assert render(parse(text)) == text
 
 
+@settings(max_examples=CHEAP_EXAMPLES)
 @given(chains(), st.randoms(use_true_random=False))
 def test_edges_in_another_order_read_back_grouped(p: Placement, rnd) -> None:
     edges = list(p.edges)
@@ -128,6 +133,7 @@ def test_edges_in_another_order_read_back_grouped(p: Placement, rnd) -> None:
     assert parse(render(shuffled)) == _grouped(shuffled)
 
 
+@settings(max_examples=CHEAP_EXAMPLES)
 @given(chains())
 def test_comments_blank_lines_and_spacing_are_dropped(p: Placement) -> None:
     lines = render(p).splitlines()
@@ -328,6 +334,7 @@ def test_oversized_text_is_refused_quickly_and_briefly() -> None:
 TOKENS = [*"ab@:,->[]019.#x \t\n\r", "embed", "head", "blk[", "spares:", "objective:", "policy:", "->", "\n"]
 
 
+@settings(max_examples=CHEAP_EXAMPLES)
 @given(st.lists(st.sampled_from(TOKENS), max_size=40).map("".join))
 def test_any_text_reads_or_is_refused_with_a_line(text: str) -> None:
     try:
@@ -339,6 +346,7 @@ def test_any_text_reads_or_is_refused_with_a_line(text: str) -> None:
         assert parse(render(p)) == _grouped(p)
 
 
+@settings(max_examples=CHEAP_EXAMPLES)
 @given(chains(), st.data())
 def test_a_damaged_render_reads_or_is_refused(p: Placement, data: st.DataObject) -> None:
     text = render(p)

@@ -13,17 +13,23 @@ The criterion, vLLM's ``check_logprobs_close`` made stricter by the shared prefi
   ``MARGIN`` and the project's token is its second choice;
 - logits: every logit within ``LOGIT_ATOL`` of the reference's; the last block's output within
   ``HIDDEN_ATOL + HIDDEN_RTOL * |reference|``.
+- experts (MoE): at every position every block chose the reference's experts, or the reference's router-logit gap
+  between its last chosen expert and the first left out is below ``ROUTE_MARGIN`` (a routing near-tie: either choice
+  is right within the project's fp16 residual stream); there the reference takes the project's experts, as it takes
+  the project's tokens, so that both go on computing the same thing. A different choice at a wider gap fails.
 
 The thresholds: the project keeps weights in fp16, rounds every block's output to fp16 and computes its head in fp16
 (half an fp16 ulp is 2e-3 for logits in [4, 8)); measured on these presets and prompts, logits differ by at most
 6.1e-3 and last-block outputs by at most 1.5e-2 (|h| up to 12). ``LOGIT_ATOL = 0.02`` leaves three times that. A
-margin above ``2 * LOGIT_ATOL`` cannot flip within the logit tolerance, so ``MARGIN`` is that. Mistakes the
+margin above ``2 * LOGIT_ATOL`` cannot flip within the logit tolerance, so ``MARGIN`` is that. The fp32 router's
+logits (from the fp16 residual stream) lie within about 2e-3 of the reference's; ``ROUTE_MARGIN = 0.01`` leaves five
+times that. Mistakes the
 comparison must catch move logits by far more: Llama-3's RoPE factors left out by 0.5 and more, a wrong rotary
 pairing, a missing renormalisation or a missing shared expert (each tested below).
 
-Llama-3 RoPE frequency factors (``rope_freqs.weight``): a copy of ``tiny`` with the tensor added (Llama-3.2's formula,
-its original context scaled to the tiny model's) changes the reference's answer; the project does not apply the
-factors yet, so the project-vs-reference comparison on that copy is an expected failure.
+Llama-3 RoPE frequency factors (``rope_freqs.weight``): the ``tiny-llama3`` preset (written by the project's own
+writer) and a copy of ``tiny`` with the tensor added by this file (Llama-3.2's formula, its original context scaled
+to the tiny model's) both change the reference's answer, and the project equals the reference on both.
 """
 
 from __future__ import annotations
@@ -33,23 +39,27 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
 import pytest
 
+import ppharness.model.slicing
+from ppharness.errors import ModelError
 from ppharness.model.decoding import warm_up
 from ppharness.model.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.moe import route
 from ppharness.model.oracle import oracle_decode
 from ppharness.model.slicing import ModelSlice
+from ppharness.model.spec import PRESETS as PRESETS_BY_NAME
 from tests.reference_model import ReferenceModel, rope, rope_angles
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-PRESETS = ["tiny", "small", "tiny-moe", "tiny-moe-shared", "small-moe"]
+PRESETS = ["tiny", "tiny-llama3", "small", "tiny-moe", "tiny-moe-shared", "small-moe"]
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",
     "Pipeline parallel inference: héllo wörld, naïve café 1234.",
@@ -59,6 +69,7 @@ MAX_CONTEXT = 256
 LOGIT_ATOL = 0.02
 MARGIN = 2 * LOGIT_ATOL
 HIDDEN_ATOL, HIDDEN_RTOL = 2e-2, 1e-2
+ROUTE_MARGIN = 1e-2  # a router-logit gap below this at the top-k boundary is a routing near-tie
 F32 = np.float32
 
 
@@ -67,13 +78,14 @@ F32 = np.float32
 
 @dataclass(frozen=True)
 class ProjectRun:
-    """The oracle's answer to one prompt: the prompt's ids, the generated tokens (with a closing EOS, if any), and at
-    each step the last block's output and the logits the token was chosen from."""
+    """The oracle's answer to one prompt: the prompt's ids, the generated tokens (with the closing end-of-generation
+    token, if any), and at each step the last block's output and the logits the token was chosen from."""
 
     prompt_ids: list[int]
     tokens: list[int]
     hidden: NDArray[np.float32]  # (steps, D)
     logits: NDArray[np.float32]  # (steps, vocab)
+    routing: dict[int, NDArray[np.int64]]  # MoE block -> (positions, k) the experts it chose at every position
 
 
 _models: dict[Path, ModelSlice] = {}
@@ -101,10 +113,20 @@ def project_run(path: Path, prompt: str) -> ProjectRun:
         finals.append(np.asarray(out[last])[0, -1].copy())
         return out
 
+    routed: list[NDArray[np.int64]] = []  # every routing call's (rows, k) ids, in call order
+
+    def recording_route(*args: Any, **kwargs: Any) -> Any:
+        out = route(*args, **kwargs)
+        routed.append(np.asarray(out.ids))
+        return out
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model, "tapped", recording)
+        mp.setattr(ppharness.model.slicing, "route", recording_route)
         result = oracle_decode(path, prompt, TOKENS, MAX_CONTEXT, model=model, boundaries=True)
-    tokens = result.token_ids + ([cfg.eos_id] if result.finish_reason == "eos" else [])
+    moe_blocks = sorted(cfg.moe_blocks)  # each step routes once per MoE block, in block order
+    routing = {b: np.concatenate(routed[n :: len(moe_blocks)]) for n, b in enumerate(moe_blocks)}
+    tokens = result.token_ids + ([result.stop_token_id] if result.stop_token_id is not None else [])
     hidden = np.stack(finals)
     assert hidden.shape[0] == len(tokens)
     logits = model.output(model.output_norm(Tensor(hidden[None]))).numpy()[0].astype(F32)
@@ -112,7 +134,7 @@ def project_run(path: Path, prompt: str) -> ProjectRun:
     assert all(logits[j, tok] == logits[j].max() for j, tok in enumerate(tokens))
     ids = ([cfg.bos_id] if cfg.bos_id is not None else []) + model.file.tokenizer.encode(prompt)
     assert len(ids) == result.prompt_tokens
-    run = ProjectRun(ids, tokens, hidden.astype(F32), logits)
+    run = ProjectRun(ids, tokens, hidden.astype(F32), logits, routing)
     _runs[path, prompt] = run
     return run
 
@@ -135,14 +157,29 @@ class Comparison:
     flips: int  # steps where the project took the reference's second choice (near-ties)
     logit_diff: float  # max |project - reference| over every logit of every step
     hidden_excess: float  # max |dh| / (HIDDEN_ATOL + HIDDEN_RTOL |h|): <= 1 agrees
+    route_flips: int  # (position, block)s where the project took other experts at a routing near-tie
 
 
 def compare(run: ProjectRun, ref: ReferenceModel) -> Comparison:
-    """The criterion, every step: the reference teacher-forced on the prompt and the project's tokens."""
-    hidden, logits = ref.forward(run.prompt_ids + run.tokens[:-1])
+    """The criterion, every step: the reference teacher-forced on the prompt and the project's tokens, and on the
+    project's experts where the reference's own choice is a routing near-tie."""
+    seq = run.prompt_ids + run.tokens[:-1]
+    hidden, logits = ref.forward(seq, follow=run.routing, margin=ROUTE_MARGIN)
     start = len(run.prompt_ids) - 1  # position whose logits choose the first generated token
     hidden, logits = hidden[start:], logits[start:]
-    failures, margins, flips = [], [], 0
+    failures, margins, flips, route_flips = [], [], 0, 0
+    for block, chosen in run.routing.items():
+        ref_ids, gaps = ref.routing[block]
+        for p in range(len(seq)):
+            if set(chosen[p].tolist()) == set(ref_ids[p].tolist()):
+                continue
+            if gaps[p] < ROUTE_MARGIN:
+                route_flips += 1
+                continue
+            failures.append(
+                f"position {p}, block {block}: the project routed to {sorted(chosen[p].tolist())}, the reference "
+                f"to {sorted(ref_ids[p].tolist())} by a router-logit gap of {gaps[p]:.4f} >= {ROUTE_MARGIN}"
+            )
     for j, tok in enumerate(run.tokens):
         first, second = np.argsort(-logits[j], kind="stable")[:2]
         margin = float(logits[j, first] - logits[j, second])
@@ -163,7 +200,7 @@ def compare(run: ProjectRun, ref: ReferenceModel) -> Comparison:
     excess = float((np.abs(run.hidden - hidden) / (HIDDEN_ATOL + HIDDEN_RTOL * np.abs(hidden))).max())
     if excess > 1:
         failures.append(f"the last block's output is {excess:.2f}x outside its tolerance")
-    return Comparison(failures, min(margins), flips, float(diff.max()), excess)
+    return Comparison(failures, min(margins), flips, float(diff.max()), excess, route_flips)
 
 
 # --- the presets --------------------------------------------------------------------------------------------------
@@ -184,6 +221,7 @@ def test_the_oracle_equals_the_reference(preset):
 # a mistake the reference can make in each architecture: the comparison must catch it
 MISTAKES = {
     "tiny": {"neox": True},  # the llama file's rows rotated as HF's halves (the row permutation forgotten)
+    "tiny-llama3": {"rope_factors": False},  # Llama-3's rope_freqs ignored, as tinygrad's loader drops them
     "small": {"neox": True},
     "tiny-moe": {"renormalise": False},  # qwen3moe's top-k weights not renormalised
     "tiny-moe-shared": {"shared_expert": False},  # qwen2moe's shared expert left out
@@ -197,6 +235,8 @@ def test_the_comparison_catches_a_mistake(preset):
     path = resolve_model(f"synthetic:{preset}")
     wrong = copy.copy(reference(path))
     wrong.arch = dataclasses.replace(wrong.arch, **MISTAKES[preset])
+    if not wrong.arch.rope_factors:
+        wrong.factors = None
     result = compare(project_run(path, PROMPTS[0]), wrong)
     assert result.failures and result.logit_diff > 5 * LOGIT_ATOL, (preset, result)
 
@@ -254,9 +294,15 @@ def llama3_rope_factors(
     return np.array(out, dtype=F32)
 
 
-def copy_gguf(src: Path, dst: Path, rope_freqs: NDArray[np.float32] | None) -> Path:
+def copy_gguf(
+    src: Path,
+    dst: Path,
+    rope_freqs: NDArray[np.float32] | None,
+    extra_tensors: dict[str, int] | None = None,
+    extra_keys: dict[str, int] | None = None,
+) -> Path:
     """``src`` rewritten by ``gguf.GGUFWriter``, every key and tensor as it is, with ``rope_freqs.weight`` (F32)
-    added when given."""
+    added when given, and F32 zero vectors of the given lengths and uint32 keys added."""
     reader = gguf.GGUFReader(str(src))
     writer = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
     for key, field in reader.fields.items():
@@ -266,8 +312,12 @@ def copy_gguf(src: Path, dst: Path, rope_freqs: NDArray[np.float32] | None) -> P
         writer.add_key_value(
             key, field.contents(), vtype, field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         )
+    for key, value in (extra_keys or {}).items():
+        writer.add_uint32(key, value)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
+    for name, n in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.zeros(n, dtype=F32))
     for t in reader.tensors:
         writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
@@ -318,14 +368,33 @@ def test_the_reference_applies_llama3_rope_factors(rope_copies):
         assert (with_factors[len(ids) - 1 : -1].argmax(-1) != answer).any()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # the comparison fails, nothing else
-    reason="the project ignores Llama-3's rope_freqs: rope_freqs not applied yet",
-)
 def test_the_oracle_equals_the_reference_with_llama3_rope_factors(rope_copies):
     path = rope_copies["llama3"]
     ref = ReferenceModel(path)
     for prompt in PROMPTS:
         result = compare(project_run(path, prompt), ref)
         assert not result.failures, f"{prompt!r}: " + "; ".join(result.failures)
+
+
+def test_the_writer_writes_llama3_rope_factors_as_llama_cpps_converter():
+    """``tiny-llama3``'s ``rope_freqs.weight`` is this file's formula for its head, base and original context."""
+    spec = PRESETS_BY_NAME["tiny-llama3"]
+    ref = ReferenceModel(resolve_model("synthetic:tiny-llama3"))
+    expected = llama3_rope_factors(ref.n_rot, ref.base, original_context=spec.rope_original_context)
+    assert ref.factors is not None and expected[0] == 1.0 and expected[-1] == 32.0
+    np.testing.assert_allclose(ref.factors, expected, rtol=1e-6)
+
+
+def test_a_tensor_or_key_the_engine_does_not_compute_is_refused_at_load(tmp_path):
+    """A bias on llama's attention output, or a sliding window, would be computed by llama.cpp and ignored here: the
+    file is refused, naming it, instead of answering differently."""
+    src = resolve_model("synthetic:tiny")
+    with_bias = copy_gguf(src, tmp_path / "bias.gguf", None, extra_tensors={"blk.0.attn_output.bias": 64})
+    with pytest.raises(ModelError, match=r"blk\.0\.attn_output\.bias are not part of llama"):
+        GGUFFile(with_bias)
+    window = copy_gguf(src, tmp_path / "window.gguf", None, extra_keys={"llama.attention.sliding_window": 16})
+    with pytest.raises(ModelError, match=r"llama\.attention\.sliding_window = 16 changes the computation"):
+        GGUFFile(window)
+    wrong = copy_gguf(src, tmp_path / "few.gguf", np.ones(3, dtype=F32))
+    with pytest.raises(ModelError, match="rope_freqs.weight holds 3 factors"):
+        GGUFFile(wrong)

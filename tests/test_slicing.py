@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 
 from ppharness.errors import ModelError
+from ppharness.model.decoding import end_of_generation
+from ppharness.model.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile, tokenizer_from
 from ppharness.model.oracle import oracle_decode
 from ppharness.model.slicing import ModelSlice, _local_name, owned_tensors
 from ppharness.model.spec import ModelSpec
 from ppharness.model.synthetic import make_synthetic
-from ppharness.run.inprocess import load_slices, run_inprocess
+from ppharness.run.inprocess import check_splits, load_slices, run_inprocess
 
 SMALL = ModelSpec(blocks=4, dim=8, ffn=16, heads=2, kv_heads=1, vocab=300, context=64)
 
@@ -105,8 +107,9 @@ def test_oracle_equals_tinygrads_own_generate(tiny_model_path):
     gen = model.generate(list(ids))
     reference = [next(gen) for _ in range(10)]
     ours = oracle_decode(tiny_model_path, prompt, 10)
-    eos = kv["tokenizer.ggml.eos_token_id"]
-    assert ours.token_ids == (reference[: reference.index(eos)] if eos in reference else reference)
+    eog = end_of_generation(kv)
+    stop = next((i for i, t in enumerate(reference) if t in eog), len(reference))
+    assert ours.token_ids == reference[:stop]
 
 
 @pytest.mark.parametrize(
@@ -129,3 +132,26 @@ def test_boundary_taps_do_not_change_the_kernels(tiny_gguf):
     plain = load_slices(tiny_gguf, [(0, 8)])[0].decode_kernels()
     tapped = load_slices(tiny_gguf, [(0, 8)], taps=True)[0].decode_kernels()
     assert plain == tapped
+
+
+def test_llama3_rope_factors_keep_every_split_exact():
+    """A file with Llama-3's rope_freqs: every split gives the unsplit model's tokens and hidden states, byte for
+    byte, through the same compiled kernels (the factors are the same in every stage's table)."""
+    path = str(resolve_model("synthetic:tiny-llama3"))
+    splits = [[(0, 4), (4, 8)], [(0, 1), (1, 6), (6, 8)]]
+    oracle, checks = check_splits(path, "Héllo rotary factors 1234", 40, splits)
+    assert len(oracle.token_ids) >= 8, "the answer is too short to test the factors at later positions"
+    for check in checks:
+        assert check.verdict.exact, check.verdict.describe(check.token_ids, oracle.token_ids)
+        assert check.same_kernels, f"split {check.ranges} compiles other kernels than the whole model"
+
+
+@pytest.mark.parametrize("model", ["synthetic:tiny-moe", "synthetic:tiny-deepseek,tokenizer=deepseek-v3"])
+def test_moe_splits_run_the_unsplit_models_kernels(model):
+    """A mixture-of-experts model, split: tokens and hidden states equal the unsplit model's, the stages' steps run
+    its kernels in order, and each stage's expert bank (fewer experts) runs the same code as the whole model's bank."""
+    path = str(resolve_model(model))
+    oracle, checks = check_splits(path, "Héllo experts, 1234 naïve", 12, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]])
+    for check in checks:
+        assert check.verdict.exact, check.verdict.describe(check.token_ids, oracle.token_ids)
+        assert check.same_kernels, f"split {check.ranges} compiles other kernels than the whole model"

@@ -117,11 +117,18 @@ def split_equals_unsplit(tiny_model_path, tiny_gguf, cuts, prompt, length, wire)
     )
     expected = _oracle(tiny_model_path, tiny_gguf, prompt, max_tokens)
     verdict = compare(
-        chain.token_ids, expected.token_ids, ranges, digests, expected.boundary_digests, expected.prompt_tokens
+        chain.token_ids,
+        expected.token_ids,
+        ranges,
+        digests,
+        expected.boundary_digests,
+        expected.prompt_tokens,
+        chain_stop=chain.stop_token_id,
+        oracle_stop=expected.stop_token_id,
     )
     assert verdict.exact, f"split {ranges} changed the answer: {verdict.describe(chain.token_ids, expected.token_ids)}"
     assert chain.text == expected.text
-    assert chain.finish_reason == expected.finish_reason
+    assert (chain.finish_reason, chain.stop_token) == (expected.finish_reason, expected.stop_token)
     # what the wire delivered is what the sender digested: every boundary of every step, byte for byte
     steps = len(expected.token_ids) + (expected.finish_reason == "eos")
     assert len(received) == (len(ranges) - 1) * steps

@@ -76,11 +76,17 @@ def human_bytes(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
+def ending(finish_reason: str, stop_token_id: int | None, stop_token: str) -> str:
+    """How an answer ended, in a few words: ``length``, or ``eos '<|eot_id|>' (id 128009)`` naming the
+    end-of-generation token that ended it."""
+    return finish_reason if stop_token_id is None else f"{finish_reason} {stop_token!r} (id {stop_token_id})"
+
+
 def print_summary(result: RunResult) -> None:
     """The run's answer and figures on stdout."""
     r = result.response
     click.echo(f"\ntext: {r.text!r}")
-    click.echo(f"tokens ({len(r.token_ids)}, {r.finish_reason}): {r.token_ids}")
+    click.echo(f"tokens ({len(r.token_ids)}, {ending(r.finish_reason, r.stop_token_id, r.stop_token)}): {r.token_ids}")
     click.echo(
         f"chain: {len(result.plan.ranges)} stages, time to first token {result.ttft_s * 1000:.0f} ms, "
         f"decode {result.decode_tok_s:.1f} tok/s"

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from ppharness.cli.common import SCENARIO_HELP, exit_1_on_failure, fail, load_scenario_or_fail, split_csv
+from ppharness.cli.common import SCENARIO_HELP, ending, exit_1_on_failure, fail, load_scenario_or_fail, split_csv
 from ppharness.errors import HarnessError
 from ppharness.model.files import resolve_model, sha256_file
 from ppharness.model.gguf_file import GGUFFile
@@ -25,7 +25,12 @@ def model() -> None:
 
 
 @model.command("make")
-@click.option("--preset", default="tiny", show_default=True, help="Dimensions preset (tiny, small, llama-3.2-1b).")
+@click.option(
+    "--preset",
+    default="tiny",
+    show_default=True,
+    help="Dimensions preset (tiny, tiny-llama3, small, llama-3.2-1b, ...).",
+)
 @click.option("--blocks", type=int)
 @click.option("--dim", type=int)
 @click.option("--ffn", type=int)
@@ -35,6 +40,13 @@ def model() -> None:
 @click.option("--context", type=int)
 @click.option("--tied/--untied", "tied_embeddings", default=None, help="Tie the output head to the embedding.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--rope-scaling",
+    type=click.Choice(["llama3"]),
+    help="Write Llama-3's rope frequency factors (rope_freqs.weight), as llama.cpp's converter does for Llama 3.x.",
+)
+@click.option("--rope-scaling-factor", type=float, help="With --rope-scaling: the low frequencies' factor [32].")
+@click.option("--rope-original-context", type=int, help="With --rope-scaling: the original context length [8192].")
 @click.option(
     "--type",
     "type",
@@ -105,7 +117,8 @@ def split_check(source: str, stages: str, prompt: str, max_tokens: int, max_cont
             fail(f"--max-tokens {max_tokens} does not fit --max-context {max_context}")
         oracle_result, checks = check_splits(path, prompt, max_tokens, splits, max_context)
     click.echo(
-        f"unsplit model: {len(oracle_result.token_ids)} tokens ({oracle_result.finish_reason}), "
+        f"unsplit model: {len(oracle_result.token_ids)} tokens "
+        f"({ending(oracle_result.finish_reason, oracle_result.stop_token_id, oracle_result.stop_token)}), "
         f"decode {oracle_result.decode_tok_s:.1f} tok/s"
     )
     for c in checks:
@@ -132,6 +145,7 @@ def oracle(scenario_file: str | None, prompt: str | None, max_tokens: int | None
     except HarnessError as exc:
         fail(str(exc))
     click.echo(
-        f"text: {res.text!r}\ntokens: {res.token_ids}\nloaded and compiled in {res.load_s:.1f} s, first token "
+        f"text: {res.text!r}\ntokens ({ending(res.finish_reason, res.stop_token_id, res.stop_token)}): "
+        f"{res.token_ids}\nloaded and compiled in {res.load_s:.1f} s, first token "
         f"{res.ttft_s * 1000:.0f} ms, decode {res.decode_tok_s:.1f} tok/s, {res.n_params:,} parameters"
     )

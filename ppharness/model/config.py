@@ -9,6 +9,7 @@ from typing import Any
 from ppharness.errors import ModelError
 from ppharness.model.arch import of_file
 from ppharness.model.arch.base import BLOCK_TENSOR, Architecture
+from ppharness.model.decoding import end_of_generation
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ModelConfig:
     norm_eps: float
     bos_id: int | None
     eos_id: int
+    eog_ids: frozenset[int]  # the tokens that end generation: the EOS and others (``decoding.end_of_generation``)
     tied: bool
     # mixture of experts (ppharness.model.moe): routed experts per MoE block, how many each token uses, one expert's
     # FFN width, the shared expert's width (0: none), whether the top-k weights are renormalised, and which blocks
@@ -57,6 +59,9 @@ class ModelConfig:
     yarn_log_mul: float = 0.0
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    # llama: each rotary pair's frequency factor (``rope_freqs.weight``, Llama 3.1/3.2), () for none; read with the
+    # tensors (``GGUFFile``), not the metadata
+    rope_factors: tuple[float, ...] = ()
 
     @property
     def moe(self) -> bool:
@@ -111,6 +116,7 @@ class ModelConfig:
                 if kv.get("tokenizer.ggml.add_bos_token", True) and "tokenizer.ggml.bos_token_id" in kv
                 else None,
                 eos_id=int(kv["tokenizer.ggml.eos_token_id"]),
+                eog_ids=end_of_generation(kv),
                 tied="output.weight" not in tensor_names,
                 qk_norm=int(kv.get(f"{arch}.attention.key_length", dim // heads)) if q_norm else 0,
                 qkv_bias=any(n.endswith(".attn_q.bias") for n in tensor_names),

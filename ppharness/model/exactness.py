@@ -65,10 +65,19 @@ class Verdict:
     # stages whose node was replaced by a spare that never computed for this request (the request finished on the
     # nodes it started on): their boundaries could not be collected, and are not counted as missing
     unverified: list[int] = field(default_factory=list)
+    # the end-of-generation tokens that ended the chain's answer and the unsplit model's (None: max_tokens), when
+    # they differ
+    stop_diff: tuple[int | None, int | None] | None = None
 
     @property
     def exact(self) -> bool:
-        return self.tokens_equal and self.boundary_diff is None and not self.missing and not self.truncated
+        return (
+            self.tokens_equal
+            and self.stop_diff is None
+            and self.boundary_diff is None
+            and not self.missing
+            and not self.truncated
+        )
 
     def describe(self, chain: list[int], oracle: list[int]) -> str:
         """One line for a mismatch: the first differing token and the first differing boundary."""
@@ -79,6 +88,11 @@ class Verdict:
             got = chain[k] if k < len(chain) else "nothing (the chain stopped)"
             want = oracle[k] if k < len(oracle) else "nothing (the oracle stopped)"
             parts.append(f"token {k} differs: the chain gave {got}, the unsplit model {want}")
+        elif self.stop_diff is not None:
+            chain_stop, oracle_stop = (
+                "max_tokens" if s is None else f"end-of-generation token {s}" for s in self.stop_diff
+            )
+            parts.append(f"the chain's answer ended at {chain_stop}, the unsplit model's at {oracle_stop}")
         if self.boundary_diff is not None:
             parts.append(str(self.boundary_diff))
         elif self.missing:
@@ -114,10 +128,13 @@ def compare(
     oracle_digests: dict[int, list[bytes]],
     prompt_tokens: int,
     replaced: Sequence[int] = (),
+    chain_stop: int | None = None,
+    oracle_stop: int | None = None,
 ) -> Verdict:
-    """Compare a chain (its tokens and ``stage_digests[stage]``) with the oracle (tokens and ``oracle_digests[block]``,
-    from ``oracle_decode(..., boundaries=True)``). ``ranges`` are the stages' block ranges; ``replaced``: stages a
-    spare took over during the request (one with no digests is unverified, not missing)."""
+    """Compare a chain (its tokens, the end-of-generation token that ended them, ``chain_stop``, and
+    ``stage_digests[stage]``) with the oracle (the same: tokens, ``oracle_stop`` and ``oracle_digests[block]``, from
+    ``oracle_decode(..., boundaries=True)``). ``ranges`` are the stages' block ranges; ``replaced``: stages a spare
+    took over during the request (one with no digests is unverified, not missing)."""
     k = first_difference(chain_tokens, oracle_tokens)
     absent = [i for i in range(len(ranges) - 1) if not stage_digests.get(i)]
     missing = [i for i in absent if i not in replaced]
@@ -149,4 +166,5 @@ def compare(
         missing=missing,
         truncated=truncated,
         unverified=unverified,
+        stop_diff=None if chain_stop == oracle_stop else (chain_stop, oracle_stop),
     )

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ppharness.model.decoding import finish_reason, visible, warm_up
+from ppharness.model.decoding import finish_reason, stop_token, visible, warm_up
 from ppharness.model.exactness import digest
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.slicing import ModelSlice
@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 class OracleResult:
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: str  # "eos" (an end-of-generation token) | "length"
+    stop_token_id: int | None  # the end-of-generation token that ended the answer; None at max_tokens
+    stop_token: str  # its text ("<|eot_id|>"); "" at max_tokens
     prompt_tokens: int
     load_s: float
     ttft_s: float  # prefill: prompt in, first token out
@@ -70,15 +72,17 @@ def oracle_decode(
     tokens = [_token_id(model.prefill(ids))]
     t2 = time.monotonic()
     record()
-    while (reason := finish_reason(tokens, cfg.eos_id, max_tokens)) is None:
+    while (reason := finish_reason(tokens, cfg.eog_ids, max_tokens)) is None:
         tokens.append(_token_id(model.decode([tokens[-1]], len(ids) + len(tokens) - 1)))
         record()
     t3 = time.monotonic() - recording_s
-    out = visible(tokens, cfg.eos_id)
+    out, stop = visible(tokens, cfg.eog_ids), stop_token(tokens, cfg.eog_ids)
     return OracleResult(
         token_ids=out,
         text=tok.decode(out),
         finish_reason=reason,
+        stop_token_id=stop,
+        stop_token=tok.decode([stop]) if stop is not None else "",
         prompt_tokens=len(ids),
         load_s=load_s,
         ttft_s=t2 - t1,

@@ -34,7 +34,7 @@ from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.moe import ExpertBank, ExpertCall, all_experts, combine, route
 
 if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this module
-    from collections.abc import Generator, Iterable, Mapping
+    from collections.abc import Generator, Iterable, Mapping, Sequence
 
     from tinygrad.device import Buffer
     from tinygrad.engine.jit import TinyJit
@@ -159,21 +159,27 @@ class ModelSlice:
         from tinygrad.tensor import Tensor
 
         owned = owned_tensors(f.names(), self.lo, self.hi, self.first, self.last, self.config.tied)
-        state = {local: Tensor(f.tensor(name)) for local, name in owned.items()}
+        # every parameter fp16, but those the architecture computes with in fp32 (a MoE block's router and its norm)
+        f32 = {local for local, name in owned.items() if self.config.architecture.keeps_f32(self.config, name)}
+        state = {local: Tensor(f.tensor_f32(name) if local in f32 else f.tensor(name)) for local, name in owned.items()}
         expected = nn.state.get_state_dict(self)
         missing = sorted(_file_name(k, self.lo) for k in set(expected) - set(state))
         if missing:
             raise ModelError(f"{f.path}: blocks [{self.lo}, {self.hi}) need tensors the file lacks: {missing[:5]}")
+        bias = self.config.architecture.router_bias  # read apart, in float32 (``self._bias``)
+        unused = sorted(owned[k] for k in set(state) - set(expected) if not (bias and k.endswith(bias)))
+        if unused:  # a tensor the architecture declares (``support.check_file``) but its blocks do not compute with
+            raise ModelError(f"{f.path}: blocks [{self.lo}, {self.hi}) do not compute with tensors {unused[:5]}")
         for local, t in state.items():
             if local in expected and expected[local].shape != t.shape:
                 raise ModelError(
                     f"{f.path}: tensor {owned[local]!r} has shape {t.shape}, the model needs {expected[local].shape}"
                 )
         nn.state.load_state_dict(self, {k: v for k, v in state.items() if k in expected}, verbose=False, realize=False)
-        params = nn.state.get_parameters(self)
-        for p in params:
-            p.replace(p.cast("float16").contiguous())
-        Tensor.realize(*params)
+        params = nn.state.get_state_dict(self)
+        for local, p in params.items():
+            p.replace(p.cast("float32" if local in f32 else "float16").contiguous())
+        Tensor.realize(*params.values())
         # what this stage holds, each file tensor once; a tied head on a stage without the embedding is reported apart
         sizes = {name: math.prod(int(d) for d in state[local].shape) for local, name in owned.items()}
         self.n_params = sum(sizes.values())
@@ -393,31 +399,14 @@ class ModelSlice:
             return self._output(self._jit(self._decode_in, self._pos.bind(position)))
 
     def decode_kernels(self) -> list[str]:
-        """The source of every kernel the compiled decode step runs, in order, with kernel names left out (they number
-        identical kernels apart within one process). Empty before the step is compiled."""
-        out: list[str] = []
+        """The source of every kernel the compiled decode step (blocks, then the head on the last stage) runs, in order,
+        with kernel names left out (they number identical kernels apart within one process). Empty before the step is
+        compiled. The expert bank's step is apart: ``bank_kernels``."""
+        return _kernel_sources([self._jits[0], *self._slot_steps[0], self._head_jit])
 
-        def walk(items: list[ExecItem]) -> None:
-            for item in items:
-                prg = item.prg
-                if prg is not None and hasattr(prg, "jit_cache"):  # a device graph (CUDA graph, ...) batching kernels
-                    walk(prg.jit_cache)
-                    continue
-                program = getattr(prg, "p", None)  # a compiled kernel's ProgramSpec
-                src = getattr(program, "src", None)
-                out.append(
-                    re.sub(rf"\b{re.escape(program.function_name)}\b", "kernel", src)
-                    if program is not None and src
-                    else type(prg).__name__
-                )
-
-        jits: list[TinyJit[Any]] = [self._jits[0], *self._slot_steps[0], self._head_jit]
-        if self.bank.n:
-            jits.append(self.bank._jit)
-        for jit in jits:
-            captured = jit.captured
-            walk(captured.jit_cache if captured is not None else [])
-        return out
+    def bank_kernels(self) -> list[str]:
+        """The kernels of this slice's expert bank step (the same step for every MoE block; empty without a bank)."""
+        return _kernel_sources([self.bank._jit]) if self.bank.n else []
 
     def _output(self, out: Tensor | tuple[Tensor, ...]) -> NDArray[np.float16] | int:
         if isinstance(out, tuple):  # with taps: the step's output, then every block's
@@ -429,3 +418,29 @@ class ModelSlice:
         if self.config.moe:
             return dict(self._tapped_np)
         return {self.lo + i: t.numpy() for i, t in enumerate(self._tapped)}
+
+
+def _kernel_sources(jits: Sequence[TinyJit[Any]]) -> list[str]:
+    """The source of every kernel ``jits`` captured, in order. Kernel names are left out (they number identical
+    kernels apart within one process), and so are the buffer lengths that the renderer writes into parameter names
+    (``data1_196608``): a bank of 64 experts and one of 32 run the same code over buffers of different length."""
+    out: list[str] = []
+
+    def walk(items: list[ExecItem]) -> None:
+        for item in items:
+            prg = item.prg
+            if prg is not None and hasattr(prg, "jit_cache"):  # a device graph (CUDA graph, ...) batching kernels
+                walk(prg.jit_cache)
+                continue
+            program = getattr(prg, "p", None)  # a compiled kernel's ProgramSpec
+            src = getattr(program, "src", None)
+            if program is None or not src:
+                out.append(type(prg).__name__)
+                continue
+            src = re.sub(rf"\b{re.escape(program.function_name)}\b", "kernel", src)
+            out.append(re.sub(r"\b(data\d+)_\d+\b", r"\1", src))
+
+    for jit in jits:
+        captured = jit.captured
+        walk(captured.jit_cache if captured is not None else [])
+    return out

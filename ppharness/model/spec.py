@@ -14,7 +14,8 @@ from typing import Any
 
 from ppharness.errors import ModelError
 from ppharness.model.arch import architecture
-from ppharness.model.vocab import SPECIAL_TOKENS
+from ppharness.model.tokenizer import pre_tokenizer
+from ppharness.model.vocab import DEFAULT_TOKENIZER, special_tokens
 
 # weight type -> (the GGML type of every 2-D weight, the file's general.file_type)
 WEIGHT_TYPES: dict[str, tuple[str, str]] = {
@@ -71,6 +72,15 @@ class ModelSpec:
     yarn_log_mul: float = 0.0
     yarn_beta_fast: float = 0.0
     yarn_beta_slow: float = 0.0
+    # llama: Llama-3's rotary frequency factors (``rope_freqs.weight``): "llama3" writes them as llama.cpp's converter
+    # does for Llama 3.1/3.2 (low-frequency factor 1, high-frequency factor 4), with ``rope_scaling_factor`` (0: 32,
+    # Llama-3.2's) and ``rope_original_context`` (0: 8192); "" writes none
+    rope_scaling: str = ""
+    rope_scaling_factor: float = 0.0
+    rope_original_context: int = 0
+    # the tokenizer's type (tokenizer.ggml.pre: ppharness.model.tokenizer.PRE_TOKENIZERS): the vocabulary is learned
+    # for its pre-tokenizer and ends with its models' special tokens (ppharness.model.vocab)
+    tokenizer: str = DEFAULT_TOKENIZER
 
     def __post_init__(self) -> None:
         architecture(self.arch).check(self)
@@ -84,7 +94,8 @@ class ModelSpec:
                 f"{wtype} stores rows in blocks of {QUANT_BLOCK}: dim {self.dim}, ffn {self.ffn}, expert_ffn "
                 f"{self.expert_ffn} and shared_ffn {self.shared_ffn} must be multiples of {QUANT_BLOCK}"
             )
-        n_special = len(SPECIAL_TOKENS)
+        pre_tokenizer(self.tokenizer)  # a known type
+        n_special = len(special_tokens(self.tokenizer))
         if self.vocab < 256 + n_special:
             raise ModelError(
                 f"vocab {self.vocab} is too small: a byte-level BPE vocabulary needs at least {256 + n_special}"
@@ -156,6 +167,10 @@ _LATER_FIELDS: dict[str, object] = {
     "yarn_log_mul": 0.0,
     "yarn_beta_fast": 0.0,
     "yarn_beta_slow": 0.0,
+    "rope_scaling": "",
+    "rope_scaling_factor": 0.0,
+    "rope_original_context": 0,
+    "tokenizer": DEFAULT_TOKENIZER,
 }
 
 # Kimi K2 (moonshotai/Kimi-K2-Instruct's config.json), about 1.03 T parameters: for the simulator only, never
@@ -193,6 +208,9 @@ KIMI_K2 = ModelSpec(
 PRESETS: dict[str, ModelSpec] = {
     # CI: fast to compile and run on two CPU cores, still 8 blocks so any N up to 8 is possible.
     "tiny": ModelSpec(),
+    # tiny with Llama-3's rope frequency factors; an original context of 32 makes every factor but the first two
+    # matter within a short answer
+    "tiny-llama3": ModelSpec(rope_scaling="llama3", rope_original_context=32),
     # A little more work per token, for CPU benchmarks.
     "small": ModelSpec(blocks=12, dim=256, ffn=768, heads=8, kv_heads=4, vocab=2048),
     # llama-3.2-1B dimensions, for GPU work (about 1.24 B parameters, 2.5 GB in fp16).

@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from ppharness.model.arch import architecture
 from ppharness.model.spec import WEIGHT_TYPES, ModelSpec
-from ppharness.model.vocab import SPECIAL_TOKENS, build_vocab
+from ppharness.model.vocab import build_vocab, special_tokens
 
 
 class TensorWriter:
@@ -70,11 +70,12 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
     arch = architecture(spec.arch)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    n_special = len(SPECIAL_TOKENS)
-    tokens, merges = build_vocab(spec.vocab - 256 - n_special, spec.seed)
-    tokens = tokens + list(SPECIAL_TOKENS)
+    specials = special_tokens(spec.tokenizer)  # the BOS, the EOS, more
+    n_special = len(specials)
+    tokens, merges = build_vocab(spec.vocab - 256 - n_special, spec.seed, spec.tokenizer)
+    tokens = tokens + list(specials)
     token_types = [1] * (len(tokens) - n_special) + [3] * n_special
-    bos, eos = tokens.index("<|begin_of_text|>"), tokens.index("<|end_of_text|>")
+    bos, eos = tokens.index(specials[0]), tokens.index(specials[1])
 
     tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")  # processes building the same model do not collide
     w = gguf.GGUFWriter(str(tmp), spec.arch)
@@ -92,7 +93,7 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
     ggml_type, file_type = WEIGHT_TYPES[spec.type]
     w.add_file_type(gguf.LlamaFileType[file_type])
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("llama-bpe")
+    w.add_tokenizer_pre(spec.tokenizer)
     w.add_token_list(tokens)
     w.add_token_types(token_types)
     w.add_token_merges(merges)

@@ -174,7 +174,7 @@ class SplitCheck:
     ranges: list[tuple[int, int]]
     verdict: Verdict
     token_ids: list[int]
-    same_kernels: bool  # the stages' compiled decode steps run exactly the whole model's kernels
+    same_kernels: bool  # the stages' decode steps run exactly the whole model's kernels, their expert banks its bank's
 
     @property
     def exact(self) -> bool:
@@ -189,16 +189,25 @@ def check_splits(
     gguf = GGUFFile(model_path)
     whole = load_slices(gguf, [(0, gguf.config.blocks)], max_context, taps=True)[0]
     oracle = oracle_decode(model_path, prompt, max_tokens, max_context, model=whole, boundaries=True)
-    kernels = whole.decode_kernels()
+    kernels, bank = whole.decode_kernels(), whole.bank_kernels()
     out = []
     for ranges in splits:
         slices = load_slices(gguf, ranges, max_context)
         digests: dict[int, list[bytes]] = {}
         chain = run_inprocess(gguf, slices, prompt, max_tokens, digests=digests)
         verdict = compare(
-            chain.token_ids, oracle.token_ids, ranges, digests, oracle.boundary_digests, oracle.prompt_tokens
+            chain.token_ids,
+            oracle.token_ids,
+            ranges,
+            digests,
+            oracle.boundary_digests,
+            oracle.prompt_tokens,
+            chain_stop=chain.stop_token_id,
+            oracle_stop=oracle.stop_token_id,
         )
-        same = [k for s in slices for k in s.decode_kernels()] == kernels
+        same = [k for s in slices for k in s.decode_kernels()] == kernels and all(
+            s.bank_kernels() == bank for s in slices if s.bank.n
+        )
         out.append(SplitCheck(ranges, verdict, chain.token_ids, same))
         del slices
     return oracle, out

@@ -64,7 +64,7 @@ from ppharness.wire.messages import (
 )
 
 if TYPE_CHECKING:
-    from tinygrad.apps.llm import SimpleTokenizer
+    from ppharness.model.tokenizer import Tokenizer
 
 REQUIRED_ENV = ("STAGE", "NUM_STAGES", "SEED_ADDR", "MODEL", "PLAN", "TRANSPORT")
 STANDBY_ENV = ("PP_STANDBY", "SEED_ADDR", "MODEL", "TRANSPORT")
@@ -154,7 +154,7 @@ def start_packet_bridge(network: Network, env: dict[str, str], clock: EventClock
 
 def load_stage_model(
     model_source: str, plan: StagePlan, gguf_file: GGUFFile | None = None
-) -> tuple[ModelSlice, SimpleTokenizer | None, float]:
+) -> tuple[ModelSlice, Tokenizer | None, float]:
     """(ModelSlice, tokenizer or None, seconds): only this stage's tensors, decode step compiled and warmed.
     ``gguf_file``: the model file, when already open."""
     t0 = time.monotonic()
@@ -442,7 +442,7 @@ class Node:
             f"joined seed {self.seed} from {self.address} ({self.membership.engine or 'no'} membership); {loading}"
         )
 
-    def _load(self) -> tuple[ModelSlice | ExpertBank, SimpleTokenizer | None, int, int, float]:
+    def _load(self) -> tuple[ModelSlice | ExpertBank, Tokenizer | None, int, int, float]:
         """(the slice or the expert bank, the tokenizer, parameters, tied parameters, seconds)."""
         try:
             if self.plan.role == "experts":
@@ -455,7 +455,7 @@ class Node:
             raise HarnessError(f"loading the model failed: {type(exc).__name__}: {exc}") from exc
 
     def _build(
-        self, loaded: ModelSlice | ExpertBank, tokenizer: SimpleTokenizer | None, directory: dict[str, str]
+        self, loaded: ModelSlice | ExpertBank, tokenizer: Tokenizer | None, directory: dict[str, str]
     ) -> Stage | ExpertServer:
         """The stage (or expert server) this node serves, on the node's loop."""
         plan = self.plan

@@ -117,4 +117,6 @@ class Observer:
             oracle.boundary_digests,
             oracle.prompt_tokens,
             replaced=[r.stage for r in self.recoveries],
+            chain_stop=response.stop_token_id,
+            oracle_stop=oracle.stop_token_id,
         )

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 
 from ppharness.errors import CodecError, HarnessError, StageError
-from ppharness.model.decoding import finish_reason, visible
+from ppharness.model.decoding import finish_reason, stop_token, visible
 from ppharness.model.exactness import record_digest
 from ppharness.model.hidden import Hidden
 from ppharness.run.reliable import Key, ack_of
@@ -342,7 +342,7 @@ class Stage(ReplayingStage):
         """Record a sampled token; tell stage 0 and the client (and, when done, send the response)."""
         req.tokens.append(token)
         req.token_times.append(time.monotonic() - req.t0)
-        reason = finish_reason(req.tokens, self.model.config.eos_id, req.max_tokens)
+        reason = finish_reason(req.tokens, self.model.config.eog_ids, req.max_tokens)
         done = reason is not None
         if not self.first:
             msg = NextToken(
@@ -363,7 +363,8 @@ class Stage(ReplayingStage):
             self._respond(req, reason)
 
     def _respond(self, req: Request, reason: str) -> None:
-        ids = visible(req.tokens, self.model.config.eos_id)
+        eog_ids = self.model.config.eog_ids
+        ids, stop = visible(req.tokens, eog_ids), stop_token(req.tokens, eog_ids)
         assert self.tokenizer is not None  # the constructor insists on it for the last stage
         response = InferenceResponse(
             request_id=req.request_id,
@@ -372,6 +373,8 @@ class Stage(ReplayingStage):
             prompt_tokens=req.prompt_tokens,
             token_times=req.token_times,
             finish_reason=reason,
+            stop_token_id=stop,
+            stop_token=self.tokenizer.decode([stop]) if stop is not None else "",
         )
         self._send(("response", req.request_id, -1), "client:" + req.reply_to, response)
         self._finish(req.request_id)

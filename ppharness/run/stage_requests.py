@@ -41,9 +41,9 @@ from ppharness.wire.messages import (
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
-    from tinygrad.apps.llm import SimpleTokenizer
 
     from ppharness.model.config import ModelConfig
+    from ppharness.model.tokenizer import Tokenizer
 
 FINISHED_KEPT = 64  # request ids a stage remembers as finished, to acknowledge late duplicates
 QUEUE = 64  # stage 0's default: requests kept waiting for a free slot before more are refused
@@ -130,7 +130,7 @@ class StageState(ABC):
         names: dict[str, str],
         plan_id: str,
         wire_dtype: str = "f16",
-        tokenizer: SimpleTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
         log: Callable[[str], None] = print,
         tracer: Tracer | None = None,
         seed: str | None = None,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ppharness.errors import ModelError, ScenarioError
 from ppharness.model.files import cache_dir
 from ppharness.model.gguf_header import read_header
-from ppharness.model.vocab import SPECIAL_TOKENS, build_vocab
+from ppharness.model.vocab import build_vocab, special_tokens
 from ppharness.scenario.sections import SyntheticModel
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def _check_prompt_fits(scenario: Scenario, facts: ModelFacts, source: str) -> No
     """Refuse a prompt that cannot leave room for ``max_tokens``, judged from its UTF-8 length alone.
 
     A stage needs ``BOS + prompt tokens + max_tokens <= max_context``. Encoding the prompt would give the exact count,
-    but building the tokenizer costs most of a second (and the vocabulary of a large synthetic preset far more), so
+    but building the tokenizer costs a third of a second (and the vocabulary of a large synthetic preset far more), so
     only a lower bound on the token count is used: every token the byte-level BPE emits stands for at most
     ``longest_token`` bytes of the prompt (a special token, matched literally, for its UTF-8 length), so a prompt of
     ``b`` bytes is at least ``ceil(b / longest_token)`` tokens. The converse bound (``tokens <= b + 1``) is an upper
@@ -87,7 +87,9 @@ def _check_prompt_fits(scenario: Scenario, facts: ModelFacts, source: str) -> No
         )
 
 
-SMALL_VOCAB = 4096  # a synthetic vocabulary this size or smaller is built at check time (well under 0.1 s)
+# a synthetic vocabulary this size or smaller is built at check time (well under 0.1 s; for a tokenizer type other
+# than the default, learned from a larger corpus, about 0.3 s)
+SMALL_VOCAB = 4096
 
 
 def known_model(scenario: Scenario, source: str = "<file>") -> ModelFacts | None:
@@ -113,7 +115,7 @@ def _synthetic_facts(synthetic: SyntheticModel) -> ModelFacts:
     name = f"synthetic preset {synthetic.preset!r}"
     longest: int | None = None
     if spec.vocab <= SMALL_VOCAB:
-        longest = _synthetic_longest_token(spec.vocab, spec.seed)
+        longest = _synthetic_longest_token(spec.vocab, spec.seed, spec.tokenizer)
     else:
         cached = cache_dir() / "models" / f"{spec.slug()}.gguf"  # where synthetic_path builds it
         if cached.is_file():
@@ -125,11 +127,12 @@ def _synthetic_facts(synthetic: SyntheticModel) -> ModelFacts:
 
 
 @functools.lru_cache(maxsize=8)
-def _synthetic_longest_token(vocab: int, seed: int) -> int:
-    tokens, _ = build_vocab(vocab - 256 - len(SPECIAL_TOKENS), seed)
+def _synthetic_longest_token(vocab: int, seed: int, tokenizer: str) -> int:
+    specials = special_tokens(tokenizer)
+    tokens, _ = build_vocab(vocab - 256 - len(specials), seed, tokenizer)
     # measured as the GGUF stores them: a normal token's characters stand for one byte each, and their UTF-8 length is
     # never less than that; a special token is matched in the text as itself
-    return max(len(t.encode("utf-8")) for t in (*tokens, *SPECIAL_TOKENS))
+    return max(len(t.encode("utf-8")) for t in (*tokens, *specials))
 
 
 def _gguf_facts(path: Path) -> ModelFacts:

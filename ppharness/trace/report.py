@@ -191,7 +191,10 @@ def build_trace(
         return dict(sorted(waits.get((stage, step), {}).items()))
 
     records = []
-    for k, token in enumerate(response.token_ids + ([] if response.finish_reason == "length" else [-1])):
+    # the token that ended the answer took a step too (-1: a response that does not name it)
+    stop_id = -1 if response.stop_token_id is None else response.stop_token_id
+    stop = [] if response.finish_reason == "length" else [stop_id]
+    for k, token in enumerate(response.token_ids + stop):
         parts: dict[str, float] = {}
         hop_bytes: dict[str, int] = {}
         for i in range(n):

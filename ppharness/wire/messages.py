@@ -49,7 +49,8 @@ class StageActivation(_Msg, frozen=True):
 
 
 class NextToken(_Msg, frozen=True):
-    """Last stage -> stage 0: the sampled token at ``position``; ``done`` ends the request (EOS or max_tokens)."""
+    """Last stage -> stage 0: the sampled token at ``position``; ``done`` ends the request (an end-of-generation token
+    or max_tokens)."""
 
     request_id: str
     token_id: int
@@ -69,7 +70,9 @@ class InferenceResponse(_Msg, frozen=True):
     # Wall-clock of the last stage, monotonic seconds relative to the moment it saw the prefill activation:
     # token_times[k] is when token k was sampled.
     token_times: list[float]
-    finish_reason: str  # "eos" | "length"
+    finish_reason: str  # "eos" (an end-of-generation token ended it) | "length" (max_tokens did)
+    stop_token_id: int | None = None  # the end-of-generation token that ended it, not in token_ids; None at max_tokens
+    stop_token: str = ""  # that token's text ("<|eot_id|>"); "" at max_tokens
 
 
 # --- what the harness adds ----------------------------------------------------------------------------------------

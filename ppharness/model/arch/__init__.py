@@ -12,7 +12,7 @@ from __future__ import annotations
 from ppharness.errors import ModelError
 from ppharness.model.arch.base import Architecture
 from ppharness.model.arch.deepseek2 import DEEPSEEK2
-from ppharness.model.arch.llama import DENSE, LLAMA
+from ppharness.model.arch.llama import LLAMA
 from ppharness.model.arch.qwen_moe import QWEN2MOE, QWEN3MOE
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN3MOE, QWEN2MOE, DEEPSEEK2)}
@@ -27,10 +27,14 @@ def architecture(name: str) -> Architecture:
 
 
 def of_file(name: str, experts: int = 0) -> Architecture:
-    """The architecture of a GGUF file whose metadata names ``name`` and ``experts`` routed experts. A dense model of
-    an architecture not registered here computes with llama's blocks, its tensors as the file stores them; experts
-    need an architecture that routes them."""
-    arch = ARCHITECTURES.get(name, DENSE)
+    """The architecture of a GGUF file whose metadata names ``name`` and ``experts`` routed experts; ModelError for
+    an architecture not registered here (its blocks would be computed as another's) and for experts in one that does
+    not route them."""
+    arch = ARCHITECTURES.get(name)
+    if arch is None:
+        raise ModelError(
+            f"architecture {name!r} is not one this engine computes: expected one of {', '.join(ARCHITECTURES)}"
+        )
     if experts and not arch.moe:
         moe = ", ".join(n for n, a in ARCHITECTURES.items() if a.moe)
         raise ModelError(

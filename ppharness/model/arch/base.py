@@ -46,6 +46,14 @@ class Architecture(ABC):
     renormalise: bool = False  # top-k weights renormalised where the file does not say (llama.cpp's ``norm_w``)
     gating: str = "softmax"  # the experts' scoring where a synthetic spec does not say
     router_bias: str = ""  # a block's tensor holding the router's selection bias, "" for none
+    # a MoE block's tensors kept float32 as the file stores them, not rounded to float16 (``keeps_f32``)
+    f32_tensors: tuple[str, ...] = ()
+    # what it computes with (``ppharness.model.support`` refuses a file holding anything else): the tensors outside
+    # the blocks, a block's parts (``blk.{i}.{part}``), and the computation-changing metadata keys
+    # (``support.COMPUTE_KEYS``) it implements
+    global_tensors: frozenset[str] = frozenset({"token_embd.weight", "output_norm.weight", "output.weight"})
+    block_parts: frozenset[str] = frozenset()
+    keys: frozenset[str] = frozenset()
 
     # --- a synthetic model ------------------------------------------------------------------------------------------
 
@@ -87,9 +95,26 @@ class Architecture(ABC):
         every architecture has; KeyError names a key the file lacks."""
         return {}
 
+    def unsupported(self, kv: dict[str, Any]) -> str:
+        """What of a file's metadata this architecture does not compute, "" for nothing: by default a rotary width
+        (``rope.dimension_count``) other than the whole head."""
+        a = kv["general.architecture"]
+        head_dim = kv.get(f"{a}.attention.key_length", kv[f"{a}.embedding_length"] // kv[f"{a}.attention.head_count"])
+        rot = kv.get(f"{a}.rope.dimension_count", head_dim)
+        if int(rot) != int(head_dim):
+            return f"{a}.rope.dimension_count {rot} rotates part of a head of {head_dim}, which this engine does not"
+        return ""
+
     def file_tensor(self, cfg: ModelConfig, name: str, arr: NDArray[np.float16]) -> NDArray[np.float16]:
         """A tensor as read from the file -> as the blocks compute with it."""
         return arr
+
+    def keeps_f32(self, cfg: ModelConfig, name: str) -> bool:
+        """Whether the file tensor ``name`` is loaded and computed with as float32: a MoE block's ``f32_tensors`` (its
+        router and the norm before it, which llama.cpp and HF compute in float32: with hundreds of experts, logits
+        rounded to fp16 change which ones near-ties choose). Every other tensor is float16."""
+        m = BLOCK_TENSOR.match(name)
+        return m is not None and int(m.group(1)) in cfg.moe_blocks and m.group(2) in self.f32_tensors
 
     @abstractmethod
     def block(self, cfg: ModelConfig, max_context: int, layer: int) -> Any:
@@ -123,6 +148,12 @@ def check_no_mla(spec: ModelSpec) -> None:
         raise ModelError(
             "MLA attention, leading dense blocks, shared_experts, expert groups and YaRN belong to arch=deepseek2"
         )
+
+
+def check_no_rope_factors(spec: ModelSpec) -> None:
+    """A spec without Llama-3's rope frequency factors."""
+    if spec.rope_scaling or spec.rope_scaling_factor or spec.rope_original_context:
+        raise ModelError(f"Llama-3's rope factors (rope_scaling) belong to arch=llama, not {spec.arch}")
 
 
 def check_no_shared_ffn(spec: ModelSpec) -> None:

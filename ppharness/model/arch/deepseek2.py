@@ -37,6 +37,7 @@ from ppharness.model.arch.base import (
     AttentionShape,
     Shape,
     check_experts,
+    check_no_rope_factors,
     check_no_shared_ffn,
     write_expert_keys,
 )
@@ -176,13 +177,16 @@ def deepseek2_block_class() -> Any:
 
         def pre(self, x: Tensor, start_pos: int | UOp) -> tuple[Tensor, ...]:
             """A MoE block before its routed experts: the residual (fp32), the experts' normed input (fp16), the
-            router's logits (fp32) and the shared experts' output (fp32)."""
+            router's logits (fp32) and the shared experts' output (fp32). The norm and the router compute in fp32
+            from their fp32 weights (``Deepseek2.f32_tensors``), as llama.cpp does; the experts read the normed
+            input rounded to fp16."""
             hres = self._attention(x, start_pos)
-            normed = self.ffn_norm(hres).cast("float16").contiguous()
-            out = [hres.contiguous(), normed, self.ffn_gate_inp(normed).float().contiguous()]
+            normed = self.ffn_norm(hres).contiguous()  # (B,T,D) fp32
+            half = normed.cast("float16").contiguous()
+            out = [hres.contiguous(), half, self.ffn_gate_inp(normed).contiguous()]
             if self.shared:
-                act = cast(Any, self.ffn_gate_shexp(normed)).silu().contiguous()
-                out.append(self.ffn_down_shexp(act * self.ffn_up_shexp(normed)).float().contiguous())
+                act = cast(Any, self.ffn_gate_shexp(half)).silu().contiguous()
+                out.append(self.ffn_down_shexp(act * self.ffn_up_shexp(half)).float().contiguous())
             return tuple(out)
 
     return DeepseekBlock
@@ -193,6 +197,17 @@ class Deepseek2(Architecture):
     moe = True
     gating = "sigmoid"
     router_bias = "exp_probs_b.bias"
+    block_parts = frozenset(
+        {f"{p}.weight" for p in ("attn_norm", "attn_q", "attn_q_a", "attn_q_a_norm", "attn_q_b", "attn_output")}
+        | {f"{p}.weight" for p in ("attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b", "attn_v_b", "ffn_norm")}
+        | {f"ffn_{p}{kind}.weight" for p in ("gate", "up", "down") for kind in ("", "_exps", "_shexp")}
+        | {"ffn_gate_inp.weight", "exp_probs_b.bias"}
+    )
+    keys = frozenset(
+        {"rope.scaling.type", "rope.scaling.factor", "expert_weights_scale", "expert_gating_func"}
+        | {"expert_group_count", "leading_dense_block_count"}
+    )
+    f32_tensors = ("ffn_norm.weight", "ffn_gate_inp.weight")
 
     def check(self, spec: ModelSpec) -> None:
         check_experts(spec)
@@ -215,6 +230,7 @@ class Deepseek2(Architecture):
                 f"1 <= groups_used {spec.groups_used} <= expert_groups"
             )
         check_no_shared_ffn(spec)
+        check_no_rope_factors(spec)
 
     def block_tensors(self, spec: ModelSpec, i: int) -> dict[str, Shape]:
         """llama.cpp's names, with MLA's key and value up-projections split per head (``attn_k_b``, ``attn_v_b``) as
@@ -338,6 +354,11 @@ class Deepseek2(Architecture):
             )
         fields["head_dim"] = int(kv.get(f"{a}.attention.key_length_mla", kv[f"{a}.attention.key_length"]))
         return fields
+
+    def unsupported(self, kv: dict[str, Any]) -> str:
+        """A rope scaling other than YaRN (its rotary width is its own: ``rope_dim``)."""
+        scaling = str(kv.get(f"{self.name}.rope.scaling.type", "none")).lower()
+        return "" if scaling in ("none", "yarn") else f"rope scaling {scaling!r} is not YaRN, the one deepseek2 has"
 
     def block(self, cfg: ModelConfig, max_context: int, layer: int) -> Any:
         return deepseek2_block_class()(cfg, max_context, layer in cfg.moe_blocks)

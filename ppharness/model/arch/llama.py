@@ -5,13 +5,17 @@ tinygrad is tinygrad's own llama block with an fp16 output buffer (the block bou
 
 llama.cpp's converter stores a llama file's query and key rows interleaved for its rotary embedding; tinygrad's block
 rotates the two halves, so the rows are reordered on reading (``file_tensor``), as tinygrad's
-``Transformer.from_gguf`` does. A dense model of an architecture not registered here (``DENSE``) computes with the
-same block, its rows as the file stores them.
+``Transformer.from_gguf`` does.
+
+Llama 3.1/3.2 files carry ``rope_freqs.weight``, one factor per rotary pair, by which llama.cpp divides each pair's
+frequency; a block of such a file rotates with them (``rope_table``), and the synthetic writer writes them for a spec
+with ``rope_scaling="llama3"`` (``llama3_rope_factors``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,28 +35,112 @@ if TYPE_CHECKING:
     from ppharness.model.synthetic import TensorWriter
 
 
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR = 1.0, 4.0  # every Llama 3.1/3.2 config's
+LLAMA3_FACTOR, LLAMA3_ORIGINAL_CONTEXT = 32.0, 8192  # Llama-3.2's
+
+
+def llama3_rope_factors(spec: ModelSpec) -> NDArray[np.float32]:
+    """``rope_freqs.weight`` of ``spec`` as llama.cpp's converter computes it from a Llama 3.1/3.2 config's
+    ``rope_scaling``: each rotary pair's wavelength ``2 pi / freq``; factor 1 below ``original / high``, ``factor``
+    above ``original / low``, and between them ``1 / ((1 - s) / factor + s)`` with ``s = (original / wavelength - low)
+    / (high - low)``."""
+    factor = spec.rope_scaling_factor or LLAMA3_FACTOR
+    original = spec.rope_original_context or LLAMA3_ORIGINAL_CONTEXT
+    low, high = LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR
+    freqs = 1.0 / (spec.rope_theta ** (np.arange(0, spec.hd, 2, dtype=np.float32) / spec.hd))
+    out = []
+    for freq in freqs:
+        wavelength = 2 * math.pi / float(freq)
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            s = (original / wavelength - low) / (high - low)
+            out.append(1 / ((1 - s) / factor + s))
+    return np.array(out, dtype=np.float32)
+
+
+@functools.cache
+def rope_table(head_dim: int, end: int, theta: float, factors: tuple[float, ...]) -> Tensor:
+    """(end, head_dim) cos | sin of every position's rotary angles, as tinygrad's ``precompute_freqs_cis``, each
+    pair's frequency divided by its factor (ggml's ``rope`` with ``freq_factors``)."""
+    from tinygrad.tensor import Tensor
+
+    freqs = 1.0 / (theta ** (Tensor.arange(0, head_dim, 2)[: head_dim // 2] / head_dim))
+    freqs = freqs / Tensor(list(factors), dtype="float32")
+    angles = Tensor.arange(end).unsqueeze(dim=1) * freqs.unsqueeze(dim=0)
+    table: Tensor = angles.cos().cat(angles.sin(), dim=-1).contiguous()
+    return table
+
+
 @functools.cache
 def block_class() -> type[TransformerBlock]:
     """tinygrad's llama block whose output is an fp16 buffer: the block boundary of ``ppharness.model.slicing``. Its
-    projections are ``DecodeLinear``s."""
-    from tinygrad.apps.llm import TransformerBlock
+    projections are ``DecodeLinear``s; with ``rope_factors`` its rotary frequencies are divided by them."""
+    from tinygrad.apps.llm import TransformerBlock, apply_rope
 
     class Block(TransformerBlock):
-        def __init__(self, *args: Any):
+        rope_factors: tuple[float, ...] = ()
+
+        def __init__(self, *args: Any, rope_factors: tuple[float, ...] = ()):
             super().__init__(*args)
+            self.rope_factors = rope_factors
             for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
                 setattr(self, name, DecodeLinear(getattr(self, name)))
 
         def __call__(self, x: Tensor, start_pos: int | UOp) -> Tensor:
             return self._feed_forward(self._attention(x, start_pos)).cast("float16").contiguous()
 
+        def _attention(self, x: Tensor, start_pos: int | UOp) -> Tensor:
+            if not self.rope_factors:
+                return super()._attention(x, start_pos)
+            return self._attention_with(x, start_pos)
+
+        def _attention_with(self, x: Tensor, start_pos: int | UOp) -> Tensor:
+            """tinygrad's attention with this block's rotary table (``rope_table``)."""
+            from tinygrad.tensor import Tensor
+
+            normed = self.attn_norm(x)
+            q, k, v = self.attn_q(normed), self.attn_k(normed), self.attn_v(normed)
+            b, t, _ = x.shape
+            q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B,H,T,Hd)
+            k = k.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B,KvH,T,Hd)
+            v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            table = rope_table(self.head_dim, self.max_context, self.rope_theta, self.rope_factors)
+            freqs_cis = table[start_pos : start_pos + t]  # a UOp position slices too
+            q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
+            if not hasattr(self, "cache_kv"):
+                shape = (2, b, self.n_kv_heads, self.max_context, self.head_dim)
+                self.cache_kv = Tensor.zeros(*shape, dtype=k.dtype, device=k.device).contiguous().realize()
+            self.cache_kv[:, :, :, start_pos : start_pos + t, :].assign(Tensor.stack(k, v)).realize()
+            k = self.cache_kv[0, :, :, 0 : start_pos + t, :]
+            v = self.cache_kv[1, :, :, 0 : start_pos + t, :]
+            mask = (
+                Tensor.full((1, 1, t, start_pos + t), float("-inf"), dtype=x.dtype, device=x.device).triu(start_pos + 1)
+                if t > 1
+                else None
+            )
+            attn = q.scaled_dot_product_attention(k, v, attn_mask=mask, enable_gqa=True)  # (B,H,T,Hd)
+            out: Tensor = x + self.attn_output(attn.transpose(1, 2).reshape(b, t, -1))
+            return out
+
     return Block
 
 
 def dense_block(cfg: ModelConfig, max_context: int) -> Any:
-    """A llama block of ``cfg``'s dimensions."""
-    return block_class()(
-        cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.norm_eps, cfg.head_dim, cfg.rope_theta, max_context
+    """A llama block of ``cfg``'s dimensions (and Llama-3 rope factors, where the file has them)."""
+    block: Any = block_class()  # with factors, its constructor takes them beside tinygrad's arguments
+    return block(
+        cfg.dim,
+        cfg.ffn,
+        cfg.heads,
+        cfg.kv_heads,
+        cfg.norm_eps,
+        cfg.head_dim,
+        cfg.rope_theta,
+        max_context,
+        **({"rope_factors": cfg.rope_factors} if cfg.rope_factors else {}),
     )
 
 
@@ -86,7 +174,15 @@ def write_rope_keys(spec: ModelSpec, w: Any) -> None:
         w.add_value_length(spec.hd)
 
 
+ATTENTION_PARTS = frozenset(f"{p}.weight" for p in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output"))
+FFN_PARTS = frozenset(f"{p}.weight" for p in ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down"))
+ROPE_FACTORS = "rope_freqs.weight"  # Llama-3's rotary frequency factors, one per pair of a head
+
+
 class Llama(Architecture):
+    global_tensors = Architecture.global_tensors | {ROPE_FACTORS}
+    block_parts = ATTENTION_PARTS | FFN_PARTS
+
     def __init__(self, name: str, interleaved: bool) -> None:
         self.name = name
         self.interleaved = interleaved  # query and key rows stored interleaved for the rotary embedding
@@ -97,6 +193,16 @@ class Llama(Architecture):
                 "experts need a mixture-of-experts architecture: arch=qwen3moe, arch=qwen2moe or arch=deepseek2"
             )
         check_no_mla(spec)
+        if spec.rope_scaling not in ("", "llama3"):
+            raise ModelError(f"rope_scaling {spec.rope_scaling!r}: expected llama3 or nothing")
+        if not spec.rope_scaling and (spec.rope_scaling_factor or spec.rope_original_context):
+            raise ModelError("rope_scaling_factor and rope_original_context need rope_scaling=llama3")
+
+    def tensors(self, spec: ModelSpec) -> dict[str, Shape]:
+        out = super().tensors(spec)
+        if spec.rope_scaling:  # before the blocks, where llama.cpp's converter writes it
+            out = {"token_embd.weight": out.pop("token_embd.weight"), ROPE_FACTORS: (spec.hd // 2,)} | out
+        return out
 
     def block_tensors(self, spec: ModelSpec, i: int) -> dict[str, Shape]:
         d, b = spec.dim, f"blk.{i}."
@@ -112,6 +218,8 @@ class Llama(Architecture):
 
     def write_block(self, spec: ModelSpec, i: int, out: TensorWriter) -> None:
         lin = 1.0 / np.sqrt(spec.dim)
+        if i == 0 and spec.rope_scaling:
+            out.add(ROPE_FACTORS, llama3_rope_factors(spec))
         write_attention(spec, i, out)
         out.add(f"blk.{i}.ffn_norm.weight", out.norm(spec.dim))
         out.matrix(f"blk.{i}.ffn_gate.weight", out.rand(spec.ffn, spec.dim, std=lin))
@@ -132,4 +240,3 @@ class Llama(Architecture):
 
 
 LLAMA = Llama("llama", interleaved=True)
-DENSE = Llama("", interleaved=False)  # a dense llama-family model of an architecture not registered

@@ -22,10 +22,18 @@ from ppharness.model.arch.base import (
     Shape,
     check_experts,
     check_no_mla,
+    check_no_rope_factors,
     check_no_shared_ffn,
     write_expert_keys,
 )
-from ppharness.model.arch.llama import attention_tensors, dense_block, write_attention, write_rope_keys
+from ppharness.model.arch.llama import (
+    ATTENTION_PARTS,
+    FFN_PARTS,
+    attention_tensors,
+    dense_block,
+    write_attention,
+    write_rope_keys,
+)
 
 if TYPE_CHECKING:
     from tinygrad.tensor import Tensor
@@ -86,13 +94,16 @@ def moe_block_class() -> Any:
             return self.moe_inputs(self._attention(x, start_pos))
 
         def moe_inputs(self, h: Tensor) -> tuple[Tensor, ...]:
-            """From the residual ``h`` after attention: ``pre``'s outputs."""
-            normed = self.ffn_norm(h).cast("float16").contiguous()
-            out = [h.float().contiguous(), normed, self.ffn_gate_inp(normed).float().contiguous()]
+            """From the residual ``h`` after attention: ``pre``'s outputs. The norm, the router and the shared
+            expert's gate compute in fp32 from their fp32 weights (``QwenMoE.f32_tensors``), as llama.cpp does; the
+            experts read the normed input rounded to fp16, as llama.cpp's fp16 matmuls round it."""
+            normed = self.ffn_norm(h.float()).contiguous()  # (B,T,D) fp32
+            half = normed.cast("float16").contiguous()
+            out = [h.float().contiguous(), half, self.ffn_gate_inp(normed).contiguous()]
             if self.shared:
-                gate = (normed.float() * self.ffn_gate_inp_shexp.weight.float()).sum(-1, keepdim=True).sigmoid()
-                act = cast(Any, self.ffn_gate_shexp(normed)).silu().contiguous()  # silu is unannotated
-                y = self.ffn_down_shexp(act * self.ffn_up_shexp(normed))
+                gate = (normed * self.ffn_gate_inp_shexp.weight).sum(-1, keepdim=True).sigmoid()  # (B,T,1) fp32
+                act = cast(Any, self.ffn_gate_shexp(half)).silu().contiguous()  # silu is unannotated
+                y = self.ffn_down_shexp(act * self.ffn_up_shexp(half))
                 out.append((y.float() * gate).contiguous())
             return tuple(out)
 
@@ -121,6 +132,16 @@ def write_experts(spec: ModelSpec, i: int, out: TensorWriter) -> None:
 
 class QwenMoE(Architecture):
     moe = True
+    f32_tensors = ("ffn_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+    # both blocks read query/key norms, q/k/v biases and a gated shared expert where the file has them
+    block_parts = (
+        ATTENTION_PARTS
+        | FFN_PARTS
+        | {"attn_q_norm.weight", "attn_k_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias"}
+        | {f"ffn_{p}_exps.weight" for p in ("gate", "up", "down")}
+        | {f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")}
+        | {"ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"}
+    )
 
     def __init__(self, name: str, renormalise: bool, qk_norm: bool, qkv_bias: bool, shared: bool) -> None:
         self.name, self.renormalise = name, renormalise
@@ -129,6 +150,7 @@ class QwenMoE(Architecture):
     def check(self, spec: ModelSpec) -> None:
         check_experts(spec)
         check_no_mla(spec)
+        check_no_rope_factors(spec)
         if not self.shared:
             check_no_shared_ffn(spec)
 
