@@ -24,7 +24,7 @@ from ppharness.model.files import synthetic_path
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.oracle import oracle_decode
 from ppharness.model.spec import PRESETS, synthetic_source
-from ppharness.run.inprocess import load_slices, run_inprocess
+from ppharness.run.inprocess import judge, load_slices, run_inprocess
 from ppharness.trace.report import build_trace
 from ppharness.wire import codec
 from ppharness.wire.messages import PROTOCOL_VERSION, InferenceResponse, Span, TraceReport
@@ -206,16 +206,7 @@ def test_a_split_chain_stops_at_eot_as_the_unsplit_model_does(model_path, gguf_f
     assert chain.token_ids == answer
     assert (chain.finish_reason, chain.stop_token_id, chain.stop_token) == ("eos", eot, "<|eot_id|>")
     assert chain.text == oracle.text
-    verdict = compare(
-        chain.token_ids,
-        oracle.token_ids,
-        ranges,
-        digests,
-        oracle.boundary_digests,
-        oracle.prompt_tokens,
-        chain_stop=chain.stop_token_id,
-        oracle_stop=oracle.stop_token_id,
-    )
+    verdict = judge(chain, oracle, ranges, digests)
     assert verdict.exact, verdict.describe(chain.token_ids, oracle.token_ids)
     # every step was computed, the one that gave <|eot_id|> too
     assert all(len(d) == len(answer) + 1 for stage, d in digests.items() if stage < len(ranges) - 1)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from ppharness.model.exactness import compare, digest
 from ppharness.model.oracle import oracle_decode
-from ppharness.run.inprocess import load_slices, run_inprocess
+from ppharness.run.inprocess import judge, load_slices, run_inprocess
 from ppharness.wire import codec
 from ppharness.wire.messages import StageActivation
 
@@ -116,16 +116,7 @@ def split_equals_unsplit(tiny_model_path, tiny_gguf, cuts, prompt, length, wire)
         on_message=on_message,
     )
     expected = _oracle(tiny_model_path, tiny_gguf, prompt, max_tokens)
-    verdict = compare(
-        chain.token_ids,
-        expected.token_ids,
-        ranges,
-        digests,
-        expected.boundary_digests,
-        expected.prompt_tokens,
-        chain_stop=chain.stop_token_id,
-        oracle_stop=expected.stop_token_id,
-    )
+    verdict = judge(chain, expected, ranges, digests)
     assert verdict.exact, f"split {ranges} changed the answer: {verdict.describe(chain.token_ids, expected.token_ids)}"
     assert chain.text == expected.text
     assert (chain.finish_reason, chain.stop_token) == (expected.finish_reason, expected.stop_token)

@@ -167,6 +167,22 @@ def run_inprocess(
         raise StageError(f"the in-process chain did not finish in {MAX_STEPS} steps")
 
 
+def judge(
+    chain: InferenceResponse, oracle: OracleResult, ranges: Sequence[tuple[int, int]], digests: dict[int, list[bytes]]
+) -> Verdict:
+    """A chain's answer (tokens, stop token, each stage's boundary digests) against the unsplit model's."""
+    return compare(
+        chain.token_ids,
+        oracle.token_ids,
+        list(ranges),
+        digests,
+        oracle.boundary_digests,
+        oracle.prompt_tokens,
+        chain_stop=chain.stop_token_id,
+        oracle_stop=oracle.stop_token_id,
+    )
+
+
 @dataclass(frozen=True)
 class SplitCheck:
     """One split checked in process against the unsplit model."""
@@ -195,16 +211,7 @@ def check_splits(
         slices = load_slices(gguf, ranges, max_context)
         digests: dict[int, list[bytes]] = {}
         chain = run_inprocess(gguf, slices, prompt, max_tokens, digests=digests)
-        verdict = compare(
-            chain.token_ids,
-            oracle.token_ids,
-            ranges,
-            digests,
-            oracle.boundary_digests,
-            oracle.prompt_tokens,
-            chain_stop=chain.stop_token_id,
-            oracle_stop=oracle.stop_token_id,
-        )
+        verdict = judge(chain, oracle, ranges, digests)
         same = [k for s in slices for k in s.decode_kernels()] == kernels and all(
             s.bank_kernels() == bank for s in slices if s.bank.n
         )
