@@ -11,7 +11,7 @@ import importlib
 import click
 
 from ppharness.cli.common import load_scenario_or_fail, run_and_report
-from ppharness.cli.model import model, oracle, split_check
+from ppharness.cli.model import model, oracle, split_check, tune
 from ppharness.cli.ops import reap, vastai_emulator
 from ppharness.cli.plan import plan
 from ppharness.cli.scenario import scenario
@@ -53,5 +53,5 @@ def run(scenario_file: str, num_stages: int | None, quiet: bool) -> None:
     run_and_report(load_scenario_or_fail(scenario_file, num_stages=num_stages), quiet=quiet)
 
 
-for command in (run, scenario, plan, model, split_check, oracle, vastai_emulator, reap):
+for command in (run, scenario, plan, model, split_check, tune, oracle, vastai_emulator, reap):
     main.add_command(command)

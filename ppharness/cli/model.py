@@ -133,6 +133,49 @@ def split_check(source: str, stages: str, prompt: str, max_tokens: int, max_cont
 
 
 @click.command()
+@click.option(
+    "--model", "source", default="synthetic:tiny", show_default=True, help="A GGUF path, URL or synthetic: spec."
+)
+@click.option(
+    "--out",
+    default="kernels.json",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="The kernel table to write (kernels of other models already in it are kept).",
+)
+@click.option("--beam", type=click.IntRange(1, 32), default=2, show_default=True, help="The search's beam width.")
+@click.option(
+    "--prompt",
+    "prompts",
+    multiple=True,
+    default=["The quick brown fox"],
+    show_default=True,
+    help="Prompts whose lengths' prefill kernels are searched too (repeat for several).",
+)
+@click.option("--max-context", type=int, default=256, show_default=True)
+def tune(source: str, out: str, beam: int, prompts: tuple[str, ...], max_context: int) -> None:
+    """Search the kernels of a model on this machine's device (DEV=CUDA for a GPU) once and write the choices to a
+    kernel table. Every process started with PPHARNESS_KERNELS=FILE (stages, the oracle, benchmarks) then compiles the
+    same kernels, so splits stay exact with searched kernels. Prefill kernels of prompt lengths not tuned, and any
+    kernel missing from the table, compile with tinygrad's heuristic in every process alike."""
+    import time
+
+    from ppharness.model.kernels import ENV
+    from ppharness.model.kernels import tune as tune_model
+
+    t0 = time.monotonic()
+
+    def progress(n: int, seconds: float) -> None:
+        click.echo(f"[{time.monotonic() - t0:7.1f}s] searched {n} kernel(s), the last in {seconds:.1f} s", err=True)
+
+    with exit_1_on_failure():
+        path = str(resolve_model(source))
+        pinning = tune_model(path, out, beam, prompts, max_context=max_context, on_search=progress)
+    click.echo(f"{pinning.summary()} in {time.monotonic() - t0:.1f} s")
+    click.echo(f"use it: {ENV}={out} pp-smoke-run ... (every process of a run must read the same table)")
+
+
+@click.command()
 @click.option("--scenario", "scenario_file", type=click.Path(dir_okay=False), help=SCENARIO_HELP)
 @click.option("--prompt")
 @click.option("--max-tokens", type=int)

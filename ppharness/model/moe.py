@@ -34,6 +34,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
+from ppharness.model.kernels import pin_from_env
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -149,6 +150,7 @@ class ExpertBank:
         from tinygrad.tensor import Tensor
         from tinygrad.uop.ops import UOp
 
+        pin_from_env()  # an expert node compiles its bank with the run's kernel table too
         cfg = gguf_file.config
         self.dim, self.ffn, self.width = cfg.dim, cfg.expert_ffn, max(1, cfg.experts_used)
         self.slots: dict[tuple[int, int], int] = {}

@@ -31,6 +31,7 @@ from ppharness.errors import ModelError
 from ppharness.model.arch.base import BLOCK_TENSOR
 from ppharness.model.direct import DecodeLinear, DirectStep, decode_context
 from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.kernels import pin_from_env
 from ppharness.model.moe import ExpertBank, ExpertCall, all_experts, combine, route
 
 if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this module
@@ -104,6 +105,7 @@ class ModelSlice:
         from tinygrad.engine.jit import TinyJit
         from tinygrad.uop.ops import UOp
 
+        pin_from_env()  # a kernel table named by PPHARNESS_KERNELS: every process compiles the same kernels
         cfg = gguf_file.config
         if not 0 <= lo < hi <= cfg.blocks and not (lo == hi and first and last and cfg.blocks == 0):
             raise ModelError(f"block range [{lo}, {hi}) is not inside the model's {cfg.blocks} blocks")

@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, TextIO
 
 from ppharness.errors import StageError
+from ppharness.model import kernels
 from ppharness.model.oracle import oracle_decode
 from ppharness.run.client import Client, Job, Served
 from ppharness.run.failover import Failover, Recovery
@@ -273,4 +274,7 @@ def run_scenario(
             chain.model_path, req.prompt, req.max_tokens, scenario.model.max_context, boundaries=True
         )
         result.verdict = chain.observer.judge(response, result.oracle, digests)
+        pinning = kernels.active()
+        if pinning is not None:  # the nodes read the same table (PPHARNESS_KERNELS travels in their environment)
+            progress(f"the oracle's {pinning.summary()}")
     return result

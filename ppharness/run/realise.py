@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ppharness.errors import PlanError
+from ppharness.model.kernels import TABLE_ENV
 from ppharness.model.spec import preset_spec, synthetic_source
 from ppharness.network.packet import PortTable, encode_ports
 from ppharness.plan.compile import Compiled, check_model, compile_plan, load_compiled, programs, scenario_plan
@@ -43,6 +44,7 @@ class Endpoints:
     network: Network | None = None
     ports: PortTable = field(default_factory=dict)
     bridge_dir: str = ""
+    kernel_table: str = ""  # the run's kernel table (model/kernels.py), handed to every node; "" without one
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,8 @@ def standby(scenario: Scenario, at: Endpoints, spare: Device, transport_opts: Js
         "MODEL": at.node_model,
         "TRANSPORT": scenario.transport.kind,
     } | at.membership_env
+    if at.kernel_table:
+        env[TABLE_ENV] = at.kernel_table
     if at.network is not None:
         env["PP_NETWORK"] = msgspec.json.encode(at.network).decode()
     if transport_opts:
@@ -181,6 +185,8 @@ def _node(scenario: Scenario, at: Endpoints, program: StagePlan, device: Device,
         "TRANSPORT": scenario.transport.kind,
         "PLAN": encode_program(program),
     } | at.membership_env
+    if at.kernel_table:
+        env[TABLE_ENV] = at.kernel_table
     for fault in scenario.faults:
         if fault.stage == i and program.epoch == 0:  # a replacement does not inherit the fault it replaces
             env["PP_FAULT"] = fault.mode

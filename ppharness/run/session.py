@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ppharness.errors import ClusterError, HarnessError, PlanError, StageBusy, StageError, WaitTimedOut
 from ppharness.model.files import resolve_model
+from ppharness.model.kernels import table_for_nodes
 from ppharness.network.bridge import Bridge
 from ppharness.network.clock import EventClock
 from ppharness.network.nemesis import Nemesis
@@ -254,6 +255,7 @@ class Session:
             network=self.network,
             ports=self.ports,
             bridge_dir=self.bridge_dir or "",
+            kernel_table=table_for_nodes(),
         )
         specs = [
             provider.spec(r.name, r.env, **r.options) for r in realise(sc, self.compiled, endpoints, self.trace_on)

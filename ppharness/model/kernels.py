@@ -1,0 +1,338 @@
+"""Searched kernels, pinned: every process of a run compiles each kernel with the same optimisations.
+
+tinygrad's BEAM search picks a kernel's optimisations (upcasts, locals, groups, tensor cores) by timing candidates, so
+two processes may pick differently and compute the same block with different code, which breaks split == unsplit. Here
+the search runs once per model and device (``ppharness tune``) and its choices go into a kernel table, a JSON file keyed
+by each kernel's structure. Every process that reads the table (``PPHARNESS_KERNELS=FILE``: stages, the oracle, the
+benchmarks) compiles a kernel in the table with its recorded optimisations and any other kernel with tinygrad's own
+deterministic heuristic — never a search of its own — so all of them run the same code for the same kernel.
+
+A kernel's key is the hash of its AST with the lengths of its buffers and the bounds of its variables left out: an
+expert bank of 32 experts and one of 64 run the same loops over buffers of different length, and get the same choices.
+Kernels whose optimisations the model code fixes itself (``DecodeLinear`` on the CPU) keep them; tinygrad applies
+those before any search.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import msgspec
+
+from ppharness.errors import ModelError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from tinygrad.codegen.opt import Opt
+    from tinygrad.codegen.opt.postrange import Scheduler
+    from tinygrad.uop.ops import UOp
+
+log = logging.getLogger(__name__)
+
+ENV = "PPHARNESS_KERNELS"  # the table's path, set by the user for a run (and seen by local nodes)
+TABLE_ENV = "PP_KERNEL_TABLE"  # the table itself, as a run hands it to every node (docker and vast.ai included)
+MAX_ENV_BYTES = 96 << 10  # under Linux's 128 KiB limit on one environment string
+FORMAT = "ppharness-kernels/1"
+MAX_FILE_BYTES = 32 << 20  # a table of the largest model's kernels is well under 1 MiB
+MAX_KERNELS = 200_000
+MAX_OPTS = 32  # optimisations per kernel; BEAM applies a handful
+MAX_ARG = 1 << 16
+
+# one optimisation: [op name, axis or null, argument: an int, a list of ints (tensor cores) or null]
+OptRow = tuple[str, int | None, int | list[int] | None]
+
+
+class KernelTable(msgspec.Struct, forbid_unknown_fields=True):
+    """A kernel table as stored: which device and tinygrad it was searched on, and each kernel's optimisations."""
+
+    format: str
+    device: str  # tinygrad's device family: CPU, CUDA, ...
+    renderer: str  # the renderer's class (CUDA and PTX render different code for one device)
+    tinygrad: str
+    beam: int  # the search's beam width
+    kernels: dict[str, list[OptRow]] = msgspec.field(default_factory=dict)
+
+
+def tinygrad_version() -> str:
+    return importlib.metadata.version("tinygrad")
+
+
+def kernel_key(ast: UOp, renderer: str) -> str:
+    """The hash of ``ast``'s structure on ``renderer``, without buffer lengths or variable bounds (module docstring)."""
+    from tinygrad.uop import Ops
+
+    memo: dict[int, bytes] = {}
+    for u in ast.toposort():
+        dtype, arg = str(u.dtype), u.arg
+        if u.op is Ops.DEFINE_GLOBAL:
+            dtype = f"{u.dtype.base}*"
+        elif u.op is Ops.DEFINE_VAR:
+            arg = arg[0]
+        head = str((u.op, dtype, arg)).encode()
+        memo[id(u)] = hashlib.sha256(head + b"".join(memo[id(s)] for s in u.src)).digest()
+    return hashlib.sha256(renderer.encode() + memo[id(ast)]).hexdigest()
+
+
+def _opt_row(opt: Opt) -> OptRow:
+    arg = list(opt.arg) if isinstance(opt.arg, tuple) else opt.arg
+    return (opt.op.name, opt.axis, arg)
+
+
+def _opt(row: OptRow, where: str) -> Opt:
+    from tinygrad.codegen.opt import Opt, OptOps
+
+    name, axis, arg = row
+    if name not in OptOps.__members__:
+        raise ModelError(f"{where}: unknown optimisation {name!r} (tinygrad's are {', '.join(OptOps.__members__)})")
+    ints = arg if isinstance(arg, list) else [] if arg is None else [arg]
+    if (axis is not None and not 0 <= axis < 64) or len(ints) > 8 or any(not -1 <= a <= MAX_ARG for a in ints):
+        raise ModelError(f"{where}: optimisation {list(row)} is out of range")
+    return Opt(OptOps[name], axis, tuple(arg) if isinstance(arg, list) else arg)
+
+
+def load_table(path: str | Path) -> KernelTable:
+    """Read and check a kernel table; a bad file is refused naming the file, the place and the fix."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise ModelError(f"{p}: a kernel table of {size:,} bytes is over the limit of {MAX_FILE_BYTES:,}")
+        data = p.read_bytes()
+    except OSError as e:
+        raise ModelError(f"{p}: cannot read the kernel table ({e.strerror})") from None
+    return decode_table(data, str(p))
+
+
+def decode_table(data: bytes, where: str) -> KernelTable:
+    """Check a kernel table's bytes (from a file or a node's environment); errors name ``where``, the place, the fix."""
+    fix = "make it again with `ppharness tune`"
+    if len(data) > MAX_FILE_BYTES:
+        raise ModelError(f"{where}: a kernel table of {len(data):,} bytes is over the limit of {MAX_FILE_BYTES:,}")
+    try:
+        table = msgspec.json.decode(data, type=KernelTable)
+    except msgspec.ValidationError as e:
+        raise ModelError(f"{where}: not a kernel table: {e}; {fix}") from None
+    except msgspec.DecodeError as e:
+        raise ModelError(f"{where}: not JSON ({e}); {fix}") from None
+    if table.format != FORMAT:
+        raise ModelError(f"{where}: $.format is {table.format!r}, this ppharness reads {FORMAT!r}; {fix}")
+    if not 1 <= table.beam <= 32:
+        raise ModelError(f"{where}: $.beam is {table.beam}, a beam width is 1 to 32; {fix}")
+    if len(table.kernels) > MAX_KERNELS:
+        raise ModelError(f"{where}: $.kernels has {len(table.kernels):,} entries, over the limit of {MAX_KERNELS:,}")
+    for key, rows in table.kernels.items():
+        if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+            raise ModelError(f"{where}: $.kernels: {key[:80]!r} is not a kernel key (64 hex digits); {fix}")
+        if len(rows) > MAX_OPTS:
+            raise ModelError(f"{where}: $.kernels.{key}: {len(rows)} optimisations, over the limit of {MAX_OPTS}")
+        for i, row in enumerate(rows):
+            _opt(row, f"{where}: $.kernels.{key}[{i}]")
+    return table
+
+
+def save_table(table: KernelTable, path: str | Path) -> None:
+    """Write ``table`` to ``path`` atomically (a reader never sees half a table), keys sorted."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    doc = msgspec.to_builtins(table)
+    doc["kernels"] = dict(sorted(doc["kernels"].items()))
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(p)
+
+
+@dataclass
+class Pinning:
+    """The kernel table this process compiles with, and what it found: ``tuning`` searches and records."""
+
+    table: KernelTable
+    path: str
+    tuning: bool = False
+    hits: int = 0
+    misses: int = 0
+    rejected: int = 0  # recorded optimisations that do not apply to the kernel (fell back to the heuristic)
+    searched: int = 0
+    differ: int = 0  # searched kernels whose choice is not tinygrad's heuristic (what tuning changed)
+    on_search: Callable[[int, float], None] | None = None  # (kernels searched so far, seconds the last one took)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def choose(self, s: Scheduler, rawbufs: list[Any], amt: int, allow_test_size: bool = True) -> Scheduler:
+        """Stands in for tinygrad's ``beam_search``: the table's choice, a search (when tuning), or the heuristic."""
+        from tinygrad.codegen.opt import KernelOptError
+
+        renderer = type(s.ren).__name__
+        family = s.ren.device.split(":")[0]
+        if family != self.table.device or renderer != self.table.renderer:
+            raise ModelError(
+                f"{self.path}: the kernel table is for {self.table.device} ({self.table.renderer}); this process "
+                f"compiles for {family} ({renderer}): tune on this device with `ppharness tune`, or unset {ENV}"
+            )
+        key = kernel_key(s.ast, renderer)
+        with self.lock:
+            rows = self.table.kernels.get(key)
+            if self.tuning and rows is None:
+                t0 = time.monotonic()
+                found = _ORIGINAL_SEARCH(s, rawbufs, self.table.beam, allow_test_size)
+                rows = [_opt_row(o) for o in found.applied_opts[len(s.applied_opts) :]]
+                self.table.kernels[key] = rows
+                self.searched += 1
+                self.differ += list(found.applied_opts) != list(_heuristic(cast("Any", s).copy()).applied_opts)
+                if self.on_search is not None:
+                    self.on_search(self.searched, time.monotonic() - t0)
+        if rows is None:
+            self.misses += 1
+            return _heuristic(s)
+        out: Scheduler = cast("Any", s).copy()  # Scheduler.copy is unannotated
+        try:
+            for i, row in enumerate(rows):
+                out.apply_opt(_opt(row, f"{self.path}: $.kernels.{key}[{i}]"))
+        except KernelOptError:
+            self.rejected += 1
+            return _heuristic(s)
+        self.hits += 1
+        return out
+
+    def summary(self) -> str:
+        n = len(self.table.kernels)
+        done = f"{self.searched} searched ({self.differ} other than the heuristic), " if self.tuning else ""
+        return (
+            f"kernel table {self.path}: {n} kernels ({self.table.device}, beam {self.table.beam}); "
+            f"{done}{self.hits} compiled from the table, {self.misses} not in it (tinygrad's heuristic)"
+            + (f", {self.rejected} whose recorded optimisations did not apply (heuristic)" if self.rejected else "")
+        )
+
+
+def _heuristic(s: Scheduler) -> Scheduler:
+    """What tinygrad compiles without BEAM: its hand-coded optimisations (none for multi-block kernels)."""
+    from tinygrad.codegen.opt.heuristic import hand_coded_optimizations
+    from tinygrad.helpers import NOOPT
+    from tinygrad.uop import Ops
+
+    ast = s.ast
+    if NOOPT or (ast.arg is not None and ast.arg.applied_opts != ()):
+        return s
+    if any(u.op is Ops.BUFFERIZE for u in ast.backward_slice):
+        return s
+    return hand_coded_optimizations(s)
+
+
+_ORIGINAL_SEARCH: Any = None
+_active: Pinning | None = None
+
+
+def pin(table: KernelTable, path: str, tuning: bool = False) -> Pinning:
+    """Compile every later kernel of this process through ``table`` (module docstring). Kernels already compiled
+    keep their code: pin before the first slice is built."""
+    global _ORIGINAL_SEARCH, _active
+    import tinygrad.codegen.opt.search as search
+    from tinygrad.helpers import BEAM
+
+    if table.tinygrad != tinygrad_version():
+        raise ModelError(
+            f"{path}: the kernel table was searched with tinygrad {table.tinygrad}, this process runs "
+            f"{tinygrad_version()} (optimisations mean other code there): tune again with `ppharness tune`"
+        )
+
+    if _ORIGINAL_SEARCH is None:
+        _ORIGINAL_SEARCH = search.beam_search
+    _active = Pinning(table, path, tuning)
+    search.beam_search = cast("Any", _active.choose)  # tinygrad's apply_opts imports it from the module at each kernel
+    BEAM.value = max(1, table.beam)  # routes every kernel without fixed options through the choice above
+    return _active
+
+
+def active() -> Pinning | None:
+    return _active
+
+
+def pin_from_env() -> Pinning | None:
+    """Pin the table named by ``PPHARNESS_KERNELS`` or handed over in ``PP_KERNEL_TABLE``, once per process; None
+    when neither is set."""
+    if _active is not None:  # pinned already (or tuning): one table per process
+        return _active
+    path, text = os.environ.get(ENV, ""), os.environ.get(TABLE_ENV, "")
+    if path:
+        table = load_table(path)
+    elif text:
+        path = f"{TABLE_ENV} (sha256 {hashlib.sha256(text.encode()).hexdigest()[:12]})"
+        table = decode_table(text.encode(), path)
+    else:
+        return None
+    pinning = pin(table, path)
+    log.info("compiling with the kernel table %s (%d kernels)", path, len(pinning.table.kernels))
+    return pinning
+
+
+def table_for_nodes() -> str:
+    """The table named by ``PPHARNESS_KERNELS`` as a run hands it to its nodes in ``PP_KERNEL_TABLE`` (compact
+    JSON), checked; "" when unset."""
+    path = os.environ.get(ENV, "")
+    if not path:
+        return ""
+    text = msgspec.json.encode(load_table(path)).decode()
+    if len(text) > MAX_ENV_BYTES:
+        raise ModelError(
+            f"{path}: the kernel table is {len(text):,} bytes, over the {MAX_ENV_BYTES:,} a node's environment "
+            f"carries: tune this model into a table of its own (--out)"
+        )
+    return text
+
+
+def new_table(device: str, renderer: str, beam: int) -> KernelTable:
+    return KernelTable(FORMAT, device, renderer, tinygrad_version(), beam)
+
+
+def tune(
+    model_path: str,
+    out: str | Path,
+    beam: int = 2,
+    prompts: Sequence[str] = ("The quick brown fox",),
+    max_tokens: int = 4,
+    max_context: int = 256,
+    on_search: Callable[[int, float], None] | None = None,
+) -> Pinning:
+    """Search the kernels of ``model_path``'s unsplit model on this process's device (tinygrad's default) and write
+    their choices to ``out``, adding to a table already there. The decode step, the head and the expert bank are the
+    same kernels in any split, so one unsplit run covers every split; prefill kernels depend on the prompt's length:
+    ``prompts`` tunes those lengths, others compile with the heuristic (in every process alike)."""
+    from tinygrad.device import Device
+
+    from ppharness.model.decoding import warm_up
+    from ppharness.model.gguf_file import GGUFFile
+    from ppharness.model.oracle import oracle_decode
+    from ppharness.model.slicing import ModelSlice
+
+    if _active is not None:
+        raise ModelError(f"this process already compiles with the kernel table {_active.path}: unset {ENV} to tune")
+    if not 1 <= beam <= 32:
+        raise ModelError(f"--beam {beam}: the beam width is 1 to 32")
+    family, renderer = Device.DEFAULT.split(":")[0], type(Device[Device.DEFAULT].renderer).__name__
+    table = new_table(family, renderer, beam)
+    if Path(out).exists():
+        old = load_table(out)
+        mine = (old.device, old.renderer, old.tinygrad, old.beam)
+        if mine != (table.device, table.renderer, table.tinygrad, table.beam):
+            raise ModelError(
+                f"{out}: the table holds kernels for {old.device} ({old.renderer}, tinygrad {old.tinygrad}, beam "
+                f"{old.beam}), not {family} ({renderer}, tinygrad {table.tinygrad}, beam {beam}): give another --out"
+            )
+        table = old
+    pinning = pin(table, str(out), tuning=True)
+    pinning.on_search = on_search
+    f = GGUFFile(model_path)
+    whole = ModelSlice(f, 0, f.config.blocks, True, True, max_context)
+    warm_up(whole)
+    for prompt in prompts:
+        oracle_decode(model_path, prompt, max_tokens, max_context, model=whole)
+    save_table(table, out)
+    return pinning
