@@ -107,3 +107,16 @@ def test_a_tuned_table_keeps_a_split_in_processes_exact(tmp_path):
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
     assert "MATCH" in out and "compiled from the table" in out, out[-3000:]
+
+
+def test_the_committed_tables_read_and_match_this_tinygrad():
+    """Every table under scenarios/kernels/ is a good table for the tinygrad this project locks (else a user who
+    names it gets a refusal)."""
+    from pathlib import Path
+
+    tables = sorted((Path(__file__).resolve().parents[1] / "scenarios" / "kernels").glob("*.json"))
+    assert tables, "no committed kernel table"
+    for path in tables:
+        table = load_table(path)
+        assert table.tinygrad == kernels.tinygrad_version() and table.kernels, path
+        assert len(kernels.msgspec.json.encode(table)) <= kernels.MAX_ENV_BYTES, f"{path} cannot be handed to nodes"

@@ -135,7 +135,8 @@ def test_a_consumer_pipelines_prediction_is_the_hand_computed_one(kimi_q4):
     head_bytes, head_flops = 163840 * 7168 * 4.5 / 8 + 7168 * 2, 2 * 163840 * 7168
     assert moe_bytes / bandwidth > moe_flops / speed  # decode is bound by memory bandwidth
     compute_s = 60 * moe_bytes / bandwidth + dense_bytes / bandwidth + max(head_bytes / bandwidth, head_flops / speed)
-    compute_ms = compute_s * 1e3 + 30 * 0.5  # each card's fixed cost per token
+    fixed_ms = 3.39  # a card's fixed cost per token: the H200's measured 1.68 ms scaled by 2035 / 1008 GB/s
+    compute_ms = compute_s * 1e3 + 30 * fixed_ms
     # 29 activations of 7168 fp16 values and the token back: 1 ms one way, 1 Gbit/s, 0.6 ms of transport per hop
     hops_ms = 29 * (1 + 7168 * 2 * 8 / 1e9 * 1e3 + 0.6) + (1 + 64 * 8 / 1e9 * 1e3 + 0.6)
     prediction = simulate(doc)

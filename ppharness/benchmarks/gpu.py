@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 
 from ppharness.benchmarks.chain import _scenario
+from ppharness.benchmarks.floor import BlockCost, block_cost
 from ppharness.errors import HarnessError
+from ppharness.model import kernels
 from ppharness.model.decoding import warm_up
 from ppharness.model.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile
@@ -68,6 +70,8 @@ class GpuBench:
     tokens: int
     contenders: list[Contender] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    block: BlockCost | None = None  # one decode block vs the PyTorch fp16 GEMV floor (benchmarks/floor.py)
+    kernels: str = ""  # the kernel table every process compiled with (PPHARNESS_KERNELS), or tinygrad's heuristic
 
 
 def prompt_of(tokenizer: Tokenizer, bos: int | None, n: int) -> str:
@@ -141,6 +145,10 @@ def run_gpu_bench(
     save()
     progress(f"single process: {one.median_tok_s():.1f} tok/s")
     del single
+    pinning = kernels.active()
+    res.kernels = pinning.summary() if pinning else "tinygrad's heuristic (no kernel table: PPHARNESS_KERNELS unset)"
+    res.block = block_cost(f"synthetic:{preset}", path, progress=progress)
+    save()
 
     for n in stage_counts:
         for kind in transports:
@@ -292,6 +300,17 @@ def report(res: GpuBench) -> str:
     for c in res.contenders:
         if c.mismatch:
             lines.append(f"\n{c.name}: MISMATCH: {c.mismatch}")
+    if res.block is not None:
+        b = res.block
+        floor = f"{b.floor_block_ms:.4f} ms ({b.ratio:.2f}x)" if b.floor_block_ms and b.ratio else b.floor_note
+        lines.append(
+            f"\ndecode block (a middle stage's step, fitted over {', '.join(map(str, b.medians_ms))} blocks): "
+            f"tinygrad {b.tinygrad_block_ms:.4f} ms per block, fixed {b.tinygrad_fixed_ms:.4f} ms per step; "
+            f"PyTorch fp16 GEMV floor {floor}"
+        )
+        lines += [f"  floor: {b.floor_note}"] if b.floor_block_ms else []
+    if res.kernels:
+        lines.append(f"kernels: {res.kernels}")
     lines += res.notes
     return "\n".join(lines)
 

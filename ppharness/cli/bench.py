@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -10,6 +11,7 @@ import click
 from ppharness.benchmarks import chain as chain_bench
 from ppharness.benchmarks import chaos as chaos_bench
 from ppharness.benchmarks import failover as failover_bench
+from ppharness.benchmarks import floor as floor_bench
 from ppharness.benchmarks import gpu as gpu_bench
 from ppharness.benchmarks import load as load_bench
 from ppharness.benchmarks import moe as moe_bench
@@ -19,6 +21,7 @@ from ppharness.benchmarks import transport as transport_bench
 from ppharness.benchmarks import wan as wan_bench
 from ppharness.benchmarks import wan_chain as wan_chain_bench
 from ppharness.cli.common import exit_1_on_failure, fail, split_csv
+from ppharness.model.files import resolve_model
 from ppharness.run.orchestrator import Progress
 from ppharness.scenario.schema import load_scenario
 
@@ -125,6 +128,35 @@ def bench_gpu(
     click.echo(f"\nwritten: {out_dir}/gpu-bench.json, {out_dir}/gpu-bench.png")
     if any(c.tokens_match_oracle is False for c in res.contenders):
         fail("a chain's answer differs from the single-process oracle's (MISMATCH above)")
+
+
+@bench.command("block")
+@click.option(
+    "--model",
+    "sources",
+    multiple=True,
+    default=["synthetic:llama-3.2-1b,blocks=4"],
+    show_default=True,
+    help="A GGUF path, URL or synthetic: spec (repeat for several).",
+)
+@click.option("--device", default="", help="tinygrad device (cuda, nv, cpu); default: tinygrad's (DEV).")
+@click.option("--tokens", type=int, default=32, show_default=True, help="Decode steps timed per slice.")
+@click.option("--floor/--no-floor", default=True, show_default=True, help="Also the PyTorch fp16 GEMV floor.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the figures here.")
+def bench_block(sources: tuple[str, ...], device: str, tokens: int, floor: bool, json_out: str | None) -> None:
+    """One decode block (and a stage's fixed cost per token) vs the PyTorch fp16 GEMV floor of the same shapes
+    (docs/gpu-bench.md). PPHARNESS_KERNELS=FILE times the kernels of a table made by `ppharness tune`."""
+    if device:
+        os.environ["DEV"] = device.upper()
+    progress = Progress()
+    costs = []
+    with exit_1_on_failure():
+        for source in sources:
+            costs.append(floor_bench.block_cost(source, str(resolve_model(source)), tokens, floor, progress))
+    click.echo(floor_bench.report(costs))
+    if json_out:
+        Path(json_out).write_text(json.dumps(floor_bench.as_json(costs), indent=2))
+        click.echo(f"\nwritten: {json_out}")
 
 
 @bench.command("failover")

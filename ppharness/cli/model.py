@@ -11,9 +11,11 @@ from ppharness.cli.common import SCENARIO_HELP, ending, exit_1_on_failure, fail,
 from ppharness.errors import HarnessError
 from ppharness.model.files import resolve_model, sha256_file
 from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.kernels import ENV
 from ppharness.model.oracle import oracle_decode
 from ppharness.model.spec import preset_spec
 from ppharness.model.synthetic import make_synthetic
+from ppharness.model.tuning import tune as tune_model
 from ppharness.plan.stages import make_plan
 from ppharness.run.inprocess import check_splits
 from ppharness.run.realise import model_source
@@ -160,15 +162,12 @@ def tune(source: str, out: str, beam: int, prompts: tuple[str, ...], max_context
     kernel missing from the table, compile with tinygrad's heuristic in every process alike."""
     import time
 
-    from ppharness.model.kernels import ENV
-    from ppharness.model.kernels import tune as tune_model
-
     t0 = time.monotonic()
 
     def progress(n: int, seconds: float) -> None:
         click.echo(f"[{time.monotonic() - t0:7.1f}s] searched {n} kernel(s), the last in {seconds:.1f} s", err=True)
 
-    with exit_1_on_failure():
+    with exit_1_on_failure(lambda: click.echo(f"the kernels searched so far are in {out}", err=True)):
         path = str(resolve_model(source))
         pinning = tune_model(path, out, beam, prompts, max_context=max_context, on_search=progress)
     click.echo(f"{pinning.summary()} in {time.monotonic() - t0:.1f} s")

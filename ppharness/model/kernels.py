@@ -31,7 +31,7 @@ import msgspec
 from ppharness.errors import ModelError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
     from tinygrad.codegen.opt import Opt
     from tinygrad.codegen.opt.postrange import Scheduler
@@ -290,49 +290,3 @@ def table_for_nodes() -> str:
 
 def new_table(device: str, renderer: str, beam: int) -> KernelTable:
     return KernelTable(FORMAT, device, renderer, tinygrad_version(), beam)
-
-
-def tune(
-    model_path: str,
-    out: str | Path,
-    beam: int = 2,
-    prompts: Sequence[str] = ("The quick brown fox",),
-    max_tokens: int = 4,
-    max_context: int = 256,
-    on_search: Callable[[int, float], None] | None = None,
-) -> Pinning:
-    """Search the kernels of ``model_path``'s unsplit model on this process's device (tinygrad's default) and write
-    their choices to ``out``, adding to a table already there. The decode step, the head and the expert bank are the
-    same kernels in any split, so one unsplit run covers every split; prefill kernels depend on the prompt's length:
-    ``prompts`` tunes those lengths, others compile with the heuristic (in every process alike)."""
-    from tinygrad.device import Device
-
-    from ppharness.model.decoding import warm_up
-    from ppharness.model.gguf_file import GGUFFile
-    from ppharness.model.oracle import oracle_decode
-    from ppharness.model.slicing import ModelSlice
-
-    if _active is not None:
-        raise ModelError(f"this process already compiles with the kernel table {_active.path}: unset {ENV} to tune")
-    if not 1 <= beam <= 32:
-        raise ModelError(f"--beam {beam}: the beam width is 1 to 32")
-    family, renderer = Device.DEFAULT.split(":")[0], type(Device[Device.DEFAULT].renderer).__name__
-    table = new_table(family, renderer, beam)
-    if Path(out).exists():
-        old = load_table(out)
-        mine = (old.device, old.renderer, old.tinygrad, old.beam)
-        if mine != (table.device, table.renderer, table.tinygrad, table.beam):
-            raise ModelError(
-                f"{out}: the table holds kernels for {old.device} ({old.renderer}, tinygrad {old.tinygrad}, beam "
-                f"{old.beam}), not {family} ({renderer}, tinygrad {table.tinygrad}, beam {beam}): give another --out"
-            )
-        table = old
-    pinning = pin(table, str(out), tuning=True)
-    pinning.on_search = on_search
-    f = GGUFFile(model_path)
-    whole = ModelSlice(f, 0, f.config.blocks, True, True, max_context)
-    warm_up(whole)
-    for prompt in prompts:
-        oracle_decode(model_path, prompt, max_tokens, max_context, model=whole)
-    save_table(table, out)
-    return pinning

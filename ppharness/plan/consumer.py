@@ -31,7 +31,14 @@ Layout = Literal["region", "continent", "two-continents", "hosts8"]
 LAYOUTS: tuple[Layout, ...] = ("region", "continent", "two-continents")
 GIB = 1 << 30
 RESERVE = 1 * GIB  # CUDA context, the runtime's buffers and activations
-OVERHEAD_MS = 0.5  # per token per node: kernel launches of a captured graph, host-side routing and combine
+# A card's fixed cost per token (what it spends beyond reading weights), measured on an H200 with tinygrad 0.12 CUDA
+# and a tuned kernel table (`ppharness bench block`, 2026-12-03; docs/kimi.md): a stage's step 0.16 ms (the 1B shape)
+# plus 0.76 ms per MoE block at Kimi's counts (kimi-tiny, whose 0.2 MiB of weights per block make all of it fixed
+# cost: launches and the MoE step's host round trips for routing and combine). A card holds two MoE blocks.
+H200_FIXED_MS = 0.16 + 2 * 0.76
+H200_GEMV_GBS = 2035.0  # the H200's fp16 GEMV bandwidth measured in the same run (PyTorch, CUDA graph)
+
+
 HOP_MS = 0.6  # the transport's cost per message hop (iroh with a bulk copy, measured on loopback)
 REGION_MS = 1.0  # one-way latency between two hosts of one region
 RATE_MBIT = 1000  # each host's link
@@ -56,6 +63,14 @@ CARDS = {
     "4090": Card("4090", "RTX_4090", 24, 1008.0, 82.6, 0.40),
     "3090": Card("3090", "RTX_3090", 24, 936.2, 71.0, 0.22),
 }
+
+
+def overhead_ms(c: Card) -> float:
+    """The H200's measured fixed cost per card scaled to ``c`` by the bandwidth ratio (assumed: the fixed cost's
+    small kernels are bound by memory latency and bandwidth as the GEMVs are, not by the host)."""
+    return round(H200_FIXED_MS * H200_GEMV_GBS / c.bandwidth_gbs, 2)
+
+
 # region -> one-way latency to each other region (ms); symmetric
 REGIONS: dict[str, tuple[str, ...]] = {
     "region": ("us-east",),
@@ -106,7 +121,7 @@ def _card(c: Card, device_id: str, region: str, gpus_per_offer: int) -> Device:
         memory=c.memory_gib * GIB,
         gflops=c.tensor_tflops * 1e3,
         bandwidth_gbs=c.bandwidth_gbs,
-        overhead_ms=OVERHEAD_MS,
+        overhead_ms=overhead_ms(c),
         reserve=RESERVE,
         usd_per_hour=c.usd_per_hour,
         region=region,

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ppharness.errors import ModelError, PlanError
+from ppharness.model import kernels
 from ppharness.model.decoding import warm_up
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.moe import routing_entropy
@@ -51,6 +52,7 @@ class ProbeFit:
     b_ms: float  # slope: one block
     r2: float
     prefill_ms: dict[tuple[int, int], float]  # (k blocks, P tokens) -> median ms per prefill
+    kernels: str = ""  # the kernel table the slices compiled with (PPHARNESS_KERNELS), or tinygrad's heuristic
 
     @property
     def probe_report(self) -> str:
@@ -66,6 +68,7 @@ class ProbeFit:
             + ", ".join(f"{k} block(s) x {p} tokens {ms:.1f} ms" for (k, p), ms in self.prefill_ms.items())
             + f"; fit {d.prefill_ms:.1f} ms + {d.prefill_block_ms:.1f} ms per block + a block's tokens at "
             f"{d.prefill_gflops or 0:.3f} GFLOP/s",
+            f"  kernels: {self.kernels or 'tinygrad heuristic'}",
         ]
         if self.b_ms <= 0 or self.a_ms < 0:
             lines.append("  note: the fit's slope or intercept was not positive (noise); clamped")
@@ -180,7 +183,9 @@ def probe_fit(
         prefill_gflops=flops / (per_token / 1e3) / 1e9,
         region=None,
     )
-    return ProbeFit(device, str(TinyDevice.DEFAULT), tokens, medians, a, b, r2, prefill_medians)
+    pinning = kernels.active()
+    table = pinning.summary() if pinning else "tinygrad's heuristic (no kernel table: PPHARNESS_KERNELS unset)"
+    return ProbeFit(device, str(TinyDevice.DEFAULT), tokens, medians, a, b, r2, prefill_medians, table)
 
 
 def probe(
