@@ -104,6 +104,7 @@ def run_gpu_bench(
     hf: bool,
     progress: Callable[[str], None],
     in_flight: int = 1,
+    block: bool = True,
 ) -> GpuBench:
     """``in_flight`` above 1: each chain also serves that many requests at once (every stage keeps a KV cache per
     request), reported as a contender of its own with the aggregate decode tokens/s."""
@@ -147,7 +148,8 @@ def run_gpu_bench(
     del single
     pinning = kernels.active()
     res.kernels = pinning.summary() if pinning else "tinygrad's heuristic (no kernel table: PPHARNESS_KERNELS unset)"
-    res.block = block_cost(f"synthetic:{preset}", path, progress=progress)
+    if block:
+        res.block = block_cost(f"synthetic:{preset}", path, progress=progress)
     save()
 
     for n in stage_counts:

@@ -96,6 +96,9 @@ def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) 
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--hf/--no-hf", default=True, show_default=True, help="Also run HF transformers where installed.")
 @click.option("--in-flight", type=int, default=1, show_default=True, help="Also serve this many requests at once.")
+@click.option(
+    "--block/--no-block", default=True, show_default=True, help="Also one decode block vs the floor (bench block)."
+)
 @click.option("--out", "out_dir", default="bench-results", show_default=True, type=click.Path(file_okay=False))
 def bench_gpu(
     device: str,
@@ -107,6 +110,7 @@ def bench_gpu(
     repeats: int,
     hf: bool,
     in_flight: int,
+    block: bool,
     out_dir: str,
 ) -> None:
     """The chain on an accelerator vs single-process tinygrad and HF transformers (docs/gpu-bench.md)."""
@@ -123,6 +127,7 @@ def bench_gpu(
             hf,
             Progress(),
             in_flight,
+            block,
         )
     click.echo(gpu_bench.report(res))
     click.echo(f"\nwritten: {out_dir}/gpu-bench.json, {out_dir}/gpu-bench.png")

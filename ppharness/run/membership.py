@@ -43,6 +43,12 @@ def choose_engine(engine: str, gossip_reachable: bool) -> str:
     return engine
 
 
+# A node that loads its blocks and compiles them may fall silent on a crowded machine (its heartbeat thread waits for
+# the interpreter, the machine's cores are busy compiling): until its Ready it is dead only after this long. A node
+# whose process exits while loading is reported by its provider at once, whatever this says.
+LOADING_GRACE_S = 10.0
+
+
 class HeartbeatDetector:
     """Seed side of the heartbeat engine: feed it Heartbeats, ask it who is dead."""
 
@@ -63,6 +69,7 @@ class HeartbeatDetector:
             clock,
         )
         self.last_seen: dict[int, float] = {}
+        self.loading: set[int] = set()  # watched, not yet Ready: judged with LOADING_GRACE_S
         self.num_stages = num_stages
         self._deaf_since: float | None = None
 
@@ -70,10 +77,15 @@ class HeartbeatDetector:
         return {"PP_MEMBERSHIP": "heartbeat", "PP_HEARTBEAT_S": str(self.heartbeat_s)}
 
     def watch(self, stages: list[int]) -> None:
-        """Start the clocks: from now on a stage that stays silent too long is dead."""
+        """Start the clocks: from now on a stage that stays silent too long is dead (longer while it loads)."""
         now = self.clock()
         for s in stages:
             self.last_seen.setdefault(s, now)
+            self.loading.add(s)
+
+    def loaded(self, stage: int) -> None:
+        """``stage`` reported Ready: from now on ``dead_after_s`` of silence is death."""
+        self.loading.discard(stage)
 
     def forget(self, stage: int) -> None:
         """``stage``'s node is being replaced: it is no longer watched (until ``replace``)."""
@@ -81,8 +93,9 @@ class HeartbeatDetector:
 
     def replace(self, stage: int, name: str) -> None:
         """A spare took over ``stage`` (it just joined): its clock starts again (the replaced node's beats no longer
-        count)."""
+        count), and it loads."""
         self.last_seen[stage] = self.clock()
+        self.loading.add(stage)
 
     def deaf(self) -> None:
         """The orchestrator stops reading its messages (between requests): silence from now on is not the nodes'."""
@@ -111,11 +124,13 @@ class HeartbeatDetector:
 
     def dead(self) -> list[tuple[int, str]]:
         now = self.clock()
-        return [
-            (s, f"no heartbeat for {now - t:.1f} s (dead after {self.dead_after_s:g} s)")
-            for s, t in sorted(self.last_seen.items())
-            if now - t > self.dead_after_s
-        ]
+        out = []
+        for s, t in sorted(self.last_seen.items()):
+            limit = max(self.dead_after_s, LOADING_GRACE_S) if s in self.loading else self.dead_after_s
+            if now - t > limit:
+                while_ = " while loading" if s in self.loading else ""
+                out.append((s, f"no heartbeat for {now - t:.1f} s{while_} (dead after {limit:g} s)"))
+        return out
 
     def close(self) -> None:
         pass
@@ -153,6 +168,9 @@ class KinshipDetector:
     def forget(self, stage: int) -> None:
         """``stage``'s node is being replaced: it is no longer watched (until ``replace``)."""
         self._watched = [s for s in self._watched if s != stage]
+
+    def loaded(self, stage: int) -> None:
+        """SWIM/Lifeguard's own timing judges a loading node as any other."""
 
     def replace(self, stage: int, name: str) -> None:
         """A spare took over ``stage``, gossiping under ``name``."""
