@@ -120,3 +120,27 @@ def test_the_committed_tables_read_and_match_this_tinygrad():
         table = load_table(path)
         assert table.tinygrad == kernels.tinygrad_version() and table.kernels, path
         assert len(kernels.msgspec.json.encode(table)) <= kernels.MAX_ENV_BYTES, f"{path} cannot be handed to nodes"
+
+
+def test_an_interrupted_tune_keeps_the_kernels_it_searched(tmp_path):
+    """SIGTERM (or Ctrl-C) during `ppharness tune` ends it with exit 1 and one line, and the table it leaves is a good
+    table of the kernels searched so far."""
+    import signal
+    import time
+
+    table = tmp_path / "partial.json"
+    with subprocess.Popen(
+        [sys.executable, "-m", "ppharness.cli", "tune", "--model", "synthetic:tiny", "--beam", "1", "--out", table],
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 300
+        for line in proc.stderr:
+            if "searched 2 kernel(s)" in line or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 1, rest
+    assert f"interrupted; the kernels searched so far are in {table}" in rest, rest
+    assert len(load_table(table).kernels) >= 2

@@ -32,9 +32,11 @@ def fail(reason: str, exc: BaseException | None = None) -> NoReturn:
 
 
 @contextlib.contextmanager
-def exit_1_on_failure(before_exit: Callable[[], object] = lambda: None) -> Iterator[None]:
+def exit_1_on_failure(
+    before_exit: Callable[[], object] = lambda: None, interrupted: str = "interrupted; every node was stopped"
+) -> Iterator[None]:
     """Around long work: SIGTERM behaves like Ctrl-C, and a HarnessError or an interrupt ends the command with exit 1
-    and one line, after ``before_exit`` (e.g. the run's last sweep)."""
+    and one line (``interrupted`` for an interrupt), after ``before_exit`` (e.g. the run's last sweep)."""
     _sigterm_as_interrupt()
     try:
         yield
@@ -45,7 +47,7 @@ def exit_1_on_failure(before_exit: Callable[[], object] = lambda: None) -> Itera
         fail(str(exc), exc)
     except KeyboardInterrupt:
         before_exit()
-        fail("interrupted; every node was stopped")
+        fail(interrupted)
 
 
 def _sigterm_as_interrupt() -> None:

@@ -167,7 +167,7 @@ def tune(source: str, out: str, beam: int, prompts: tuple[str, ...], max_context
     def progress(n: int, seconds: float) -> None:
         click.echo(f"[{time.monotonic() - t0:7.1f}s] searched {n} kernel(s), the last in {seconds:.1f} s", err=True)
 
-    with exit_1_on_failure(lambda: click.echo(f"the kernels searched so far are in {out}", err=True)):
+    with exit_1_on_failure(interrupted=f"interrupted; the kernels searched so far are in {out}"):
         path = str(resolve_model(source))
         pinning = tune_model(path, out, beam, prompts, max_context=max_context, on_search=progress)
     click.echo(f"{pinning.summary()} in {time.monotonic() - t0:.1f} s")
