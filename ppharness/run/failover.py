@@ -190,8 +190,6 @@ class Failover:
             def on_ready(sender: str, msg: Message) -> bool:
                 if isinstance(msg, Ready) and sender == joined[0].address:
                     ready.append(msg)
-                    if s.detector is not None:
-                        s.detector.loaded(stage)
                 return bool(ready)
 
             what = f"the spare for {stage_name(stage)} to load (Ready)"

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 from ppharness.errors import ClusterError
 from ppharness.plan.stages import stage_name
-from ppharness.wire.messages import Heartbeat, Message
+from ppharness.wire.messages import Heartbeat, Message, Ready
 
 if TYPE_CHECKING:
     from kinship.blocking import Cluster
@@ -69,7 +69,7 @@ class HeartbeatDetector:
             clock,
         )
         self.last_seen: dict[int, float] = {}
-        self.loading: set[int] = set()  # watched, not yet Ready: judged with LOADING_GRACE_S
+        self.loading: set[int] = set()  # watched, its Ready not yet seen: judged with LOADING_GRACE_S
         self.num_stages = num_stages
         self._deaf_since: float | None = None
 
@@ -82,10 +82,6 @@ class HeartbeatDetector:
         for s in stages:
             self.last_seen.setdefault(s, now)
             self.loading.add(s)
-
-    def loaded(self, stage: int) -> None:
-        """``stage`` reported Ready: from now on ``dead_after_s`` of silence is death."""
-        self.loading.discard(stage)
 
     def forget(self, stage: int) -> None:
         """``stage``'s node is being replaced: it is no longer watched (until ``replace``)."""
@@ -111,7 +107,10 @@ class HeartbeatDetector:
             self._deaf_since = None
 
     def on_message(self, msg: Message) -> bool:
-        """Take a Heartbeat (True), or say it was not one (False)."""
+        """Take a Heartbeat (True), or say it was not one (False). A Ready is noted on its way past: from then on
+        ``dead_after_s`` of silence is the stage's death."""
+        if isinstance(msg, Ready):
+            self.loading.discard(msg.stage)
         if isinstance(msg, Heartbeat):
             if msg.stage in self.last_seen or 0 <= msg.stage < self.num_stages:
                 self.last_seen[msg.stage] = self.clock()
@@ -168,9 +167,6 @@ class KinshipDetector:
     def forget(self, stage: int) -> None:
         """``stage``'s node is being replaced: it is no longer watched (until ``replace``)."""
         self._watched = [s for s in self._watched if s != stage]
-
-    def loaded(self, stage: int) -> None:
-        """SWIM/Lifeguard's own timing judges a loading node as any other."""
 
     def replace(self, stage: int, name: str) -> None:
         """A spare took over ``stage``, gossiping under ``name``."""

@@ -310,8 +310,6 @@ class Session:
         def on_ready(sender: str, msg: Message) -> bool:
             if isinstance(msg, Ready):
                 ready.add(msg.stage)
-                if self.detector is not None:
-                    self.detector.loaded(msg.stage)
                 r = self.reports[msg.stage]
                 r.params, r.tied_params, r.load_s, r.peak_rss_bytes = (
                     msg.params,
