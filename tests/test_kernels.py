@@ -58,6 +58,16 @@ def test_a_bad_table_is_refused_naming_the_place_and_the_fix(doc, says):
     assert str(err.value).startswith("hand.json: ") and says in str(err.value)
 
 
+def test_a_missing_or_oversized_table_file_is_refused_naming_it(tmp_path):
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ModelError, match=r"nope\.json: no such file .*other\.json"):
+        load_table(tmp_path / "nope.json")
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (kernels.MAX_FILE_BYTES + 1))
+    with pytest.raises(ModelError, match=r"big\.json: \$: the file is over the limit"):
+        load_table(big)
+
+
 def test_a_table_of_another_tinygrad_is_refused(tmp_path):
     table = decode_table(json.dumps(table_doc(tinygrad="0.0.1")).encode(), "old.json")
     with pytest.raises(ModelError, match="searched with tinygrad 0.0.1"):

@@ -14,14 +14,15 @@ from ppharness.document.explain import explain_yaml
 from ppharness.document.yaml_limits import MAX_FILE_BYTES, PLAN_LIMITS, SCENARIO_LIMITS, Limits, YamlLimit, screen
 from ppharness.errors import HarnessError
 
-# what each kind of document may weigh: a plan (or cluster) is written by a program and may name every expert
-LIMITS = {"scenario": SCENARIO_LIMITS, "plan": PLAN_LIMITS, "cluster": PLAN_LIMITS}
+# what each kind of document may weigh: a plan (or cluster) is written by a program and may name every expert; a
+# kernel table (JSON, ``ppharness tune``) only its file size counts
+LIMITS = {"scenario": SCENARIO_LIMITS, "plan": PLAN_LIMITS, "cluster": PLAN_LIMITS, "kernel table": PLAN_LIMITS}
 
 
 def read_text_file(path: Path, what: str, pattern: str, error: type[HarnessError]) -> str:
     """A small UTF-8 text file's contents, read only up to its kind's limit (``LIMITS``); every problem is ``error``
-    naming the file and the fix (``what``: "scenario", "plan", "cluster"; ``pattern``: the siblings to suggest when
-    it is missing)."""
+    naming the file and the fix (``what``: a key of ``LIMITS``; ``pattern``: the siblings to suggest when it is
+    missing)."""
     if not path.is_file():
         hint = f"pass the path of a {what} file"
         siblings = sorted(p.name for p in path.parent.glob(pattern)) if path.parent.is_dir() else []

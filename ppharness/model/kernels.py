@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
+from ppharness.document.reader import LIMITS, read_text_file
 from ppharness.errors import ModelError
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ ENV = "PPHARNESS_KERNELS"  # the table's path, set by the user for a run (and se
 TABLE_ENV = "PP_KERNEL_TABLE"  # the table itself, as a run hands it to every node (docker and vast.ai included)
 MAX_ENV_BYTES = 96 << 10  # under Linux's 128 KiB limit on one environment string
 FORMAT = "ppharness-kernels/1"
-MAX_FILE_BYTES = 32 << 20  # a table of the largest model's kernels is well under 1 MiB
+MAX_FILE_BYTES = LIMITS["kernel table"].file_bytes  # 32 MiB; the largest model's table is well under 1 MiB
 MAX_KERNELS = 200_000
 MAX_OPTS = 32  # optimisations per kernel; BEAM applies a handful
 MAX_ARG = 1 << 16
@@ -102,15 +103,8 @@ def _opt(row: OptRow, where: str) -> Opt:
 
 def load_table(path: str | Path) -> KernelTable:
     """Read and check a kernel table; a bad file is refused naming the file, the place and the fix."""
-    p = Path(path)
-    try:
-        size = p.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise ModelError(f"{p}: a kernel table of {size:,} bytes is over the limit of {MAX_FILE_BYTES:,}")
-        data = p.read_bytes()
-    except OSError as e:
-        raise ModelError(f"{p}: cannot read the kernel table ({e.strerror})") from None
-    return decode_table(data, str(p))
+    text = read_text_file(Path(path), "kernel table", "*.json", ModelError)  # within MAX_FILE_BYTES
+    return decode_table(text.encode(), str(path))
 
 
 def decode_table(data: bytes, where: str) -> KernelTable:
