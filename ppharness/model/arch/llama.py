@@ -128,20 +128,15 @@ def block_class() -> type[TransformerBlock]:
     return Block
 
 
+def block_args(cfg: ModelConfig, max_context: int) -> tuple[int, int, int, int, float, int, float, int]:
+    """tinygrad's ``TransformerBlock`` arguments for ``cfg``'s dimensions, in its order."""
+    return (cfg.dim, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.norm_eps, cfg.head_dim, cfg.rope_theta, max_context)
+
+
 def dense_block(cfg: ModelConfig, max_context: int) -> Any:
     """A llama block of ``cfg``'s dimensions (and Llama-3 rope factors, where the file has them)."""
     block: Any = block_class()  # with factors, its constructor takes them beside tinygrad's arguments
-    return block(
-        cfg.dim,
-        cfg.ffn,
-        cfg.heads,
-        cfg.kv_heads,
-        cfg.norm_eps,
-        cfg.head_dim,
-        cfg.rope_theta,
-        max_context,
-        **({"rope_factors": cfg.rope_factors} if cfg.rope_factors else {}),
-    )
+    return block(*block_args(cfg, max_context), **({"rope_factors": cfg.rope_factors} if cfg.rope_factors else {}))
 
 
 def attention_tensors(spec: ModelSpec, i: int) -> dict[str, Shape]:

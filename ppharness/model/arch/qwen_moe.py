@@ -30,6 +30,7 @@ from ppharness.model.arch.llama import (
     ATTENTION_PARTS,
     FFN_PARTS,
     attention_tensors,
+    block_args,
     dense_block,
     write_attention,
     write_rope_keys,
@@ -59,17 +60,7 @@ def moe_block_class() -> Any:
 
     class MoEBlock(TransformerBlock):
         def __init__(self, cfg: ModelConfig, max_context: int, routed: bool):
-            super().__init__(
-                cfg.dim,
-                cfg.ffn,
-                cfg.heads,
-                cfg.kv_heads,
-                cfg.norm_eps,
-                cfg.head_dim,
-                cfg.rope_theta,
-                max_context,
-                qk_norm=cfg.qk_norm,
-            )
+            super().__init__(*block_args(cfg, max_context), qk_norm=cfg.qk_norm)
             self.routed = routed
             if cfg.qkv_bias:
                 self.attn_q = nn.Linear(cfg.dim, cfg.heads * cfg.head_dim, bias=True)
