@@ -107,6 +107,14 @@ def warm_up(model: ModelSlice) -> None:
     import numpy as np
 
     x = [0] if model.first else np.zeros((1, 1, model.config.dim), dtype=np.float16)
+    if getattr(model, "batched", False):  # one step per batch width: a row in the width's last slot compiles it
+        from ppharness.model.batch import widths
+
+        for width in widths(model.slots):
+            for pos in (0, 1, 2, 3):
+                model.warm(x, pos, width - 1)
+        model.use(0)
+        return
     for slot in range(model.slots):  # each request slot has its own compiled step (the same kernels)
         for pos in (0, 1, 2, 3):
             model.warm(x, pos, slot)

@@ -180,19 +180,19 @@ class Pinning:
                 rows = [_opt_row(o) for o in found.applied_opts[len(s.applied_opts) :]]
                 self.table.kernels[key] = rows
                 self.searched += 1
-                self.differ += list(found.applied_opts) != list(_heuristic(cast("Any", s).copy()).applied_opts)
+                self.differ += list(found.applied_opts) != list(heuristic(cast("Any", s).copy()).applied_opts)
                 if self.on_search is not None:
                     self.on_search(self.searched, time.monotonic() - t0)
         if rows is None:
             self.misses += 1
-            return _heuristic(s)
+            return heuristic(s)
         out: Scheduler = cast("Any", s).copy()  # Scheduler.copy is unannotated
         try:
             for i, row in enumerate(rows):
                 out.apply_opt(_opt(row, f"{self.path}: $.kernels.{key}[{i}]"))
         except KernelOptError:
             self.rejected += 1
-            return _heuristic(s)
+            return heuristic(s)
         self.hits += 1
         return out
 
@@ -206,7 +206,7 @@ class Pinning:
         )
 
 
-def _heuristic(s: Scheduler) -> Scheduler:
+def heuristic(s: Scheduler) -> Scheduler:
     """What tinygrad compiles without BEAM: its hand-coded optimisations (none for multi-block kernels)."""
     from tinygrad.codegen.opt.heuristic import hand_coded_optimizations
     from tinygrad.helpers import NOOPT
@@ -227,8 +227,7 @@ _active: Pinning | None = None
 def pin(table: KernelTable, path: str, tuning: bool = False) -> Pinning:
     """Compile every later kernel of this process through ``table`` (module docstring). Kernels already compiled
     keep their code: pin before the first slice is built."""
-    global _ORIGINAL_SEARCH, _active
-    import tinygrad.codegen.opt.search as search
+    global _active
     from tinygrad.helpers import BEAM
 
     if table.tinygrad != tinygrad_version():
@@ -237,12 +236,33 @@ def pin(table: KernelTable, path: str, tuning: bool = False) -> Pinning:
             f"{tinygrad_version()} (optimisations mean other code there): tune again with `ppharness tune`"
         )
 
-    if _ORIGINAL_SEARCH is None:
-        _ORIGINAL_SEARCH = search.beam_search
+    route_choices()
     _active = Pinning(table, path, tuning)
-    search.beam_search = cast("Any", _active.choose)  # tinygrad's apply_opts imports it from the module at each kernel
     BEAM.value = max(1, table.beam)  # routes every kernel without fixed options through the choice above
     return _active
+
+
+def route_choices() -> None:
+    """Send tinygrad's search for every kernel through ``_choose`` (once per process): tinygrad's ``apply_opts``
+    imports ``beam_search`` from its module at each kernel."""
+    global _ORIGINAL_SEARCH
+    import tinygrad.codegen.opt.search as search
+
+    if _ORIGINAL_SEARCH is None:
+        _ORIGINAL_SEARCH = search.beam_search
+        search.beam_search = cast("Any", _choose)
+
+
+def _choose(s: Scheduler, rawbufs: list[Any], amt: int, allow_test_size: bool = True) -> Scheduler:
+    """A kernel's optimisations: batch-invariant ones while a batched slice compiles (``ppharness.model.batch``),
+    else the pinned table's (or, tuning, a search), else tinygrad's own search."""
+    from ppharness.model.batch import compiling_invariant, invariant_opts
+
+    if compiling_invariant():
+        return invariant_opts(s)
+    if _active is not None:
+        return _active.choose(s, rawbufs, amt, allow_test_size)
+    return cast("Scheduler", _ORIGINAL_SEARCH(s, rawbufs, amt, allow_test_size))
 
 
 def active() -> Pinning | None:

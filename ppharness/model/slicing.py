@@ -29,10 +29,11 @@ from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
 from ppharness.model.arch.base import BLOCK_TENSOR
+from ppharness.model.batch import Rows, invariant, store_prefill, width_for, widths
 from ppharness.model.direct import DecodeLinear, DirectStep, decode_context
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.kernels import pin_from_env
-from ppharness.model.moe import ExpertBank, ExpertCall, all_experts, combine, route
+from ppharness.model.moe import ExpertBank, ExpertCall, Routing, all_experts, combine, route
 
 if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this module
     from collections.abc import Generator, Iterable, Mapping, Sequence
@@ -100,6 +101,7 @@ class ModelSlice:
         taps: bool = False,
         experts: Mapping[int, Iterable[int]] | None = None,
         slots: int = 1,
+        batched: bool = False,
     ):
         from tinygrad import nn
         from tinygrad.engine.jit import TinyJit
@@ -114,6 +116,10 @@ class ModelSlice:
         if slots < 1:
             raise ModelError(f"a slice needs at least one request slot, not {slots}")
         self.slots, self._slot = slots, 0
+        # batched: decode steps run several slots' rows at once with batch-invariant kernels (ppharness.model.batch);
+        # each block keeps every slot's KV cache in one tensor, and a prefill computes in the scratch slot and is
+        # copied into its slot's region
+        self.batched = batched
         # the KV caches of the slots not in use, and (the last one) of the prefill's scratch slot
         self._caches: list[list[Tensor | None]] = [[] for _ in range(slots + 1)]
         self.taps = taps
@@ -154,6 +160,17 @@ class ModelSlice:
         }
         self._head_jit = TinyJit(self._head)
         self._inputs: dict[int, Tensor] = {}
+        # batched: one compiled step per batch width (and, for a MoE slice, one per block and width), with the step's
+        # persistent inputs (rows, positions) per width and the batch's length variable
+        self._length = UOp.variable("length", 1, self.max_context)
+        self._row_jits = {w: TinyJit(self._forward_rows) for w in widths(slots)} if batched else {}
+        self._row_steps = (
+            {w: [TinyJit(functools.partial(self._segment_rows, i)) for i in range(hi - lo)] for w in widths(slots)}
+            if batched and cfg.moe
+            else {}
+        )
+        self._row_heads = {w: TinyJit(self._head) for w in widths(slots)} if batched and cfg.moe else {}
+        self._row_in: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self._tapped_np: dict[int, NDArray[np.float16]] = {}
 
     def _load(self, f: GGUFFile) -> None:
@@ -212,7 +229,14 @@ class ModelSlice:
     def _steps(self) -> list[TinyJit[Any]]:
         return self._slot_steps[self._slot]
 
-    def _forward(self, x: Tensor, start_pos: int | UOp) -> Tensor | tuple[Tensor, ...]:
+    def _forward_rows(self, x: Tensor, pos: Tensor, length: UOp) -> Tensor | tuple[Tensor, ...]:
+        """The slice's batched decode step: (W,1) ids or (W,1,D) hidden rows, row r in slot r at ``pos[r]``."""
+        return self._forward(x, Rows(pos, length))
+
+    def _segment_rows(self, i: int, x: Tensor, pos: Tensor, length: UOp) -> tuple[Tensor, ...]:
+        return self._segment(i, x, Rows(pos, length))
+
+    def _forward(self, x: Tensor, start_pos: int | UOp | Rows) -> Tensor | tuple[Tensor, ...]:
         """The slice's step: (B,T) ids or a (B,T,D) fp16 hidden state in; a hidden state, or token ids on the last
         stage, out (with ``taps``, followed by every block's output)."""
         taps = []
@@ -224,7 +248,7 @@ class ModelSlice:
         out = self.output(self.output_norm(x))[:, -1, :].argmax(-1) if self.last else x  # (B,) or (B,T,D)
         return (out, *taps) if self.taps else out
 
-    def _segment(self, i: int, x: Tensor, start_pos: int | UOp) -> tuple[Tensor, ...]:
+    def _segment(self, i: int, x: Tensor, start_pos: int | UOp | Rows) -> tuple[Tensor, ...]:
         """Block ``i`` of the slice (the embedding first on the first stage's block 0): a dense block's fp16 output,
         or a MoE block's part before its routed experts (``MoEBlock.pre``)."""
         if self.first and i == 0:
@@ -274,16 +298,7 @@ class ModelSlice:
             if getattr(block, "routed", False):
                 residual, normed, logits, *shared = outs
                 t = residual.shape[1]
-                routing = route(
-                    logits.reshape(t, cfg.experts),
-                    cfg.experts_used,
-                    cfg.norm_topk,
-                    gating=cfg.gating,
-                    bias=self._bias.get(self.lo + i),
-                    groups=cfg.expert_groups,
-                    groups_used=cfg.groups_used,
-                    scale=cfg.routed_scale,
-                )
+                routing = self._route(i, logits.reshape(t, cfg.experts))
                 got = yield ExpertCall(layer=self.lo + i, hidden=normed.reshape(t, cfg.dim), routing=routing)
                 self.use(slot)  # whoever answered the call may have computed in another slot meanwhile
                 gated = shared[0].reshape(t, cfg.dim) if shared else None
@@ -329,7 +344,13 @@ class ModelSlice:
         """One step to compile it before the first request; a MoE slice stands zeros in for experts held
         elsewhere (what it computes is thrown away)."""
         self.use(slot)
-        if self.config.moe:
+        if self.batched and position > 0:
+            self.decode_rows([x], [position], [slot], stand_in=self.config.moe)
+        elif self.batched and self.config.moe:
+            self.use(self.slots)
+            self._moe_step(x, 0, stand_in=True)
+            self._store(slot)
+        elif self.config.moe:
             self._moe_step(x, position, stand_in=True)
         elif position == 0:
             self.prefill(x, slot)
@@ -349,8 +370,13 @@ class ModelSlice:
         if not 0 <= slot < self.slots:
             raise ModelError(f"request slot {slot} is outside this slice's {self.slots} slot(s)")
         if self.config.moe:
-            self.use(slot)
-            return self._moe_step(x, 0)
+            gen = self.prefill_step(x, slot)
+            try:
+                call = next(gen)
+                while True:
+                    call = gen.send(self.answer(call))
+            except StopIteration as stop:
+                return cast("NDArray[np.float16] | int", stop.value)
         from tinygrad.engine.jit import TinyJit
         from tinygrad.tensor import Tensor
 
@@ -364,6 +390,9 @@ class ModelSlice:
         self._prefills[length] = jit
         self.use(self.slots)
         out = self._output(jit(t, 0))
+        if self.batched:
+            self._store(slot)
+            return out
         scratch = [cast("Tensor", b.cache_kv) for b in self.blk]
         self.use(slot)
         for block, src in zip(self.blk, scratch, strict=True):
@@ -381,6 +410,8 @@ class ModelSlice:
         """
         if not 1 <= position < self.max_context:
             raise ModelError(f"position {position} is outside the context of {self.max_context}")
+        if self.batched:  # one request is a batch of one row: the same kernels as in any batch
+            return self.decode_rows([x], [position], [slot])[0]
         self.use(slot)
         if self.config.moe:
             return self._moe_step(x, position)
@@ -399,6 +430,137 @@ class ModelSlice:
             buf.copyin(np.ascontiguousarray(arr).data.cast("B"))
         with decode_context(self._decode_in.device):
             return self._output(self._jit(self._decode_in, self._pos.bind(position)))
+
+    def _store(self, slot: int) -> None:
+        """A prefill computed in the scratch slot: its KV cache into slot ``slot``'s region of the slot caches."""
+        for block in self.blk:
+            store_prefill(block, self.slots, slot, cast("Tensor", block.cache_kv))
+
+    def _rows_input(self, key: tuple[int, int], x: NDArray[Any], pos: NDArray[np.int32]) -> tuple[Tensor, Tensor]:
+        """The persistent (rows, positions) inputs of step ``key`` (width, block or -1), overwritten with ``x`` and
+        ``pos``."""
+        from tinygrad.tensor import Tensor
+
+        pair = self._row_in.get(key)
+        if pair is None:
+            pair = self._row_in[key] = (Tensor(x).realize(), Tensor(pos).realize())
+        else:
+            for t, arr in zip(pair, (x, pos), strict=True):
+                cast("Buffer", t.uop.base.realized).copyin(np.ascontiguousarray(arr).data.cast("B"))
+        return pair
+
+    def decode_rows(
+        self,
+        xs: Sequence[list[int] | NDArray[np.float16]],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        stand_in: bool = False,
+    ) -> list[NDArray[np.float16] | int]:
+        """One decode position of several requests in one call (a batched slice): row ``i`` is request slot
+        ``slots[i]`` at ``positions[i]`` with input ``xs[i]`` (a token id list or a (1,1,D) hidden state). Each
+        output is what ``decode`` returns for that request alone, to the byte (``ppharness.model.batch``).
+        A MoE slice answers its expert calls from the experts it holds (``stand_in``: as ``answer``'s, for compiling
+        the step before a request)."""
+        gen = self.rows_step(xs, positions, slots)
+        try:
+            call = next(gen)
+            while True:
+                call = gen.send(self.answer(call, stand_in))
+        except StopIteration as stop:
+            return cast("list[NDArray[np.float16] | int]", stop.value)
+
+    def rows_step(
+        self,
+        xs: Sequence[list[int] | NDArray[np.float16]],
+        positions: Sequence[int],
+        slots: Sequence[int],
+    ) -> Generator[ExpertCall, NDArray[np.float16], list[NDArray[np.float16] | int]]:
+        """``decode_rows`` as a generator: a MoE slice yields one ``ExpertCall`` per MoE block for the batch's rows
+        (in the order of ``slots``' sorted values) and takes back their experts' outputs, as ``step`` does."""
+        if not self.batched:
+            raise ModelError("decoding rows needs a batched slice (ModelSlice(..., batched=True))")
+        if not len(xs) == len(positions) == len(slots) or not slots:
+            raise ModelError("decoding rows needs one input, position and slot per row, and at least one row")
+        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
+            raise ModelError(f"request slots {list(slots)}: each row needs its own slot of this slice's {self.slots}")
+        if not all(1 <= p < self.max_context for p in positions):
+            raise ModelError(f"positions {list(positions)}: each must be inside [1, {self.max_context})")
+        w = width_for(self.slots, max(slots))
+        pos = np.full(w, -1, dtype=np.int32)
+        if self.first:
+            x = np.zeros((w, 1), dtype=np.int32)
+        else:
+            x = np.zeros((w, 1, self.config.dim), dtype=np.float16)
+        for xi, p, s in zip(xs, positions, slots, strict=True):
+            x[s] = np.asarray(xi, dtype=x.dtype).reshape(x.shape[1:])
+            pos[s] = p
+        length = self._length.bind(max(positions) + 1)
+        if self.config.moe:
+            rows = yield from self.step_rows(x, pos, length)
+        else:
+            x_in, pos_in = self._rows_input((w, 0), x, pos)
+            with invariant():
+                out = self._row_jits[w](x_in, pos_in, length)
+            if isinstance(out, tuple):
+                out, *self._tapped = out
+            rows = out.numpy()
+        if self.last:
+            return [int(rows.reshape(-1)[s]) for s in slots]
+        return [rows[s : s + 1].copy() for s in slots]
+
+    def prefill_step(
+        self, x: list[int] | NDArray[np.float16], slot: int
+    ) -> Generator[ExpertCall, NDArray[np.float16], NDArray[np.float16] | int]:
+        """A MoE slice's prefill of request slot ``slot`` as a generator (``step`` at position 0); a batched slice
+        computes it in the scratch slot and copies its cache into the slot's region."""
+        out = yield from self.step(x, 0, self.slots if self.batched else slot)
+        if self.batched:
+            self._store(slot)
+        return out
+
+    def step_rows(
+        self, x: NDArray[Any], pos: NDArray[np.int32], length: UOp
+    ) -> Generator[ExpertCall, NDArray[np.float16], NDArray[Any]]:
+        """A MoE slice's batched decode step (``decode_rows``' rows, laid out by slot: ``x`` (W,1) or (W,1,D),
+        ``pos`` (W,), -1 for an idle row): yields one ``ExpertCall`` per MoE block for the active rows, in slot
+        order, and takes back their experts' outputs; returns the (W,1,D) hidden rows or the (W,) token ids."""
+        cfg, w = self.config, int(pos.shape[0])
+        active = [int(r) for r in np.flatnonzero(pos >= 0)]
+        h: NDArray[Any] = x
+        for i, block in enumerate(self.blk):
+            x_in, pos_in = self._rows_input((w, i), np.ascontiguousarray(h), pos)
+            with invariant():
+                outs = self._row_steps[w][i](x_in, pos_in, length)
+            outs_np = [t.numpy() for t in outs]
+            if getattr(block, "routed", False):
+                residual, normed, logits, *shared = (o.reshape(w, -1)[active] for o in outs_np)
+                routing = self._route(i, logits.reshape(len(active), cfg.experts))
+                got = yield ExpertCall(layer=self.lo + i, hidden=normed.reshape(len(active), cfg.dim), routing=routing)
+                gated = shared[0] if shared else None
+                h = np.zeros((w, 1, cfg.dim), dtype=np.float16)
+                h[active] = combine(residual, got, routing.weights, gated).reshape(len(active), 1, cfg.dim)
+            else:
+                h = outs_np[0]
+            if self.taps:
+                self._tapped_np[self.lo + i] = h
+        if self.last:
+            x_in, _ = self._rows_input((w, -1), np.ascontiguousarray(h), pos)
+            with invariant():
+                return cast("NDArray[Any]", self._row_heads[w](x_in).numpy())
+        return h
+
+    def _route(self, i: int, logits: NDArray[np.float32]) -> Routing:
+        cfg = self.config
+        return route(
+            logits,
+            cfg.experts_used,
+            cfg.norm_topk,
+            gating=cfg.gating,
+            bias=self._bias.get(self.lo + i),
+            groups=cfg.expert_groups,
+            groups_used=cfg.groups_used,
+            scale=cfg.routed_scale,
+        )
 
     def decode_kernels(self) -> list[str]:
         """The source of every kernel the compiled decode step (blocks, then the head on the last stage) runs, in order,

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 _EXPERT_NAME = re.compile(r"^moe-expert-(\d+)-(\d+)(?:\.r(\d+))?$")
 ANSWERS_KEPT = 256  # an expert node's last answers, to answer a copy of a request again
 RESEND_MAX_S = 8.0  # the longest an owner waits between two copies of a request
+
+
+R = TypeVar("R")  # what a driven step returns
 
 
 def holders_of(names: dict[str, str]) -> dict[tuple[int, int], list[str]]:
@@ -112,14 +115,32 @@ class ExpertParallel:
         return self.model.slots
 
     def prefill(self, x: list[int] | npt.NDArray[np.float16], slot: int = 0) -> npt.NDArray[np.float16] | int:
-        return self._drive(self.model.step(x, 0, slot), 0)
+        return self._drive(self.model.prefill_step(x, slot), 0)
 
     def decode(
         self, x: list[int] | npt.NDArray[np.float16], position: int, slot: int = 0
     ) -> npt.NDArray[np.float16] | int:
         if not 1 <= position < self.model.max_context:
             raise ModelError(f"position {position} is outside the context of {self.model.max_context}")
+        if self.model.batched:
+            return self.decode_rows([x], [position], [slot])[0]
         return self._drive(self.model.step(x, position, slot), position)
+
+    def decode_rows(
+        self,
+        xs: Sequence[list[int] | npt.NDArray[np.float16]],
+        positions: Sequence[int],
+        slots: Sequence[int],
+    ) -> list[npt.NDArray[np.float16] | int]:
+        """A batched slice's ``decode_rows``, its expert calls fanned out: each expert node gets the batch's rows it
+        holds experts for in one message per MoE block. The fan-out's key is the batch's first row (its request,
+        from ``begin_step``, at its position)."""
+        out: list[npt.NDArray[np.float16] | int] = self._drive(self.model.rows_step(xs, positions, slots), positions[0])
+        return out
+
+    @property
+    def batched(self) -> bool:
+        return self.model.batched
 
     def begin_step(self, request_id: str, step: int) -> None:
         """What the stage is computing now: the request and the trace's step (keys and spans of the fan-out)."""
@@ -131,15 +152,13 @@ class ExpertParallel:
 
     # --- fan-out and gather -----------------------------------------------------------------------------------------
 
-    def _drive(
-        self, gen: Generator[ExpertCall, npt.NDArray[np.float16], npt.NDArray[np.float16] | int], position: int
-    ) -> npt.NDArray[np.float16] | int:
+    def _drive(self, gen: Generator[ExpertCall, npt.NDArray[np.float16], R], position: int) -> R:
         try:
             call = next(gen)
             while True:
                 call = gen.send(self._gather(call, position))
         except StopIteration as stop:
-            out: npt.NDArray[np.float16] | int = stop.value
+            out: R = stop.value
             return out
 
     def _assign(self, call: ExpertCall) -> tuple[list[tuple[int, int]], dict[str, list[tuple[int, int]]]]:

@@ -35,6 +35,7 @@ from ppharness.model.arch.llama import (
     write_attention,
     write_rope_keys,
 )
+from ppharness.model.batch import Rows, attention_rows
 
 if TYPE_CHECKING:
     from tinygrad.tensor import Tensor
@@ -76,10 +77,16 @@ def moe_block_class() -> Any:
                     self.ffn_up_shexp = nn.Linear(cfg.dim, cfg.shared_ffn, bias=False)
                     self.ffn_down_shexp = nn.Linear(cfg.shared_ffn, cfg.dim, bias=False)
 
-        def __call__(self, x: Tensor, start_pos: int | UOp) -> Tensor:
+        def __call__(self, x: Tensor, start_pos: int | UOp | Rows) -> Tensor:
             return self._feed_forward(self._attention(x, start_pos)).cast("float16").contiguous()
 
-        def pre(self, x: Tensor, start_pos: int | UOp) -> tuple[Tensor, ...]:
+        def _attention(self, x: Tensor, start_pos: int | UOp | Rows) -> Tensor:
+            if isinstance(start_pos, Rows):  # a batch of decode rows, each at its own position
+                return attention_rows(self, x, start_pos)
+            out: Tensor = super()._attention(x, start_pos)
+            return out
+
+        def pre(self, x: Tensor, start_pos: int | UOp | Rows) -> tuple[Tensor, ...]:
             """Attention and what precedes the routed experts: the residual (fp32), the normed input of the experts
             (fp16), the router's logits (fp32), and with a shared expert its gated output (fp32)."""
             return self.moe_inputs(self._attention(x, start_pos))
