@@ -84,7 +84,7 @@ def invariant_opts(s: Scheduler) -> Scheduler:
 
     from ppharness.model.kernels import heuristic
 
-    k: Any = s.copy()  # Scheduler.copy is unannotated
+    k: Any = cast(Any, s).copy()  # Scheduler.copy is unannotated
     if not k.axes_of(AxisType.REDUCE) or any(u.op is Ops.BUFFERIZE for u in k.ast.backward_slice):
         return heuristic(s)  # nothing is summed here: no optimisation can change a value
     first = k.full_shape[k.axes_of(AxisType.REDUCE)[0]]
@@ -139,21 +139,24 @@ class Rows:
 
         n = int(table.shape[0])
         hit = Tensor.arange(n).reshape(1, n) == self.pos.reshape(-1, 1)  # (W, n): one True per active row
-        return (hit.unsqueeze(-1).where(table.unsqueeze(0), 0.0)).sum(1)  # one term: the same bits as the table's
+        out: Tensor = hit.unsqueeze(-1).where(table.unsqueeze(0), 0.0).sum(1)  # one term: the table's bits
+        return out
 
     def seen(self) -> Tensor:
         """(W, L) True where a row may attend: the positions up to its own."""
         from tinygrad.tensor import Tensor
 
         span = Tensor.arange(cast(int, self.length))  # symbolic length: positions 0 .. L-1
-        return span.reshape(1, -1) <= self.pos.reshape(-1, 1)
+        out: Tensor = span.reshape(1, -1) <= self.pos.reshape(-1, 1)
+        return out
 
     def written(self) -> Tensor:
         """(W, L) True at each row's own position: where its new key and value go."""
         from tinygrad.tensor import Tensor
 
         span = Tensor.arange(cast(int, self.length))
-        return span.reshape(1, -1) == self.pos.reshape(-1, 1)
+        out: Tensor = span.reshape(1, -1) == self.pos.reshape(-1, 1)
+        return out
 
 
 def rope_rows(x: Tensor, cos_sin: Tensor) -> Tensor:
@@ -187,7 +190,8 @@ def rotary_table(block: Any) -> Tensor:
     factors = getattr(block, "rope_factors", ())
     if factors:
         return rope_table(block.head_dim, block.max_context, block.rope_theta, factors)
-    return precompute_freqs_cis(block.head_dim, block.max_context, block.rope_theta)
+    table: Tensor = precompute_freqs_cis(block.head_dim, block.max_context, block.rope_theta)
+    return table
 
 
 def attention_rows(block: Any, x: Tensor, rows: Rows) -> Tensor:

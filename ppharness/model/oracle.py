@@ -41,14 +41,16 @@ def oracle_decode(
     max_context: int = 256,
     model: ModelSlice | None = None,
     boundaries: bool = False,
+    batched: bool = False,
 ) -> OracleResult:
     """Greedy decode of ``prompt`` with the whole model in this process. ``model`` reuses an already loaded one
     (its file and tokenizer too). ``boundaries`` also digests every block's output at every step (a model passed in
-    must then have been built with ``taps=True``)."""
+    must then have been built with ``taps=True``). ``batched``: built as a batched slice (its decode is a batch of one
+    row, with the kernels a batched chain runs)."""
     t0 = time.monotonic()
     if model is None:
         f = GGUFFile(Path(model_path))
-        model = ModelSlice(f, 0, f.config.blocks, True, True, max_context, taps=boundaries)
+        model = ModelSlice(f, 0, f.config.blocks, True, True, max_context, taps=boundaries, batched=batched)
         warm_up(model)
     if boundaries and not model.taps:
         raise ValueError("oracle_decode(boundaries=True) needs a model built with taps=True")

@@ -546,7 +546,8 @@ class ModelSlice:
         if self.last:
             x_in, _ = self._rows_input((w, -1), np.ascontiguousarray(h), pos)
             with invariant():
-                return cast("NDArray[Any]", self._row_heads[w](x_in).numpy())
+                ids: NDArray[Any] = self._row_heads[w](x_in).numpy()
+                return ids
         return h
 
     def _route(self, i: int, logits: NDArray[np.float32]) -> Routing:

@@ -57,6 +57,7 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     wire_dtype: str = "f16"
     max_context: int = 256
     slots: int = 1  # requests served at once: a KV cache each (ppharness.run.stage)
+    batched: bool = False  # one model call per step for every ready request (ppharness.model.batch)
     queue: int = 64  # stage 0: requests waiting for a free slot before more are refused
     join_s: float = 120.0
     resolve_s: float = 60.0
@@ -145,6 +146,7 @@ class StageSettings(TypedDict, total=False):
     wire_dtype: str
     max_context: int
     slots: int
+    batched: bool
     queue: int
     join_s: float
     resolve_s: float

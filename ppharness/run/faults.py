@@ -8,6 +8,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import numpy as np
     import numpy.typing as npt
 
@@ -36,6 +38,21 @@ class FaultyModel:
             print(f"[pp-node] fault exit-mid-decode: exiting at position {position}", file=sys.stderr, flush=True)
             os._exit(3)
         return self._model.decode(x, position, slot)
+
+    @property
+    def batched(self) -> bool:
+        return self._model.batched
+
+    def decode_rows(
+        self, xs: Sequence[list[int] | npt.NDArray[np.float16]], positions: Sequence[int], slots: Sequence[int]
+    ) -> list[npt.NDArray[np.float16] | int]:
+        self._decodes += 1
+        if self._fault == "exit-mid-decode" and self._decodes == 3:
+            print(
+                f"[pp-node] fault exit-mid-decode: exiting at positions {list(positions)}", file=sys.stderr, flush=True
+            )
+            os._exit(3)
+        return self._model.decode_rows(xs, positions, slots)
 
 
 def with_fault(model: ModelSlice, fault: str) -> ModelSlice | FaultyModel:

@@ -36,15 +36,16 @@ def load_slices(
     cache: dict[tuple[int, ...], ModelSlice] | None = None,
     taps: bool = False,
     slots: int = 1,
+    batched: bool = False,
 ) -> list[ModelSlice]:
-    """One ModelSlice per range (from ``cache`` when it holds the same range and role; ``taps`` and ``slots`` as
-    ModelSlice's)."""
+    """One ModelSlice per range (from ``cache`` when it holds the same range and role; ``taps``, ``slots`` and
+    ``batched`` as ModelSlice's)."""
     out = []
     n = len(ranges)
     for i, (lo, hi) in enumerate(ranges):
-        key = (lo, hi, i == 0, i == n - 1, taps) + ((slots,) if slots != 1 else ())
+        key = (lo, hi, i == 0, i == n - 1, taps) + ((slots,) if slots != 1 else ()) + ((1,) if batched else ())
         if cache is None or key not in cache:
-            s = ModelSlice(gguf_file, lo, hi, i == 0, i == n - 1, max_context, taps=taps, slots=slots)
+            s = ModelSlice(gguf_file, lo, hi, i == 0, i == n - 1, max_context, taps=taps, slots=slots, batched=batched)
             warm_up(s)
             if cache is not None:
                 cache[key] = s

@@ -161,7 +161,15 @@ def load_stage_model(
     if gguf_file is None:
         gguf_file = GGUFFile(resolve_model(model_source))
     model = ModelSlice(
-        gguf_file, plan.lo, plan.hi, plan.first, plan.last, plan.max_context, experts=plan.experts, slots=plan.slots
+        gguf_file,
+        plan.lo,
+        plan.hi,
+        plan.first,
+        plan.last,
+        plan.max_context,
+        experts=plan.experts,
+        slots=plan.slots,
+        batched=plan.batched,
     )
     tokenizer = gguf_file.tokenizer if plan.first or plan.last else None
     warm_up(model)

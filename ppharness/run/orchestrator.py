@@ -271,7 +271,12 @@ def run_scenario(
     if scenario.expect.match_oracle:
         progress("running the unsplit model in this process (the oracle)")
         result.oracle = oracle_decode(
-            chain.model_path, req.prompt, req.max_tokens, scenario.model.max_context, boundaries=True
+            chain.model_path,
+            req.prompt,
+            req.max_tokens,
+            scenario.model.max_context,
+            boundaries=True,
+            batched=scenario.serving.batched,
         )
         result.verdict = chain.observer.judge(response, result.oracle, digests)
         pinning = kernels.active()

@@ -114,6 +114,7 @@ def _settings(scenario: Scenario, compiled: Compiled, trace: bool) -> StageSetti
         wire_dtype=scenario.transport.wire_dtype,
         max_context=scenario.model.max_context,
         slots=scenario.serving.slots,
+        batched=scenario.serving.batched,
         queue=scenario.serving.queue,
         join_s=budget.join_s,
         resolve_s=budget.resolve_s,

@@ -24,6 +24,7 @@ Fault tolerance, by the run's policy:
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 from ppharness.errors import CodecError, HarnessError, StageError
 from ppharness.model.decoding import finish_reason, stop_token, visible
@@ -48,6 +49,9 @@ from ppharness.wire.messages import (
     StageActivation,
     StreamedToken,
 )
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
 
 
 class Stage(ReplayingStage):
@@ -260,9 +264,46 @@ class Stage(ReplayingStage):
         return [req.work.popleft() for req in list(self.reqs.values()) if req.work]
 
     def _run(self, batch: list[Work]) -> list[Hidden | int]:
-        """The model once for ``batch`` (the class docstring's seam): one output per item, a hidden state or, on the
-        last stage, the next token id. Batch 1 per item for now."""
-        return [self._compute(work) for work in batch]
+        """The model for ``batch`` (the class docstring's seam): one output per item, a hidden state or, on the last
+        stage, the next token id. A batched model (``ppharness.model.batch``) runs every decode item in one call;
+        prefills, and every item of a model that is not batched, run one at a time."""
+        if not self.model.batched:
+            return [self._compute(work) for work in batch]
+        rows = [w for w in batch if not w.is_prefill]
+        out: dict[int, Hidden | int] = {id(w): self._compute(w) for w in batch if w.is_prefill}
+        if rows:
+            out.update(zip((id(w) for w in rows), self._compute_rows(rows), strict=True))
+        return [out[id(w)] for w in batch]
+
+    def _compute_rows(self, rows: list[Work]) -> list[Hidden | int]:
+        """Decode items of several requests in one model call, each row in its request's slot at its position."""
+        if self.tracer:
+            for work in rows:
+                self.tracer.begin(work.request.request_id)
+                self._trace_rx(work.step, work.rx)
+            self.tracer.begin(rows[0].request.request_id)
+        t0 = now_ns()
+        begin = getattr(self.model, "begin_step", None)  # the expert fan-out is keyed by the batch's first row
+        if begin is not None:
+            begin(rows[0].request.request_id, rows[0].step)
+        xs = [w.input if isinstance(w.input, list) else w.input.host() for w in rows]
+        try:
+            outs = self.model.decode_rows(xs, [w.position for w in rows], [w.slot for w in rows])
+        except HarnessError as exc:
+            raise StageError(f"stage {self.index}: {exc}") from exc
+        except Exception as exc:  # tinygrad raises plain exceptions; name the stage and the requests
+            ids = ", ".join(w.request.request_id for w in rows)
+            what = f"{type(exc).__name__}: {exc}"
+            raise StageError(f"stage {self.index}: compute failed for requests {ids}: {what}") from exc
+        t1 = now_ns()
+        self.batches.append(len(rows))
+        if self.tracer:
+            for work in rows:  # each request's trace holds the batch's call
+                self.tracer.begin(work.request.request_id)
+                self.tracer.add(work.step, "compute", t0, t1)
+        if self.last:
+            return [int(cast(int, o)) for o in outs]
+        return [Hidden(cast("NDArray[Any]", o)) for o in outs]
 
     def _compute(self, work: Work) -> Hidden | int:
         req = work.request

@@ -16,7 +16,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -68,6 +68,15 @@ class StageModel(Protocol):
     def decode(
         self, x: list[int] | npt.NDArray[np.float16], position: int, slot: int = 0
     ) -> npt.NDArray[np.float16] | int: ...
+
+    @property
+    def batched(self) -> bool:
+        """Whether ``decode_rows`` runs several requests' positions in one call (``ppharness.model.batch``)."""
+        ...
+
+    def decode_rows(
+        self, xs: Sequence[list[int] | npt.NDArray[np.float16]], positions: Sequence[int], slots: Sequence[int]
+    ) -> list[npt.NDArray[np.float16] | int]: ...
 
 
 @dataclass
@@ -162,6 +171,7 @@ class StageState(ABC):
         self.seed = seed
         self.slots = getattr(model, "slots", 1)
         self.reqs: dict[str, Request] = {}  # the requests in flight here, by id, each in its own slot
+        self.batches: deque[int] = deque(maxlen=4096)  # a batched model's calls: the rows of each, most recent last
         self.queue_limit = queue
         self.waiting: deque[tuple[InferenceRequest, list[int], Received | None]] = deque()  # stage 0: admitted next
         self.served = 0

@@ -225,10 +225,14 @@ class RequestSection(Settings, frozen=True):
 
 class ServingSection(Settings, frozen=True):
     """Requests in flight: every stage keeps ``slots`` KV caches (one per request it serves at once); stage 0 keeps up
-    to ``queue`` more requests waiting for a free slot and refuses the rest as busy."""
+    to ``queue`` more requests waiting for a free slot and refuses the rest as busy. ``batched``: each stage runs the
+    next position of all its ready requests in one model call (``ppharness.model.batch``), with batch-invariant
+    kernels, so each request's answer stays the one it gets alone; else one call per request, with the fastest
+    kernels for one row."""
 
     slots: Annotated[int, Meta(ge=1, le=256)] = 1
     queue: Annotated[int, Meta(ge=0, le=65536)] = 64
+    batched: bool = False
 
 
 class ExpectSection(Settings, frozen=True):
