@@ -163,7 +163,8 @@ def rope_rows(x: Tensor, cos_sin: Tensor) -> Tensor:
     """tinygrad's ``apply_rope`` with each row's own angles: ``x`` (W,H,1,Hd), ``cos_sin`` (W, Hd) (cos | sin)."""
     cos, sin = cos_sin.reshape(x.shape[0], 1, 1, -1).chunk(2, dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
-    return (x1 * cos - x2 * sin).cat(x2 * cos + x1 * sin, dim=-1)
+    out: Tensor = (x1 * cos - x2 * sin).cat(x2 * cos + x1 * sin, dim=-1)
+    return out
 
 
 def slot_cache(block: Any, slots: int, like: Tensor) -> Tensor:
