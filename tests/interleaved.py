@@ -32,13 +32,16 @@ def run_interleaved(
     queue: int = 64,
     plan_id: str = "inprocess",
     observe: Callable[[list[Stage]], None] | None = None,
+    drain: bool = False,
 ) -> list[InferenceResponse | Error]:
     """Serve several requests at once through ``slices`` (built with as many slots as the stages should serve) and
-    return, per arrival, its response or stage 0's refusal.
+        return, per arrival, its response or stage 0's refusal.
 
-    One thread delivers one message at a time to a stage chosen at random (``seed``) among those with mail, so the
-    requests interleave differently from seed to seed; each stage still reads its mail in the order it was sent, as a
-    transport's ordered channel delivers it. ``observe(stages)`` runs after each delivery."""
+        One thread delivers one message at a time to a stage chosen at random (``seed``) among those with mail, so the
+        requests interleave differently from seed to seed; each stage still reads its mail in the order it was sent, as a
+        transport's ordered channel delivers it. ``observe(stages)`` runs after each delivery. ``drain``: a stage chosen gets
+    every message waiting for it before it steps, as a node's loop hands them (a batched stage then runs them together).
+    """
     n = len(slices)
     rng = random.Random(seed)
     with InProcessChain(gguf_file, slices, plan_id, queue=queue) as chain:
@@ -56,7 +59,7 @@ def run_interleaved(
                 )
             moved = False
             for i in rng.sample(range(n), n):  # the first stage with mail, in a random order of the stages
-                if not chain.turn(i):
+                if not chain.turn(i, drain=drain):
                     continue
                 delivered, moved = delivered + 1, True
                 if observe is not None:

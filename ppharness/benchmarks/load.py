@@ -80,6 +80,7 @@ class LoadResult:
     transport: str
     network: str
     slots: int
+    batched: bool
     queue: int
     spec: dict[str, object]
     single_tok_s: list[float] = field(default_factory=list)  # one request alone: its tokens / its wall time
@@ -97,11 +98,18 @@ class LoadResult:
 
 
 def _scenario(
-    preset: str, num_stages: int, transport: str, network: Network | None, slots: int, queue: int, max_context: int
+    preset: str,
+    num_stages: int,
+    transport: str,
+    network: Network | None,
+    slots: int,
+    queue: int,
+    max_context: int,
+    batched: bool = False,
 ) -> Scenario:
 
     base = chain_scenario(preset, num_stages, transport, 1, max_context)  # its request is not sent: the load is
-    serving = msgspec.structs.replace(base.serving, slots=slots, queue=queue)
+    serving = msgspec.structs.replace(base.serving, slots=slots, queue=queue, batched=batched)
     raw = msgspec.to_builtins(msgspec.structs.replace(base, serving=serving, network=network, name="bench-load"))
     return msgspec.convert(raw, type=Scenario)  # checked as a scenario file would be
 
@@ -113,15 +121,18 @@ def delay_network(delay_ms: float, seed: int = 0) -> Network | None:
     return Network(seed=seed, layer="message", default=Impairment(delay_ms=delay_ms))
 
 
-def _answers(path: str, jobs: list[Job], max_context: int, progress: Callable[[str], None]) -> dict[str, list[int]]:
-    """The unsplit model's answer to each distinct prompt alone, as long as the longest asked of it."""
+def _answers(
+    path: str, jobs: list[Job], max_context: int, progress: Callable[[str], None], batched: bool = False
+) -> dict[str, list[int]]:
+    """The unsplit model's answer to each distinct prompt alone, as long as the longest asked of it (``batched``: as
+    a batched slice computes it alone, a batch of one row)."""
 
     longest: dict[str, int] = {}
     for j in jobs:
         longest[j.prompt] = max(longest.get(j.prompt, 0), j.max_tokens)
     progress(f"oracle: {len(longest)} distinct prompt(s) in one process")
     f = GGUFFile(path)
-    model = ModelSlice(f, 0, f.config.blocks, True, True, max_context)
+    model = ModelSlice(f, 0, f.config.blocks, True, True, max_context, batched=batched)
     warm_up(model)
     out = {}
     for prompt, n in longest.items():
@@ -152,6 +163,7 @@ def run_load_bench(
     network_name: str,
     progress: Callable[[str], None],
     json_out: str | None = None,
+    batched: bool = True,
 ) -> LoadResult:
     """Start the chain, warm it, measure the single request and the load; every answer checked."""
 
@@ -163,9 +175,9 @@ def run_load_bench(
     longest_prompt = max(len(f.tokenizer.encode(j.prompt)) for j in jobs) + 1
     max_context = min(f.config.context, max(16, longest_prompt + spec.max_tokens[1] + 8))  # a scenario's least: 16
     single_tokens = int(statistics.median(j.max_tokens for j in jobs))
-    expected = _answers(path, [*jobs, Job(jobs[0].prompt, single_tokens)], max_context, progress)
-    scenario = _scenario(preset, num_stages, transport, network, slots, queue, max_context)
-    res = LoadResult(preset, num_stages, transport, network_name, slots, queue, asdict(spec))
+    expected = _answers(path, [*jobs, Job(jobs[0].prompt, single_tokens)], max_context, progress, batched)
+    scenario = _scenario(preset, num_stages, transport, network, slots, queue, max_context, batched)
+    res = LoadResult(preset, num_stages, transport, network_name, slots, batched, queue, asdict(spec))
     res.single_tokens = single_tokens
 
     def check(s: Served) -> None:
@@ -234,7 +246,7 @@ def report(res: LoadResult) -> str:
     spec = res.spec
     lines = [
         f"bench load: {res.preset}, {res.num_stages} stage(s) over {res.transport}, network {res.network}, "
-        f"{res.slots} slot(s), queue {res.queue}",
+        f"{res.slots} slot(s), {'batched' if res.batched else 'one request per model call'}, queue {res.queue}",
         f"load: {spec['requests']} request(s) at {spec['rate']} per s (0: all at once), prompts of "
         f"{spec['prompt_words']} words, answers of {spec['max_tokens']} tokens, seed {spec['seed']}",
         "",

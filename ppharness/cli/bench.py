@@ -431,6 +431,12 @@ def _range(text: str, what: str) -> tuple[int, int]:
 @click.option("--preset", default="small", show_default=True, help="Synthetic model preset.")
 @click.option("--slots", type=int, help="Requests each stage serves at once (default: --requests, at most 16).")
 @click.option("--queue", type=int, default=64, show_default=True, help="Requests stage 0 keeps waiting for a slot.")
+@click.option(
+    "--batched/--one-per-call",
+    default=True,
+    show_default=True,
+    help="Each stage runs all its ready requests in one model call (serving.batched), or one call per request.",
+)
 @click.option("--prompt-words", default="2,12", show_default=True, help="Prompt length in words: LO,HI (uniform).")
 @click.option("--max-tokens", default="16,32", show_default=True, help="Answer length in tokens: LO,HI (uniform).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Arrivals and lengths are drawn from it.")
@@ -445,6 +451,7 @@ def bench_load(
     preset: str,
     slots: int | None,
     queue: int,
+    batched: bool,
     prompt_words: str,
     max_tokens: str,
     seed: int,
@@ -469,7 +476,17 @@ def bench_load(
                 (f"{delay_ms:g} ms per hop" if delay_ms > 0 else "none"),
             )
         res = load_bench.run_load_bench(
-            preset, num_stages, transport, spec, slots or min(requests, 16), queue, network, name, Progress(), json_out
+            preset,
+            num_stages,
+            transport,
+            spec,
+            slots or min(requests, 16),
+            queue,
+            network,
+            name,
+            Progress(),
+            json_out,
+            batched,
         )
     click.echo(load_bench.report(res))
     if not res.exact:

@@ -59,14 +59,16 @@ def width_for(slots: int, highest: int) -> int:
 
 
 @contextlib.contextmanager
-def invariant() -> Iterator[None]:
-    """Compile (and run) inside this to get batch-invariant kernels (module docstring)."""
+def invariant(device: str) -> Iterator[None]:
+    """Compile (and run) a batched step on ``device`` inside this to get batch-invariant kernels (module docstring),
+    with the decode step's compile settings (``ppharness.model.direct.decode_context``)."""
     from tinygrad.helpers import Context
 
+    from ppharness.model.direct import decode_context
     from ppharness.model.kernels import route_choices
 
     route_choices()
-    with cast(Any, Context)(BEAM=INVARIANT):  # Context is unannotated
+    with cast(Any, Context)(BEAM=INVARIANT), decode_context(device):  # Context is unannotated
         yield
 
 
@@ -211,12 +213,12 @@ def attention_rows(block: Any, x: Tensor, rows: Rows) -> Tensor:
     v = v.reshape(w, 1, kvh, hd).transpose(1, 2)
     if block.qk_norm == hd:
         q, k = block.attn_q_norm(q), block.attn_k_norm(k)
-    cos_sin = rows.at_positions(rotary_table(block))
+    cos_sin = rows.at_positions(rotary_table(block)).contiguous()  # once, not inside every kernel that reads it
     q, k = rope_rows(q, cos_sin), rope_rows(k, cos_sin)
     cache = cast("Tensor", block.slot_cache)
     length = cast(int, rows.length)
     view = cache[0:w, :, :, 0:length, :]  # (W,2,KvH,L,Hd): the batch's slots up to the longest row
-    new = Tensor.stack(k, v, dim=1).cast(cache.dtype)  # (W,2,KvH,1,Hd)
+    new = Tensor.stack(k, v, dim=1).cast(cache.dtype).contiguous()  # (W,2,KvH,1,Hd)
     here = rows.written().reshape(w, 1, 1, -1, 1)
     view.assign(here.where(new, view)).realize()
     keys, values = cache[0:w, 0, :, 0:length, :], cache[0:w, 1, :, 0:length, :]

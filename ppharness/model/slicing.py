@@ -499,7 +499,7 @@ class ModelSlice:
             rows = yield from self.step_rows(x, pos, length)
         else:
             x_in, pos_in = self._rows_input((w, 0), x, pos)
-            with invariant():
+            with invariant(x_in.device):
                 out = self._row_jits[w](x_in, pos_in, length)
             if isinstance(out, tuple):
                 out, *self._tapped = out
@@ -529,7 +529,7 @@ class ModelSlice:
         h: NDArray[Any] = x
         for i, block in enumerate(self.blk):
             x_in, pos_in = self._rows_input((w, i), np.ascontiguousarray(h), pos)
-            with invariant():
+            with invariant(x_in.device):
                 outs = self._row_steps[w][i](x_in, pos_in, length)
             outs_np = [t.numpy() for t in outs]
             if getattr(block, "routed", False):
@@ -545,7 +545,7 @@ class ModelSlice:
                 self._tapped_np[self.lo + i] = h
         if self.last:
             x_in, _ = self._rows_input((w, -1), np.ascontiguousarray(h), pos)
-            with invariant():
+            with invariant(x_in.device):
                 ids: NDArray[Any] = self._row_heads[w](x_in).numpy()
                 return ids
         return h

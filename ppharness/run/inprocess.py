@@ -99,16 +99,19 @@ class InProcessChain:
         """The client sends ``request`` to stage 0."""
         self.client.send(self.names[ENTRY], request)
 
-    def turn(self, i: int, on_message: Callable[[int, Message], None] | None = None) -> bool:
-        """Hand stage ``i`` its next message, if one waits, and run what that made ready; whether one was there.
-        ``on_message(stage, message)`` sees it first, as decoded from the wire."""
+    def turn(self, i: int, on_message: Callable[[int, Message], None] | None = None, drain: bool = False) -> bool:
+        """Hand stage ``i`` its next message, if one waits (``drain``: and every message waiting behind it, as a
+        node's loop does), and run what that made ready; whether one was there. ``on_message(stage, message)`` sees
+        each first, as decoded from the wire."""
         loop = self.loops[i]
         got = loop.next(0.0)
         if got is None:
             return False
-        if on_message is not None:
-            on_message(i, got[1])
-        self.stages[i].handle(*got)
+        while got is not None:
+            if on_message is not None:
+                on_message(i, got[1])
+            self.stages[i].handle(*got)
+            got = loop.next(0.0) if drain else None
         loop.tick()
         while loop.work():
             pass
