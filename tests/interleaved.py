@@ -35,12 +35,13 @@ def run_interleaved(
     drain: bool = False,
 ) -> list[InferenceResponse | Error]:
     """Serve several requests at once through ``slices`` (built with as many slots as the stages should serve) and
-        return, per arrival, its response or stage 0's refusal.
+    return, per arrival, its response or stage 0's refusal.
 
-        One thread delivers one message at a time to a stage chosen at random (``seed``) among those with mail, so the
-        requests interleave differently from seed to seed; each stage still reads its mail in the order it was sent, as a
-        transport's ordered channel delivers it. ``observe(stages)`` runs after each delivery. ``drain``: a stage chosen gets
-    every message waiting for it before it steps, as a node's loop hands them (a batched stage then runs them together).
+    One thread delivers one message at a time to a stage chosen at random (``seed``) among those with mail, so
+    the requests interleave differently from seed to seed; each stage still reads its mail in the order it was sent,
+    as a transport's ordered channel delivers it. ``observe(stages)`` runs after each delivery. ``drain``: a stage
+    chosen gets every message waiting for it before it steps, as a node's loop hands them (a batched stage then runs
+    them together).
     """
     n = len(slices)
     rng = random.Random(seed)

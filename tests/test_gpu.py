@@ -73,3 +73,28 @@ def test_a_decode_block_is_measured_beside_the_floor_of_its_shapes(tmp_path):
     assert cost["tinygrad_block_ms"] > 0 and cost["ratio"] == pytest.approx(
         cost["tinygrad_block_ms"] / cost["floor_block_ms"]
     )
+
+
+def test_batched_rows_on_the_gpu_are_the_bytes_of_each_request_alone():
+    """On the GPU, where tinygrad's own choices differ by batch width (a split reduction for one row, other
+    optimisations for many), a batched slice's rows are still each request's bytes alone: the batched-decode property
+    of ``tests/test_batched_decode.py``, run on the GPU over the 1B shape's width (4 blocks)."""
+    code = (
+        "import numpy as np\n"
+        "from ppharness.model.files import resolve_model\n"
+        "from ppharness.model.gguf_file import GGUFFile\n"
+        "from ppharness.model.slicing import ModelSlice\n"
+        "f = GGUFFile(resolve_model('synthetic:llama-3.2-1b,blocks=4'))\n"
+        "m = ModelSlice(f, 0, 2, True, False, 64, slots=8, batched=True)\n"
+        "rng = np.random.default_rng(0)\n"
+        "prompts = [[int(t) for t in rng.integers(0, 1000, 3 + s)] for s in range(8)]\n"
+        "for s in range(8): m.prefill(prompts[s], s)\n"
+        "alone = [m.decode_rows([[7 + s]], [3 + s], [s])[0] for s in range(8)]\n"
+        "for s in range(8): m.prefill(prompts[s], s)\n"
+        "both = m.decode_rows([[7 + s] for s in range(8)], [3 + s for s in range(8)], list(range(8)))\n"
+        "bad = [s for s in range(8) if alone[s].tobytes() != both[s].tobytes()]\n"
+        "print('rows differing from alone:', bad)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rows differing from alone: []" in run.stdout, run.stdout + run.stderr[-2000:]

@@ -105,9 +105,13 @@ def run_gpu_bench(
     progress: Callable[[str], None],
     in_flight: int = 1,
     block: bool = True,
+    batched: bool = False,
 ) -> GpuBench:
     """``in_flight`` above 1: each chain also serves that many requests at once (every stage keeps a KV cache per
-    request), reported as a contender of its own with the aggregate decode tokens/s."""
+    request), reported as a contender of its own with the aggregate decode tokens/s, and HF transformers decodes a
+    batch of as many. ``batched``: the chains run batched (``serving.batched``); the single process also runs as a
+    batched slice (a batch of one row: the price of batch-invariant kernels), which is then the oracle every chain's
+    answers are held to, bit for bit."""
     os.environ["DEV"] = device.upper()  # this process and every stage process it starts; tinygrad, imported
     # when the first slice is built (ppharness.model.slicing), takes its device from it
 
@@ -137,6 +141,21 @@ def run_gpu_bench(
         one.ttft_warm_s.append(r.ttft_s)
     one.device_mib = [device_bytes() / 2**20]
     res.contenders.append(one)
+    del single
+    if batched:
+        progress("single process, batched slice: loading and compiling")
+        single = ModelSlice(f, 0, cfg.blocks, True, True, max_context, taps=True, batched=True)
+        warm_up(single)
+        inv = Contender("tinygrad, one process, batch-invariant kernels")
+        oracle = oracle_decode(path, prompt, tokens, max_context, model=single, boundaries=True)
+        inv.ttft_cold_s = oracle.ttft_s
+        for _ in range(repeats):
+            r = oracle_decode(path, prompt, tokens, max_context, model=single)
+            inv.decode_tok_s.append(r.decode_tok_s)
+            inv.ttft_warm_s.append(r.ttft_s)
+        res.contenders.append(inv)
+        progress(f"{inv.name}: {inv.median_tok_s():.1f} tok/s")
+        del single
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -145,7 +164,6 @@ def run_gpu_bench(
 
     save()
     progress(f"single process: {one.median_tok_s():.1f} tok/s")
-    del single
     pinning = kernels.active()
     res.kernels = pinning.summary() if pinning else "tinygrad's heuristic (no kernel table: PPHARNESS_KERNELS unset)"
     if block:
@@ -157,11 +175,13 @@ def run_gpu_bench(
             c = Contender(f"tinygrad, {n}-stage chain, {kind}")
             progress(f"{c.name}: starting")
             scenario = _scenario(preset, n, kind, tokens, max_context)
-            if in_flight > 1:
+            if in_flight > 1 or batched:
                 scenario = msgspec.structs.replace(
-                    scenario, serving=msgspec.structs.replace(scenario.serving, slots=in_flight)
+                    scenario, serving=msgspec.structs.replace(scenario.serving, slots=in_flight, batched=batched)
                 )
-            many = Contender(f"tinygrad, {n}-stage chain, {kind}, {in_flight} in flight")
+            how = ", batched" if batched else ""
+            c.name += how
+            many = Contender(f"tinygrad, {n}-stage chain, {kind}{how}, {in_flight} in flight")
             with Chain(scenario, progress=lambda _: None, trace=True) as chain:
                 t0 = time.monotonic()
                 resp, request_s = chain.request(prompt, tokens)
@@ -186,6 +206,8 @@ def run_gpu_bench(
 
     if hf:
         res.contenders += hf_reference(cfg, prompt_tokens, tokens, repeats, progress, res.notes)
+        if in_flight > 1:
+            res.contenders += hf_reference(cfg, prompt_tokens, tokens, repeats, progress, res.notes, in_flight)
     save()
     _plot(res, out / "gpu-bench.png")
     return res
@@ -221,9 +243,16 @@ def _serve_many(
 
 
 def hf_reference(
-    cfg: ModelConfig, prompt_tokens: int, tokens: int, repeats: int, progress: Callable[[str], None], notes: list[str]
+    cfg: ModelConfig,
+    prompt_tokens: int,
+    tokens: int,
+    repeats: int,
+    progress: Callable[[str], None],
+    notes: list[str],
+    batch: int = 1,
 ) -> list[Contender]:
-    """HF transformers greedy decode of a random LlamaForCausalLM with the same dimensions, bf16, on the GPU."""
+    """HF transformers greedy decode of a random LlamaForCausalLM with the same dimensions, bf16, on the GPU: one
+    request, or a batch of ``batch`` (aggregate decode tokens/s)."""
     # optional packages, absent from the test install: mypy cannot find them there (the ignores), and checks this
     # code against their own types where they are installed (unused-ignore then)
     try:
@@ -247,11 +276,11 @@ def hf_reference(
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialise on the GPU: random init of 1 B parameters on the host takes minutes
         model = LlamaForCausalLM(hf_cfg).to(dtype=torch.bfloat16).eval()
-    ids = torch.randint(0, cfg.vocab, (1, prompt_tokens), device="cuda")
+    ids = torch.randint(0, cfg.vocab, (batch, prompt_tokens), device="cuda")
     out = []
     for cache in ("dynamic", "static"):
         how = "compiled by generate" if cache == "static" else "eager"
-        c = Contender(f"HF transformers bf16, {cache} cache ({how})")
+        c = Contender(f"HF transformers bf16, {cache} cache ({how})" + (f", batch {batch}" if batch > 1 else ""))
         kw: dict[str, object] = {"do_sample": False, "pad_token_id": 0}
         if cache == "static":
             kw["cache_implementation"] = "static"
@@ -269,7 +298,7 @@ def hf_reference(
         for _ in range(repeats):
             t1, tn = timed(1), timed(tokens)
             c.ttft_warm_s.append(t1)
-            c.decode_tok_s.append((tokens - 1) / (tn - t1) if tn > t1 else 0.0)
+            c.decode_tok_s.append(batch * (tokens - 1) / (tn - t1) if tn > t1 else 0.0)
         c.device_mib = [torch.cuda.max_memory_allocated() / 2**20]
         progress(f"{c.name}: {c.median_tok_s():.1f} tok/s")
         out.append(c)

@@ -99,6 +99,12 @@ def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) 
 @click.option(
     "--block/--no-block", default=True, show_default=True, help="Also one decode block vs the floor (bench block)."
 )
+@click.option(
+    "--batched/--one-per-call",
+    default=False,
+    show_default=True,
+    help="The chains run batched (serving.batched) and are held to the batched single process, bit for bit.",
+)
 @click.option("--out", "out_dir", default="bench-results", show_default=True, type=click.Path(file_okay=False))
 def bench_gpu(
     device: str,
@@ -111,6 +117,7 @@ def bench_gpu(
     hf: bool,
     in_flight: int,
     block: bool,
+    batched: bool,
     out_dir: str,
 ) -> None:
     """The chain on an accelerator vs single-process tinygrad and HF transformers (docs/gpu-bench.md)."""
@@ -128,6 +135,7 @@ def bench_gpu(
             Progress(),
             in_flight,
             block,
+            batched,
         )
     click.echo(gpu_bench.report(res))
     click.echo(f"\nwritten: {out_dir}/gpu-bench.json, {out_dir}/gpu-bench.png")

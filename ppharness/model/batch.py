@@ -59,7 +59,7 @@ def width_for(slots: int, highest: int) -> int:
 
 
 @contextlib.contextmanager
-def invariant(device: str) -> Iterator[None]:
+def invariant(device: str | tuple[str, ...]) -> Iterator[None]:
     """Compile (and run) a batched step on ``device`` inside this to get batch-invariant kernels (module docstring),
     with the decode step's compile settings (``ppharness.model.direct.decode_context``)."""
     from tinygrad.helpers import Context
