@@ -28,6 +28,7 @@ a row reads ``L`` positions of its cache rather than its own length.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -170,14 +171,14 @@ def rope_rows(x: Tensor, cos_sin: Tensor) -> Tensor:
 
 
 def slot_cache(block: Any, slots: int, like: Tensor) -> Tensor:
-    """The block's KV cache of every request slot, (slots, 2, KV heads, context, head dim), made like ``like`` (the
-    prefill's cache of one request, (2, 1, KV heads, context, head dim)) on first use. Slot ``s`` is one contiguous
-    region with the byte layout of ``like``."""
+    """The block's KV cache of every request slot, (2, slots, KV heads, context, head dim), made like ``like`` (the
+    prefill's cache of one request, (2, 1, KV heads, context, head dim)) on first use: the layout of tinygrad's
+    cache with a batch of ``slots``, in which a batch's rows and KV heads form one axis."""
     from tinygrad.tensor import Tensor
 
     cache = getattr(block, "slot_cache", None)
     if cache is None:
-        shape = (slots, *like.shape[0:1], *like.shape[2:])
+        shape = (like.shape[0], slots, *like.shape[2:])
         cache = Tensor.zeros(*shape, dtype=like.dtype, device=like.device).contiguous().realize()
         block.slot_cache = cache
     return cast("Tensor", cache)
@@ -201,6 +202,7 @@ def attention_rows(block: Any, x: Tensor, rows: Rows) -> Tensor:
     """A llama-family block's attention (tinygrad's ``TransformerBlock._attention``: norm, projections, optional
     q/k norms, rotary embedding, cache, grouped-query attention, output projection, residual) for a batch of decode
     rows: ``x`` (W,1,D), row r in slot r at ``rows.pos[r]``."""
+    from tinygrad.dtype import dtypes
     from tinygrad.tensor import Tensor
 
     w, h, kvh, hd = int(x.shape[0]), block.n_heads, block.n_kv_heads, block.head_dim
@@ -215,24 +217,36 @@ def attention_rows(block: Any, x: Tensor, rows: Rows) -> Tensor:
         q, k = block.attn_q_norm(q), block.attn_k_norm(k)
     cos_sin = rows.at_positions(rotary_table(block)).contiguous()  # once, not inside every kernel that reads it
     q, k = rope_rows(q, cos_sin), rope_rows(k, cos_sin)
-    cache = cast("Tensor", block.slot_cache)
-    length = cast(int, rows.length)
-    view = cache[0:w, :, :, 0:length, :]  # (W,2,KvH,L,Hd): the batch's slots up to the longest row
-    new = Tensor.stack(k, v, dim=1).cast(cache.dtype).contiguous()  # (W,2,KvH,1,Hd)
-    here = rows.written().reshape(w, 1, 1, -1, 1)
+    cache = cast("Tensor", block.slot_cache)  # (2, slots, KvH, context, Hd)
+    ctx, g = int(cache.shape[3]), h // kvh
+    # the new key and value at each row's own position, the rest of the batch's slots rewritten unchanged (a static
+    # shape: every axis but the context merges into one)
+    view = cache[:, 0:w]
+    new = Tensor.stack(k, v).cast(cache.dtype).contiguous()  # (2,W,KvH,1,Hd)
+    here = Tensor.arange(ctx).reshape(1, 1, 1, ctx, 1) == rows.pos.reshape(1, w, 1, 1, 1)
     view.assign(here.where(new, view)).realize()
-    keys, values = cache[0:w, 0, :, 0:length, :], cache[0:w, 1, :, 0:length, :]
-    mask = rows.seen().reshape(w, 1, 1, -1)  # (W,1,1,L)
-    attn = q.scaled_dot_product_attention(keys, values, attn_mask=mask, enable_gqa=True)  # (W,H,1,Hd)
-    out: Tensor = x + block.attn_output(attn.transpose(1, 2).reshape(w, 1, -1))
+    # each row over [0, L), the positions after its own masked: rows and KV heads one axis, a KV head's queries the next
+    length = cast(int, rows.length)
+    keys = cache[0, 0:w, :, 0:length, :].reshape(w * kvh, -1, hd)  # (W*KvH, L, Hd)
+    values = cache[1, 0:w, :, 0:length, :].reshape(w * kvh, -1, hd)
+    qg = q.reshape(w * kvh, g, hd)  # query head j of KV head i is head i*G + j (tinygrad's repeat_interleave)
+    scores = qg.matmul(keys.transpose(-2, -1), dtype=dtypes.float32) / math.sqrt(hd)  # (W*KvH, G, L)
+    seen = rows.seen().reshape(w, 1, 1, -1).expand(w, kvh, g, -1).reshape(w * kvh, g, -1)
+    scores = scores + seen.where(0.0, -math.inf)
+    attn = scores.cast(q.dtype).softmax(-1) @ values  # (W*KvH, G, Hd), as scaled_dot_product_attention computes it
+    out: Tensor = x + block.attn_output(attn.reshape(w, 1, h * hd))
     return out
 
 
 def store_prefill(block: Any, slots: int, slot: int, scratch: Tensor) -> None:
-    """Copy a prefill's cache (``scratch``, one request's) into slot ``slot`` of the block's slot cache."""
+    """Copy a prefill's cache (``scratch``, one request's: (2, 1, KvH, context, Hd)) into slot ``slot`` of the
+    block's slot cache: its keys and its values, each one contiguous region."""
     from tinygrad.device import Buffer
 
     cache = slot_cache(block, slots, scratch)
     dst = cast(Buffer, cache.uop.base.realized)
-    src = cast(Buffer, scratch.uop.base.realized)
-    dst.view(src.size, src.dtype, slot * src.nbytes).ensure_allocated().copyin(src.as_buffer())
+    src = cast(Buffer, scratch.uop.base.realized).as_buffer()
+    half = len(src) // 2
+    for part in (0, 1):
+        region = dst.view(half // scratch.dtype.itemsize, scratch.dtype, (part * slots + slot) * half)
+        region.ensure_allocated().copyin(src[part * half : (part + 1) * half])

@@ -29,11 +29,12 @@ from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
 from ppharness.model.arch.base import BLOCK_TENSOR
-from ppharness.model.batch import Rows, invariant, store_prefill, width_for, widths
+from ppharness.model.batch import Rows, widths
 from ppharness.model.direct import DecodeLinear, DirectStep, decode_context
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.kernels import pin_from_env
-from ppharness.model.moe import ExpertBank, ExpertCall, Routing, all_experts, combine, route
+from ppharness.model.moe import ExpertBank, ExpertCall, all_experts, combine
+from ppharness.model.rows import BatchedRows
 
 if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this module
     from collections.abc import Generator, Iterable, Mapping, Sequence
@@ -74,7 +75,7 @@ def owned_tensors(names: list[str], lo: int, hi: int, first: bool, last: bool, t
     return out
 
 
-class ModelSlice:
+class ModelSlice(BatchedRows):
     """Blocks [lo, hi) of a model, plus the embedding when ``first`` and the final norm and head when ``last``.
 
     ``prefill(x, 0)`` and ``decode(x, pos)`` take token ids (first stage) or a hidden state, and return a hidden state
@@ -430,138 +431,6 @@ class ModelSlice:
             buf.copyin(np.ascontiguousarray(arr).data.cast("B"))
         with decode_context(self._decode_in.device):
             return self._output(self._jit(self._decode_in, self._pos.bind(position)))
-
-    def _store(self, slot: int) -> None:
-        """A prefill computed in the scratch slot: its KV cache into slot ``slot``'s region of the slot caches."""
-        for block in self.blk:
-            store_prefill(block, self.slots, slot, cast("Tensor", block.cache_kv))
-
-    def _rows_input(self, key: tuple[int, int], x: NDArray[Any], pos: NDArray[np.int32]) -> tuple[Tensor, Tensor]:
-        """The persistent (rows, positions) inputs of step ``key`` (width, block or -1), overwritten with ``x`` and
-        ``pos``."""
-        from tinygrad.tensor import Tensor
-
-        pair = self._row_in.get(key)
-        if pair is None:
-            pair = self._row_in[key] = (Tensor(x).realize(), Tensor(pos).realize())
-        else:
-            for t, arr in zip(pair, (x, pos), strict=True):
-                cast("Buffer", t.uop.base.realized).copyin(np.ascontiguousarray(arr).data.cast("B"))
-        return pair
-
-    def decode_rows(
-        self,
-        xs: Sequence[list[int] | NDArray[np.float16]],
-        positions: Sequence[int],
-        slots: Sequence[int],
-        stand_in: bool = False,
-    ) -> list[NDArray[np.float16] | int]:
-        """One decode position of several requests in one call (a batched slice): row ``i`` is request slot
-        ``slots[i]`` at ``positions[i]`` with input ``xs[i]`` (a token id list or a (1,1,D) hidden state). Each
-        output is what ``decode`` returns for that request alone, to the byte (``ppharness.model.batch``).
-        A MoE slice answers its expert calls from the experts it holds (``stand_in``: as ``answer``'s, for compiling
-        the step before a request)."""
-        gen = self.rows_step(xs, positions, slots)
-        try:
-            call = next(gen)
-            while True:
-                call = gen.send(self.answer(call, stand_in))
-        except StopIteration as stop:
-            return cast("list[NDArray[np.float16] | int]", stop.value)
-
-    def rows_step(
-        self,
-        xs: Sequence[list[int] | NDArray[np.float16]],
-        positions: Sequence[int],
-        slots: Sequence[int],
-    ) -> Generator[ExpertCall, NDArray[np.float16], list[NDArray[np.float16] | int]]:
-        """``decode_rows`` as a generator: a MoE slice yields one ``ExpertCall`` per MoE block for the batch's rows
-        (in the order of ``slots``' sorted values) and takes back their experts' outputs, as ``step`` does."""
-        if not self.batched:
-            raise ModelError("decoding rows needs a batched slice (ModelSlice(..., batched=True))")
-        if not len(xs) == len(positions) == len(slots) or not slots:
-            raise ModelError("decoding rows needs one input, position and slot per row, and at least one row")
-        if len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
-            raise ModelError(f"request slots {list(slots)}: each row needs its own slot of this slice's {self.slots}")
-        if not all(1 <= p < self.max_context for p in positions):
-            raise ModelError(f"positions {list(positions)}: each must be inside [1, {self.max_context})")
-        w = width_for(self.slots, max(slots))
-        pos = np.full(w, -1, dtype=np.int32)
-        if self.first:
-            x = np.zeros((w, 1), dtype=np.int32)
-        else:
-            x = np.zeros((w, 1, self.config.dim), dtype=np.float16)
-        for xi, p, s in zip(xs, positions, slots, strict=True):
-            x[s] = np.asarray(xi, dtype=x.dtype).reshape(x.shape[1:])
-            pos[s] = p
-        length = self._length.bind(max(positions) + 1)
-        if self.config.moe:
-            rows = yield from self.step_rows(x, pos, length)
-        else:
-            x_in, pos_in = self._rows_input((w, 0), x, pos)
-            with invariant(x_in.device):
-                out = self._row_jits[w](x_in, pos_in, length)
-            if isinstance(out, tuple):
-                out, *self._tapped = out
-            rows = out.numpy()
-        if self.last:
-            return [int(rows.reshape(-1)[s]) for s in slots]
-        return [rows[s : s + 1].copy() for s in slots]
-
-    def prefill_step(
-        self, x: list[int] | NDArray[np.float16], slot: int
-    ) -> Generator[ExpertCall, NDArray[np.float16], NDArray[np.float16] | int]:
-        """A MoE slice's prefill of request slot ``slot`` as a generator (``step`` at position 0); a batched slice
-        computes it in the scratch slot and copies its cache into the slot's region."""
-        out = yield from self.step(x, 0, self.slots if self.batched else slot)
-        if self.batched:
-            self._store(slot)
-        return out
-
-    def step_rows(
-        self, x: NDArray[Any], pos: NDArray[np.int32], length: UOp
-    ) -> Generator[ExpertCall, NDArray[np.float16], NDArray[Any]]:
-        """A MoE slice's batched decode step (``decode_rows``' rows, laid out by slot: ``x`` (W,1) or (W,1,D),
-        ``pos`` (W,), -1 for an idle row): yields one ``ExpertCall`` per MoE block for the active rows, in slot
-        order, and takes back their experts' outputs; returns the (W,1,D) hidden rows or the (W,) token ids."""
-        cfg, w = self.config, int(pos.shape[0])
-        active = [int(r) for r in np.flatnonzero(pos >= 0)]
-        h: NDArray[Any] = x
-        for i, block in enumerate(self.blk):
-            x_in, pos_in = self._rows_input((w, i), np.ascontiguousarray(h), pos)
-            with invariant(x_in.device):
-                outs = self._row_steps[w][i](x_in, pos_in, length)
-            outs_np = [t.numpy() for t in outs]
-            if getattr(block, "routed", False):
-                residual, normed, logits, *shared = (o.reshape(w, -1)[active] for o in outs_np)
-                routing = self._route(i, logits.reshape(len(active), cfg.experts))
-                got = yield ExpertCall(layer=self.lo + i, hidden=normed.reshape(len(active), cfg.dim), routing=routing)
-                gated = shared[0] if shared else None
-                h = np.zeros((w, 1, cfg.dim), dtype=np.float16)
-                h[active] = combine(residual, got, routing.weights, gated).reshape(len(active), 1, cfg.dim)
-            else:
-                h = outs_np[0]
-            if self.taps:
-                self._tapped_np[self.lo + i] = h
-        if self.last:
-            x_in, _ = self._rows_input((w, -1), np.ascontiguousarray(h), pos)
-            with invariant(x_in.device):
-                ids: NDArray[Any] = self._row_heads[w](x_in).numpy()
-                return ids
-        return h
-
-    def _route(self, i: int, logits: NDArray[np.float32]) -> Routing:
-        cfg = self.config
-        return route(
-            logits,
-            cfg.experts_used,
-            cfg.norm_topk,
-            gating=cfg.gating,
-            bias=self._bias.get(self.lo + i),
-            groups=cfg.expert_groups,
-            groups_used=cfg.groups_used,
-            scale=cfg.routed_scale,
-        )
 
     def decode_kernels(self) -> list[str]:
         """The source of every kernel the compiled decode step (blocks, then the head on the last stage) runs, in order,
