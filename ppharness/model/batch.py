@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from tinygrad.uop.ops import UOp
 
 INVARIANT = 4093  # tinygrad's BEAM value while a batched slice compiles: no search has this width
-GROUP = 16  # threads a reduction of at least GROUP_MIN values is split over on a device with threads
+GROUP = 8  # threads a reduction of at least GROUP_MIN values is split over on a device with threads
 GROUP_MIN = 256
 MAX_UPCAST = 32  # accumulators per thread the non-reduced axes may be upcast to
 
@@ -94,14 +94,14 @@ def invariant_opts(s: Scheduler) -> Scheduler:
     if k.ren.has_local and k.ren.has_shared and isinstance(first, int) and first >= GROUP_MIN and first % GROUP == 0:
         with contextlib.suppress(KernelOptError):  # whether it applies depends on the reduction alone
             k.apply_opt(Opt(OptOps.GROUP, 0, GROUP))
-    # the axes not reduced: first those a buffer is broadcast along (a batch's rows over one weight matrix: upcast
-    # them and each weight is read once for all of them), then the widest other one
+    # the axes not reduced: first those the largest buffer is broadcast along (a batch's rows over one weight matrix:
+    # upcast them and each weight is read once for all of them), then the widest other one
     upcast = 1
+    big = max(k.bufs, key=lambda b: int(getattr(b.src[0].dtype, "size", 0) or 0))  # the weight of a product
     for axis in list(k.upcastable_dims):
         rng = k.rngs[axis]
         size = k.full_shape[axis]
-        broadcast = any(rng not in b.src[1].get_idx().backward_slice for b in k.bufs)
-        if not broadcast or not isinstance(size, int):
+        if rng in big.src[1].get_idx().backward_slice or not isinstance(size, int):
             continue
         amt = next((n for n in (8, 4, 2) if size % n == 0 and upcast * n <= MAX_UPCAST), 0)
         if amt:
@@ -117,7 +117,9 @@ def invariant_opts(s: Scheduler) -> Scheduler:
                 if size % 4 == 0:
                     k.apply_opt(Opt(OptOps.LOCAL, axis, 4))
                     size //= 4
-        amt = next((n for n in (16, 8, 4, 2) if size % n == 0 and upcast * n <= MAX_UPCAST), 0)
+        # on a GPU few outputs per thread keep enough workgroups for a one-row product (tinygrad's matvec shape)
+        amts = (4, 2) if k.ren.has_local else (16, 8, 4, 2)
+        amt = next((n for n in amts if size % n == 0 and upcast * n <= MAX_UPCAST), 0)
         if amt:
             with contextlib.suppress(KernelOptError):
                 k.apply_opt(Opt(OptOps.UPCAST, axis, amt))
