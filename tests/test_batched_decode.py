@@ -145,26 +145,6 @@ def test_each_row_is_the_bytes_its_request_gets_alone_thoroughly(tiny_gguf, spli
     each_request_as_alone(tiny_gguf, split, requests, seed)
 
 
-def test_a_moe_slice_batches_rows_exactly(tmp_path):
-    """tiny-moe: a batch's rows route, call their experts and combine as each request alone does."""
-    from ppharness.model.files import synthetic_path
-    from ppharness.model.gguf_file import GGUFFile
-    from ppharness.model.spec import PRESETS
-
-    f = GGUFFile(synthetic_path(PRESETS["tiny-moe"]))
-    slices = [
-        ModelSlice(f, 0, 2, True, False, MAX_CONTEXT, slots=SLOTS, batched=True),
-        ModelSlice(f, 2, f.config.blocks, False, True, MAX_CONTEXT, slots=SLOTS, batched=True),
-    ]
-    requests = [([5, 6, 7], 8, 0), ([9], 10, 0), ([1, 2], 6, 1), ([3, 4, 5, 6], 7, 2)]
-    done, sizes = run_batched(slices, requests, seed=11)
-    assert max(sizes) > 1, f"no step ran more than one row: {sizes}"
-    for k, (prompt, steps, _) in enumerate(requests):
-        tokens, bounds = run_alone(slices, prompt, steps)
-        assert done[k]["bounds"] == bounds, f"request {k}: a boundary's bytes differ from its run alone"
-        assert done[k]["tokens"] == tokens, f"request {k}: its tokens differ from its run alone"
-
-
 def test_a_batched_chain_answers_as_the_batched_model_alone_and_runs_batches(tiny_model_path, tiny_gguf):
     """Four requests at once through a 3-stage batched chain of Stage objects: every answer is the unsplit batched
     model's answer alone, and the middle stages ran steps of more than one request."""
@@ -201,3 +181,26 @@ def test_rows_that_share_a_slot_or_leave_the_context_are_refused(tiny_gguf):
     free = load_slices(tiny_gguf, [(0, 8)], MAX_CONTEXT, cache=_slices)[0]
     with pytest.raises(ModelError, match="needs a batched slice"):
         free.decode_rows([[1]], [3], [0])
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-deepseek"])
+def test_every_architecture_batches_rows_exactly(preset):
+    """qwen3moe and deepseek2 (MLA attention, sigmoid routing, shared experts): a batch's rows route, call their
+    experts and combine as each request alone does, split in two."""
+    from ppharness.model.files import synthetic_path
+    from ppharness.model.gguf_file import GGUFFile
+    from ppharness.model.spec import PRESETS
+
+    f = GGUFFile(synthetic_path(PRESETS[preset]))
+    cut = f.config.blocks // 2
+    slices = [
+        ModelSlice(f, 0, cut, True, False, MAX_CONTEXT, slots=SLOTS, batched=True),
+        ModelSlice(f, cut, f.config.blocks, False, True, MAX_CONTEXT, slots=SLOTS, batched=True),
+    ]
+    requests = [([5, 6, 7], 8, 0), ([9], 10, 0), ([1, 2], 6, 1), ([3, 4, 5, 6], 7, 2)]
+    done, sizes = run_batched(slices, requests, seed=11)
+    assert max(sizes) > 1, f"no step ran more than one row: {sizes}"
+    for k, (prompt, steps, _) in enumerate(requests):
+        tokens, bounds = run_alone(slices, prompt, steps)
+        assert done[k]["bounds"] == bounds, f"{preset} request {k}: a boundary's bytes differ from its run alone"
+        assert done[k]["tokens"] == tokens, f"{preset} request {k}: its tokens differ from its run alone"

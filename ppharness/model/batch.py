@@ -173,17 +173,23 @@ def rope_rows(x: Tensor, cos_sin: Tensor) -> Tensor:
 
 
 def slot_cache(block: Any, slots: int, like: Tensor) -> Tensor:
-    """The block's KV cache of every request slot, (2, slots, KV heads, context, head dim), made like ``like`` (the
-    prefill's cache of one request, (2, 1, KV heads, context, head dim)) on first use: the layout of tinygrad's
-    cache with a batch of ``slots``, in which a batch's rows and KV heads form one axis."""
+    """The block's KV cache of every request slot, made like ``like`` (a prefill's cache of one request) on first use,
+    with ``slots`` where ``like`` has its batch of one: (2, slots, KV heads, context, head dim) for tinygrad's
+    attention, in which a batch's rows and KV heads form one axis; (slots, context, latent) for MLA's."""
     from tinygrad.tensor import Tensor
 
     cache = getattr(block, "slot_cache", None)
     if cache is None:
-        shape = (like.shape[0], slots, *like.shape[2:])
+        axis = _batch_axis(like)
+        shape = (*like.shape[:axis], slots, *like.shape[axis + 1 :])
         cache = Tensor.zeros(*shape, dtype=like.dtype, device=like.device).contiguous().realize()
         block.slot_cache = cache
     return cast("Tensor", cache)
+
+
+def _batch_axis(cache: Tensor) -> int:
+    """Where a block's cache has its batch: after the key/value axis in tinygrad's layout, first in MLA's."""
+    return 1 if len(cache.shape) == 5 else 0
 
 
 def rotary_table(block: Any) -> Tensor:
@@ -241,14 +247,15 @@ def attention_rows(block: Any, x: Tensor, rows: Rows) -> Tensor:
 
 
 def store_prefill(block: Any, slots: int, slot: int, scratch: Tensor) -> None:
-    """Copy a prefill's cache (``scratch``, one request's: (2, 1, KvH, context, Hd)) into slot ``slot`` of the
-    block's slot cache: its keys and its values, each one contiguous region."""
+    """Copy a prefill's cache (``scratch``, one request's) into slot ``slot`` of the block's slot cache: each of its
+    parts before the batch axis (keys and values; MLA's latent is one) is one contiguous region."""
     from tinygrad.device import Buffer
 
     cache = slot_cache(block, slots, scratch)
     dst = cast(Buffer, cache.uop.base.realized)
     src = cast(Buffer, scratch.uop.base.realized).as_buffer()
-    half = len(src) // 2
-    for part in (0, 1):
-        region = dst.view(half // scratch.dtype.itemsize, scratch.dtype, (part * slots + slot) * half)
-        region.ensure_allocated().copyin(src[part * half : (part + 1) * half])
+    parts = 2 if _batch_axis(scratch) == 1 else 1
+    size = len(src) // parts
+    for part in range(parts):
+        region = dst.view(size // scratch.dtype.itemsize, scratch.dtype, (part * slots + slot) * size)
+        region.ensure_allocated().copyin(src[part * size : (part + 1) * size])

@@ -26,6 +26,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
+
 from ppharness.errors import CodecError, HarnessError, StageError
 from ppharness.model.decoding import finish_reason, stop_token, visible
 from ppharness.model.exactness import record_digest
@@ -38,6 +40,7 @@ from ppharness.trace.tracer import KEEP_REQUESTS, now_ns
 from ppharness.wire import codec
 from ppharness.wire.messages import (
     Ack,
+    ActivationRows,
     InferenceRequest,
     InferenceResponse,
     Message,
@@ -48,6 +51,7 @@ from ppharness.wire.messages import (
     Resume,
     StageActivation,
     StreamedToken,
+    TokenRows,
 )
 
 if TYPE_CHECKING:
@@ -103,6 +107,10 @@ class Stage(ReplayingStage):
                 self._on_activation(msg, rx)
             case NextToken() if self.first and not self.last:
                 self._on_next_token(msg, rx)
+            case ActivationRows() if not self.first and not self.reliable:
+                self._on_activation_rows(msg, rx)
+            case TokenRows() if self.first and not self.last and not self.reliable:
+                self._on_token_rows(msg, rx)
             case Replay() if not self.first and self.keeps_history:
                 self._on_replay(msg)
             case Resume() if self.first and self.keeps_history:
@@ -123,9 +131,11 @@ class Stage(ReplayingStage):
         match msg:
             case InferenceRequest() | Resume() if self.seed is not None:
                 return "the orchestrator", self.seed
-            case RequestOpen() | RequestClose() | StageActivation() | Replay() if self.prev_addr is not None:
+            case RequestOpen() | RequestClose() | StageActivation() | ActivationRows() | Replay() if (
+                self.prev_addr is not None
+            ):
                 return f"stage {self.index - 1}", self.prev_addr
-            case NextToken():
+            case NextToken() | TokenRows():
                 return f"stage {self.num_stages - 1}", self.exit_addr
         return None
 
@@ -191,6 +201,54 @@ class Stage(ReplayingStage):
         req.next_position += 1
         req.work.append(Work(req, msg.position, [msg.token_id], is_prefill=False, step=step, rx=rx))
 
+    def _on_activation_rows(self, msg: ActivationRows, rx: Received | None) -> None:
+        """A batched step's activations: each row becomes its request's next model call, as a StageActivation at that
+        position would (a row that does not fit its request is dropped with a log line, the others are taken)."""
+        n, dim = len(msg.request_ids), self.model.config.dim
+        if not 0 < n <= self.slots or len(msg.positions) != n or tuple(msg.shape) != (n, 1, dim):
+            self.log(
+                f"stage {self.index}: dropped ActivationRows of {n} request(s), {len(msg.positions)} position(s) and "
+                f"shape {tuple(msg.shape)}: the plan expects at most {self.slots} rows of (1, {dim})"
+            )
+            return
+        try:
+            rows = codec.unpack_tensor(msg.hidden, tuple(msg.shape), msg.dtype, "ActivationRows")
+        except CodecError as exc:
+            self.log(f"stage {self.index}: dropped ActivationRows: {exc}")
+            return
+        for r, (request_id, position) in enumerate(zip(msg.request_ids, msg.positions, strict=True)):
+            req = self._current(request_id, msg.plan_id, "a row of ActivationRows")
+            if req is None:
+                continue
+            if position != req.next_position or position < 1:
+                self.log(
+                    f"stage {self.index}: dropped the row of {request_id} at position {position}, expected "
+                    f"{req.next_position}"
+                )
+                continue
+            if self.tracer:
+                self.tracer.begin(request_id)
+            step = position - req.prompt_tokens + 1
+            req.next_position = position + 1
+            req.work.append(Work(req, position, Hidden(rows[r : r + 1]), False, step, rx, True))
+
+    def _on_token_rows(self, msg: TokenRows, rx: Received | None) -> None:
+        """A batched step's tokens: each row is the NextToken of its request."""
+        n = len(msg.request_ids)
+        if not 0 < n <= self.slots or not n == len(msg.token_ids) == len(msg.positions) == len(msg.done):
+            self.log(f"stage 0: dropped TokenRows of {n} request(s) with lists of other lengths (or over the slots)")
+            return
+        for request_id, token, position, done in zip(msg.request_ids, msg.token_ids, msg.positions, msg.done):
+            one = NextToken(
+                request_id=request_id,
+                token_id=token,
+                position=position,
+                done=done,
+                plan_id=msg.plan_id,
+                epoch=msg.epoch,
+            )
+            self._on_next_token(one, rx)
+
     def _current(self, request_id: str, plan_id: str, what: str) -> Request | None:
         if plan_id != self.plan_id:
             self.log(f"stage {self.index}: dropped {what} of plan {plan_id}, this stage serves {self.plan_id}")
@@ -252,8 +310,12 @@ class Stage(ReplayingStage):
         if not batch:
             return False
         while batch:
-            for work, out in zip(batch, self._run(batch), strict=True):
-                self._settle(work, out)
+            outs = self._run(batch)
+            if self.model.batched and not self.reliable and not (self.first and self.last):
+                self._settle_rows(batch, outs)
+            else:
+                for work, out in zip(batch, outs, strict=True):
+                    self._settle(work, out)
             batch = self._ready() if self.first and self.last else []
         if self.first and self.waiting:
             self._admit_waiting()
@@ -356,6 +418,58 @@ class Stage(ReplayingStage):
         if work.note:
             self.log(f"{work.note} in {time.monotonic() - work.since:.2f} s")
 
+    def _settle_rows(self, batch: list[Work], outs: list[Hidden | int]) -> None:
+        """A batched step's outputs: the live decode rows go on in one message (ActivationRows down the chain, or
+        from the last stage TokenRows to stage 0); the rest as ``_settle`` hands them on."""
+        rows = [(w, o) for w, o in zip(batch, outs, strict=True) if w.live and not w.is_prefill]
+        for work, out in zip(batch, outs, strict=True):
+            if not (work.live and not work.is_prefill):
+                self._settle(work, out)
+        if not rows:
+            return
+        t0 = now_ns() if self.tracer else 0
+        if self.last:
+            tokens: list[NextToken] = []
+            for work, out in rows:
+                self._emit(work.request, int(cast(int, out)), work.position + 1, work.step, tokens)
+            if tokens:
+                msg: Message = TokenRows(
+                    request_ids=[t.request_id for t in tokens],
+                    token_ids=[t.token_id for t in tokens],
+                    positions=[t.position for t in tokens],
+                    done=[t.done for t in tokens],
+                    plan_id=self.plan_id,
+                    epoch=self.epoch,
+                )
+                self._send_rows(msg, "entry", [w for w, _ in rows], t0)
+            return
+        hidden = [cast(Hidden, o) for _, o in rows]
+        if self.keeps_digests:
+            for (work, _), h in zip(rows, hidden, strict=True):
+                record_digest(self.digests, work.request.request_id, h, KEEP_REQUESTS)
+        data, shape = codec.pack_hidden(np.concatenate([h.host() for h in hidden]), self.wire_dtype)
+        msg = ActivationRows(
+            request_ids=[w.request.request_id for w, _ in rows],
+            positions=[w.position for w, _ in rows],
+            hidden=data,
+            shape=shape,
+            dtype=self.wire_dtype,
+            plan_id=self.plan_id,
+            epoch=self.epoch,
+        )
+        self._send_rows(msg, "next", [w for w, _ in rows], t0)
+
+    def _send_rows(self, msg: Message, role: str, works: list[Work], t0: int) -> None:
+        """Send a batched step's message (policy none: once); each row's trace holds its serialisation and send."""
+        address = self._address_of(role)
+        assert address is not None
+        sent = self.transport.send(address, msg)
+        if self.tracer and sent is not None:
+            for work in works:
+                self.tracer.begin(work.request.request_id)
+                self.tracer.add(work.step, "serialize", t0, sent.encode_end_ns)
+                self.tracer.add(work.step, "send", sent.encode_end_ns, sent.sent_ns, sent.nbytes)
+
     # --- what goes on -----------------------------------------------------------------------------------------------
 
     def _send_activation(
@@ -379,8 +493,9 @@ class Stage(ReplayingStage):
         if live:
             self._send(("activation", req.request_id, position), "next", msg, step, t0)
 
-    def _emit(self, req: Request, token: int, position: int, step: int) -> None:
-        """Record a sampled token; tell stage 0 and the client (and, when done, send the response)."""
+    def _emit(self, req: Request, token: int, position: int, step: int, rows: list[NextToken] | None = None) -> None:
+        """Record a sampled token; tell stage 0 (``rows``: kept there for one TokenRows instead) and the client
+        (and, when done, send the response)."""
         req.tokens.append(token)
         req.token_times.append(time.monotonic() - req.t0)
         reason = finish_reason(req.tokens, self.model.config.eog_ids, req.max_tokens)
@@ -394,7 +509,10 @@ class Stage(ReplayingStage):
                 plan_id=self.plan_id,
                 epoch=self.epoch,
             )
-            self._send(("token", req.request_id, position), "entry", msg, step, now_ns())
+            if rows is not None:
+                rows.append(msg)
+            else:
+                self._send(("token", req.request_id, position), "entry", msg, step, now_ns())
         if self.reliable or req.stream:
             streamed = StreamedToken(
                 request_id=req.request_id, token_id=token, position=position, done=done, plan_id=self.plan_id

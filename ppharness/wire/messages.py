@@ -60,6 +60,30 @@ class NextToken(_Msg, frozen=True):
     epoch: int = 0
 
 
+class ActivationRows(_Msg, frozen=True):
+    """Stage i -> stage i+1, from a batched step: several requests' next decode position in one message. Row r of
+    ``hidden`` (``shape`` (rows, 1, width)) is request ``request_ids[r]`` at ``positions[r]``."""
+
+    request_ids: list[str]
+    positions: list[int]
+    hidden: bytes  # raw little-endian, shape ``shape``, element type ``dtype``
+    shape: tuple[int, ...]
+    dtype: str
+    plan_id: str
+    epoch: int = 0
+
+
+class TokenRows(_Msg, frozen=True):
+    """Last stage -> stage 0, from a batched step: a NextToken for each of several requests in one message."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    positions: list[int]
+    done: list[bool]
+    plan_id: str
+    epoch: int = 0
+
+
 class InferenceResponse(_Msg, frozen=True):
     """Last stage -> ``reply_to``: the detokenized text and token ids, with timings from the stages."""
 
@@ -310,6 +334,8 @@ Message: TypeAlias = (
     InferenceRequest
     | StageActivation
     | NextToken
+    | ActivationRows
+    | TokenRows
     | InferenceResponse
     | RequestOpen
     | RequestClose

@@ -41,6 +41,7 @@ from ppharness.model.arch.base import (
     check_no_shared_ffn,
     write_expert_keys,
 )
+from ppharness.model.batch import Rows
 
 if TYPE_CHECKING:
     from tinygrad.tensor import Tensor
@@ -111,6 +112,8 @@ def deepseek2_block_class() -> Any:
             self.weight = Tensor.zeros(*shape)
 
     class DeepseekBlock:
+        slot_cache: Tensor  # a batched slice's latent cache of every request slot (ppharness.model.batch.slot_cache)
+
         def __init__(self, cfg: ModelConfig, max_context: int, routed: bool):
             d, h, c, r = cfg.dim, cfg.heads, cfg.kv_lora_rank, cfg.rope_dim
             self.cfg, self.max_context, self.routed = cfg, max_context, routed
@@ -139,8 +142,10 @@ def deepseek2_block_class() -> Any:
                 self.ffn_up = nn.Linear(d, cfg.ffn, bias=False)
                 self.ffn_down = nn.Linear(cfg.ffn, d, bias=False)
 
-        def _attention(self, x: Tensor, start_pos: int | UOp) -> Tensor:
+        def _attention(self, x: Tensor, start_pos: int | UOp | Rows) -> Tensor:
             """The residual after attention (float32), from the block's fp16 input ``x`` (B, T, D)."""
+            if isinstance(start_pos, Rows):
+                return self._attention_rows(x, start_pos)
             cfg = self.cfg
             b, t, _ = x.shape
             h, c, r, n = cfg.heads, cfg.kv_lora_rank, cfg.rope_dim, cfg.head_dim - cfg.rope_dim
@@ -168,14 +173,47 @@ def deepseek2_block_class() -> Any:
             o = o.transpose(1, 2).reshape(b, t, h * cfg.v_head_dim).cast("float16")
             return cast("Tensor", x.float() + self.attn_output(o).float())
 
-        def __call__(self, x: Tensor, start_pos: int | UOp) -> Tensor:
+        def _attention_rows(self, x: Tensor, rows: Rows) -> Tensor:
+            """``_attention`` for a batch of decode rows (``ppharness.model.batch``): row r in slot r at its own
+            position, its latent written there in the slots' cache, attending over [0, L) with the positions after
+            its own masked."""
+            cfg = self.cfg
+            w = int(x.shape[0])
+            h, c, r, n = cfg.heads, cfg.kv_lora_rank, cfg.rope_dim, cfg.head_dim - cfg.rope_dim
+            xn = self.attn_norm(x)
+            q = self.attn_q_b(self.attn_q_a_norm(self.attn_q_a(xn))) if cfg.q_lora_rank else self.attn_q(xn)
+            q = q.reshape(w, 1, h, cfg.head_dim).transpose(1, 2).float()  # (W,H,1,n+r)
+            kv = self.attn_kv_a_mqa(xn)  # (W,1,c+r)
+            c_kv = self.attn_kv_a_norm(kv[:, :, :c]).float()
+            table = _rope_table(cfg, self.max_context)
+            cs = rows.at_positions(table.reshape(self.max_context, -1)).reshape(w, 2, r // 2).contiguous()
+            cos, sin = cs[:, 0, :], cs[:, 1, :]  # (W, r/2)
+            q_pe = _rope_pairs(q[:, :, :, n:], cos.reshape(w, 1, 1, -1), sin.reshape(w, 1, 1, -1))
+            k_pe = _rope_pairs(kv[:, :, c:].float(), cos.reshape(w, 1, -1), sin.reshape(w, 1, -1))
+            cache = self.slot_cache  # (slots, context, c+r), made at the first prefill
+            view = cache[0:w]
+            new = c_kv.cat(k_pe, dim=-1).cast("float16").contiguous()  # (W,1,c+r)
+            here = Tensor.arange(self.max_context).reshape(1, -1, 1) == rows.pos.reshape(w, 1, 1)
+            view.assign(here.where(new, view)).realize()
+            length = cast(int, rows.length)
+            cached = cache[0:w, 0:length, :].unsqueeze(1).float()  # (W,1,L,c+r)
+            c_all, pe_all = cached[:, :, :, :c], cached[:, :, :, c:]
+            q_lat = q[:, :, :, :n] @ self.attn_k_b.weight.float().transpose(-1, -2)  # (W,H,1,c)
+            scores = (q_lat @ c_all.transpose(-1, -2) + q_pe @ pe_all.transpose(-1, -2)) * attention_scale(cfg)
+            scores = scores + rows.seen().reshape(w, 1, 1, -1).where(0.0, float("-inf"))
+            o_lat = scores.softmax(-1) @ c_all  # (W,H,1,c)
+            o = o_lat @ self.attn_v_b.weight.float().transpose(-1, -2)  # (W,H,1,v)
+            o = o.transpose(1, 2).reshape(w, 1, h * cfg.v_head_dim).cast("float16")
+            return cast("Tensor", x.float() + self.attn_output(o).float())
+
+        def __call__(self, x: Tensor, start_pos: int | UOp | Rows) -> Tensor:
             """A dense block: attention and the FFN, its output the fp16 block boundary."""
             hres = self._attention(x, start_pos)
             hn = self.ffn_norm(hres).cast("float16")
             act = cast(Any, self.ffn_gate(hn)).silu().contiguous()  # silu is unannotated
             return cast("Tensor", (hres + self.ffn_down(act * self.ffn_up(hn)).float()).cast("float16").contiguous())
 
-        def pre(self, x: Tensor, start_pos: int | UOp) -> tuple[Tensor, ...]:
+        def pre(self, x: Tensor, start_pos: int | UOp | Rows) -> tuple[Tensor, ...]:
             """A MoE block before its routed experts: the residual (fp32), the experts' normed input (fp16), the
             router's logits (fp32) and the shared experts' output (fp32). The norm and the router compute in fp32
             from their fp32 weights (``Deepseek2.f32_tensors``), as llama.cpp does; the experts read the normed
