@@ -205,3 +205,22 @@ def test_probe_measures_this_machine(tiny_model_path):
 
     graph = model_graph(tiny_model_path, "synthetic:tiny", 64)
     assert cost.blocks_ms(graph, device, 0, 1) == pytest.approx(max(fit.b_ms, 1e-6), rel=1e-6)
+
+
+def test_a_batched_step_reads_the_weights_once_and_each_requests_cache():
+    """Batched serving: a node's step of B rows costs its fixed cost and its weights once, and B times the FLOPs and
+    the KV reads: a step of 8 costs less than 8 single steps, and throughput grows with the batch."""
+    doc = _plan(requests=8)
+    one, eight = simulate(doc, prompt_tokens=32, requests=8), simulate(doc, prompt_tokens=32, requests=8, batch=8)
+    assert eight.batch == 8 and one.batch == 1
+    a = next(n for n in doc.cluster.devices if n.id == "a")
+    block = doc.model.blocks[0]
+    want = a.overhead_ms + 2 * 1e3 * max(
+        8 * block.flops / (a.gflops * 1e9), (block.weight_bytes + 8 * block.kv_bytes * 32) / (a.bandwidth_gbs * 1e9)
+    )
+    assert math.isclose(eight.parts()["stage 0 compute"], want, rel_tol=1e-9)
+    assert eight.parts()["stage 0 compute"] < 8 * one.parts()["stage 0 compute"]
+    assert eight.throughput_tok_s > one.throughput_tok_s
+    assert "batched 8 per step" in eight.header()
+    with pytest.raises(ValueError, match="batch must be at least 1"):
+        simulate(doc, batch=0)

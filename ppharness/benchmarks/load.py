@@ -81,6 +81,7 @@ class LoadResult:
     network: str
     slots: int
     batched: bool
+    max_batch: int
     queue: int
     spec: dict[str, object]
     single_tok_s: list[float] = field(default_factory=list)  # one request alone: its tokens / its wall time
@@ -106,10 +107,11 @@ def _scenario(
     queue: int,
     max_context: int,
     batched: bool = False,
+    max_batch: int = 0,
 ) -> Scenario:
 
     base = chain_scenario(preset, num_stages, transport, 1, max_context)  # its request is not sent: the load is
-    serving = msgspec.structs.replace(base.serving, slots=slots, queue=queue, batched=batched)
+    serving = msgspec.structs.replace(base.serving, slots=slots, queue=queue, batched=batched, max_batch=max_batch)
     raw = msgspec.to_builtins(msgspec.structs.replace(base, serving=serving, network=network, name="bench-load"))
     return msgspec.convert(raw, type=Scenario)  # checked as a scenario file would be
 
@@ -164,6 +166,7 @@ def run_load_bench(
     progress: Callable[[str], None],
     json_out: str | None = None,
     batched: bool = True,
+    max_batch: int = 0,
 ) -> LoadResult:
     """Start the chain, warm it, measure the single request and the load; every answer checked."""
 
@@ -176,8 +179,8 @@ def run_load_bench(
     max_context = min(f.config.context, max(16, longest_prompt + spec.max_tokens[1] + 8))  # a scenario's least: 16
     single_tokens = int(statistics.median(j.max_tokens for j in jobs))
     expected = _answers(path, [*jobs, Job(jobs[0].prompt, single_tokens)], max_context, progress, batched)
-    scenario = _scenario(preset, num_stages, transport, network, slots, queue, max_context, batched)
-    res = LoadResult(preset, num_stages, transport, network_name, slots, batched, queue, asdict(spec))
+    scenario = _scenario(preset, num_stages, transport, network, slots, queue, max_context, batched, max_batch)
+    res = LoadResult(preset, num_stages, transport, network_name, slots, batched, max_batch, queue, asdict(spec))
     res.single_tokens = single_tokens
 
     def check(s: Served) -> None:
@@ -246,7 +249,8 @@ def report(res: LoadResult) -> str:
     spec = res.spec
     lines = [
         f"bench load: {res.preset}, {res.num_stages} stage(s) over {res.transport}, network {res.network}, "
-        f"{res.slots} slot(s), {'batched' if res.batched else 'one request per model call'}, queue {res.queue}",
+        f"{res.slots} slot(s), {'batched' if res.batched else 'one request per model call'}"
+        f"{f' (at most {res.max_batch} per step)' if res.max_batch else ''}, queue {res.queue}",
         f"load: {spec['requests']} request(s) at {spec['rate']} per s (0: all at once), prompts of "
         f"{spec['prompt_words']} words, answers of {spec['max_tokens']} tokens, seed {spec['seed']}",
         "",

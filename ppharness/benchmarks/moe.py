@@ -28,7 +28,7 @@ from pathlib import Path
 
 import msgspec
 
-from ppharness.benchmarks.plan import PROMPT, oracle_prompt_tokens, run_plan
+from ppharness.benchmarks.plan import PROMPT, oracle_prompt_tokens, plan_scenario, run_plan
 from ppharness.errors import HarnessError
 from ppharness.model.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile
@@ -37,11 +37,13 @@ from ppharness.model.slicing import ModelSlice
 from ppharness.model.spec import preset_spec, synthetic_source
 from ppharness.plan.build import chain
 from ppharness.plan.compile import implicit_cluster
-from ppharness.plan.doc import Device, Impaired, PlanDoc
+from ppharness.plan.doc import Device, Impaired, PlanDoc, pretty
 from ppharness.plan.experts import baseline_experts
 from ppharness.plan.graph import model_graph
 from ppharness.plan.probe import probe_fit
 from ppharness.plan.simulate import compare, simulate
+from ppharness.run.client import Job
+from ppharness.run.orchestrator import Chain, decode_tok_s
 from ppharness.trace.report import Trace, percentile
 
 TARGET_ERROR_PCT = 15.0
@@ -71,6 +73,11 @@ class MoEBenchResult:
     probe: dict[str, float] = field(default_factory=dict)
     cases: list[MoECase] = field(default_factory=list)
     wall_s: float = 0.0
+    # --in-flight: the delay-0 plan batched (serving.batched), one request alone and that many at once, same chain
+    in_flight: int = 1
+    in_flight_alone_tok_s: float = 0.0
+    in_flight_tok_s: float = 0.0
+    in_flight_exact: bool | None = None
 
     @property
     def within_target(self) -> bool:
@@ -170,8 +177,10 @@ def run_moe_bench(
     delays_ms: list[float],
     out_dir: str,
     progress: Callable[[str], None],
+    in_flight: int = 1,
 ) -> MoEBenchResult:
-    """Single process, then the expert-parallel plan at each delay (the first delay also calibrates the hop)."""
+    """Single process, then the expert-parallel plan at each delay (the first delay also calibrates the hop); with
+    ``in_flight`` above 1, the delay-0 plan batched, serving that many requests at once (``serve_batched``)."""
     if tokens < 2 or repeats < 1 or expert_nodes < 1:
         raise HarnessError("the MoE bench needs at least 2 tokens, 1 repeat and 1 expert node")
     t0 = time.monotonic()
@@ -230,7 +239,60 @@ def run_moe_bench(
         )
         res.wall_s = time.monotonic() - t0
         (out / "bench-moe.json").write_text(json.dumps(asdict(res), indent=1))
+    if in_flight > 1:
+        doc = moe_plan(path, source, max_context, expert_nodes, 0.0, fit.device, calibration)
+        serve_batched(res, doc, out / "plans" / "moe-batched.json", path, tokens, repeats, in_flight, progress)
+        res.wall_s = time.monotonic() - t0
+        (out / "bench-moe.json").write_text(json.dumps(asdict(res), indent=1))
     return res
+
+
+def serve_batched(
+    res: MoEBenchResult,
+    doc: PlanDoc,
+    plan_file: Path,
+    path: str,
+    tokens: int,
+    repeats: int,
+    in_flight: int,
+    progress: Callable[[str], None],
+) -> None:
+    """``doc`` batched with ``in_flight`` request slots: one request alone (median of ``repeats``), then ``in_flight``
+    sent at once (aggregate decode tok/s, median of ``repeats``), every answer held to the batched unsplit model's."""
+    max_context = doc.model.max_context
+    f = GGUFFile(path)
+    whole = ModelSlice(f, 0, f.config.blocks, True, True, max_context, slots=1, batched=True)
+    want = oracle_decode(path, PROMPT, tokens, max_context, model=whole).token_ids
+    plan_file.write_text(pretty(doc))
+    scenario = plan_scenario(plan_file, tokens, max_context)
+    scenario = msgspec.structs.replace(
+        scenario, serving=msgspec.structs.replace(scenario.serving, slots=in_flight, batched=True)
+    )
+    res.in_flight, res.in_flight_exact = in_flight, True
+    alone: list[float] = []
+    together: list[float] = []
+    with Chain(scenario, progress=lambda _: None) as chain:
+        chain.request(PROMPT, 2)
+        for _ in range(repeats):
+            response, _ = chain.request(PROMPT, tokens)
+            res.in_flight_exact &= response.token_ids == want
+            alone.append(decode_tok_s(response))
+        for _ in range(repeats):
+            served = chain.serve([Job(PROMPT, tokens)] * in_flight)
+            for s in served:
+                if s.response is None:
+                    raise HarnessError(f"batched plan {doc.id}: a request was refused: {s.refused}")
+                res.in_flight_exact &= s.response.token_ids == want
+            first = min(s.token_at[0] for s in served)
+            last = max(s.token_at[-1] for s in served)
+            together.append(sum(len(s.token_at) - 1 for s in served) / (last - first))
+    res.in_flight_alone_tok_s = statistics.median(alone)
+    res.in_flight_tok_s = statistics.median(together)
+    progress(
+        f"batched, {in_flight} in flight: {res.in_flight_tok_s:.1f} tok/s aggregate against "
+        f"{res.in_flight_alone_tok_s:.1f} for one request alone; answers equal the batched model's: "
+        f"{'yes' if res.in_flight_exact else 'NO'}"
+    )
 
 
 def report(res: MoEBenchResult) -> str:
@@ -247,6 +309,13 @@ def report(res: MoEBenchResult) -> str:
             f"{c.delay_ms:>8g} {c.tok_s:>7.1f} {c.tok_s / res.single_tok_s if res.single_tok_s else 0:>6.2f} "
             f"{c.predicted_ms:>10.2f} {c.measured_ms:>9.2f} {c.error_pct:>+6.1f}%   "
             f"{b.get('compute', 0):.2f}, {b.get('fan-out', 0):.2f}, {b.get('gather', 0):.2f}, {b.get('hops', 0):.2f}"
+        )
+    if res.in_flight > 1:
+        lines.append(
+            f"\nbatched, {res.in_flight} in flight (delay 0): {res.in_flight_tok_s:.1f} tok/s aggregate, "
+            f"{res.in_flight_tok_s / res.in_flight_alone_tok_s if res.in_flight_alone_tok_s else 0:.2f}x one request "
+            f"alone in the same chain ({res.in_flight_alone_tok_s:.1f}); every answer equals the batched unsplit "
+            f"model's: {'yes' if res.in_flight_exact else 'NO'}"
         )
     verdict = "within" if res.within_target else "NOT within"
     lines.append(

@@ -137,7 +137,7 @@ def on_provider(cluster: Cluster, provider: str) -> Cluster:
     return msgspec.structs.replace(cluster, devices=devices)
 
 
-def _scenario(plan_file: Path, tokens: int, max_context: int) -> Scenario:
+def plan_scenario(plan_file: Path, tokens: int, max_context: int) -> Scenario:
     base = scenario_from_args(transport="zmq", prompt=PROMPT, max_tokens=tokens)
     budget = msgspec.structs.replace(base.budget, total_s=3600.0, ready_s=900.0, join_s=600.0)
     model = msgspec.structs.replace(base.model, max_context=max_context)
@@ -156,7 +156,7 @@ def run_plan(
     """Run ``doc``: warm-up, then ``repeats`` requests checked against ``oracle``. Returns the mean ms per decode
     token of each repeat, the trace's per-token times (pooled) and the last repeat's trace."""
     plan_file.write_text(pretty(doc))
-    scenario = _scenario(plan_file, tokens, doc.model.max_context)
+    scenario = plan_scenario(plan_file, tokens, doc.model.max_context)
     per_repeat: list[float] = []
     pooled: list[float] = []
     trace = None

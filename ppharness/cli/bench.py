@@ -357,6 +357,13 @@ def bench_plan(
 @click.option("--expert-nodes", type=int, default=2, show_default=True, help="Expert nodes beside the two stages.")
 @click.option("--delays", default="0,10", show_default=True, help="One-way link delays in ms, comma-separated.")
 @click.option(
+    "--in-flight",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Also run the delay-0 plan batched with this many requests at once (against one alone, same chain).",
+)
+@click.option(
     "--out",
     "out_dir",
     default="bench-results",
@@ -364,12 +371,14 @@ def bench_plan(
     type=click.Path(file_okay=False),
     help="Where bench-moe.json and the plans go.",
 )
-def bench_moe(preset: str, tokens: int, repeats: int, expert_nodes: int, delays: str, out_dir: str) -> None:
+def bench_moe(
+    preset: str, tokens: int, repeats: int, expert_nodes: int, delays: str, in_flight: int, out_dir: str
+) -> None:
     """A mixture-of-experts model in one process against its experts on expert nodes: tok/s, the per-token
     breakdown, and the simulator's prediction at each link delay."""
     with exit_1_on_failure():
         values = [float(d) for d in delays.split(",") if d.strip()]
-        res = moe_bench.run_moe_bench(preset, tokens, repeats, expert_nodes, values, out_dir, Progress())
+        res = moe_bench.run_moe_bench(preset, tokens, repeats, expert_nodes, values, out_dir, Progress(), in_flight)
     click.echo(moe_bench.report(res))
     for case in res.cases:
         click.echo(f"\ndelay {case.delay_ms:g} ms:\n{case.rows}")
@@ -445,6 +454,13 @@ def _range(text: str, what: str) -> tuple[int, int]:
     show_default=True,
     help="Each stage runs all its ready requests in one model call (serving.batched), or one call per request.",
 )
+@click.option(
+    "--max-batch",
+    type=int,
+    default=0,
+    show_default=True,
+    help="The most requests one step runs (serving.max_batch; 0: every ready one).",
+)
 @click.option("--prompt-words", default="2,12", show_default=True, help="Prompt length in words: LO,HI (uniform).")
 @click.option("--max-tokens", default="16,32", show_default=True, help="Answer length in tokens: LO,HI (uniform).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Arrivals and lengths are drawn from it.")
@@ -460,6 +476,7 @@ def bench_load(
     slots: int | None,
     queue: int,
     batched: bool,
+    max_batch: int,
     prompt_words: str,
     max_tokens: str,
     seed: int,
@@ -495,6 +512,7 @@ def bench_load(
             Progress(),
             json_out,
             batched,
+            max_batch,
         )
     click.echo(load_bench.report(res))
     if not res.exact:

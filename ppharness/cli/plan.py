@@ -293,10 +293,19 @@ def plan_show(plan_file: str, png: str | None, mermaid_file: str | None, dot_fil
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option("--requests", type=int, help="Requests in flight (default: the plan's objective's).")
 @click.option("--prompt-tokens", type=int, default=8, show_default=True, help="Prompt length for the first token.")
-def plan_simulate(plan_file: str, requests: int | None, prompt_tokens: int) -> None:
+@click.option(
+    "--batch",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Batched serving (serving.batched): up to this many requests per step, weights read once for all of them.",
+)
+def plan_simulate(plan_file: str, requests: int | None, prompt_tokens: int, batch: int) -> None:
     """Predict time to first token, per-token latency (its parts, as the trace lists them) and throughput."""
     doc = _load(plan_file)
-    click.echo(simulate(doc, prompt_tokens=prompt_tokens, requests=requests).summary())
+    if batch < 1:
+        raise click.BadParameter(f"--batch must be at least 1, got {batch}")
+    click.echo(simulate(doc, prompt_tokens=prompt_tokens, requests=requests, batch=batch).summary())
 
 
 @plan.command("probe")

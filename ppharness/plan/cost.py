@@ -47,34 +47,55 @@ def dense_part(block: Block) -> tuple[int, int]:
     return block.flops - x.active * x.expert_flops, block.weight_bytes - x.count * x.bytes_per_expert
 
 
-def block_seconds(block: Block, device: Device, routed: bool = True) -> float:
+def block_seconds(block: Block, device: Device, routed: bool = True, rows: int = 1, context: int = 0) -> float:
     """Decode time of one block on ``device`` in seconds: its dense part, plus its ``active`` routed experts when
-    ``routed`` (left out where the plan places the block's experts)."""
+    ``routed`` (left out where the plan places the block's experts). A batched step of ``rows`` requests
+    (``ppharness.model.batch``) reads the weights once and each request's KV cache of ``context`` positions, and does
+    every row's FLOPs; its routed experts read the weights of the distinct experts the rows choose (expected, for
+    uniform routing)."""
+    kv = rows * block.kv_bytes * context
     if block.experts.count == 0:
-        return _seconds(block.flops, block.weight_bytes, device)
+        return _seconds(rows * block.flops, block.weight_bytes + kv, device)
     flops, nbytes = dense_part(block)
-    t = _seconds(flops, nbytes, device)
-    return t + _expert_seconds(device, block, block.experts.active) if routed else t
+    t = _seconds(rows * flops, nbytes + kv, device)
+    if not routed:
+        return t
+    x = block.experts
+    distinct = x.count * (1 - (1 - x.active / x.count) ** rows) if rows > 1 else x.active
+    return t + _seconds(rows * x.active * x.expert_flops, distinct * x.bytes_per_expert, device)
 
 
-def blocks_ms(model: ModelGraph, device: Device, lo: int, hi: int, routed: bool = True) -> float:
+def blocks_ms(
+    model: ModelGraph, device: Device, lo: int, hi: int, routed: bool = True, rows: int = 1, context: int = 0
+) -> float:
     """Decode time of blocks [lo, hi) on ``device`` (without the fixed cost per token); ``routed``: with the routed
-    experts of mixture-of-experts blocks."""
+    experts of mixture-of-experts blocks; ``rows``, ``context``: a batched step's (``block_seconds``)."""
     total = 0.0
     for b in model.blocks[lo:hi]:
-        total += block_seconds(b, device, routed)
+        total += block_seconds(b, device, routed, rows, context)
     return total * 1e3
 
 
-def head_ms(model: ModelGraph, device: Device) -> float:
-    """The final norm, output matrix and argmax on ``device``."""
-    return _seconds(model.head_flops, model.head_bytes, device) * 1e3
+def head_ms(model: ModelGraph, device: Device, rows: int = 1) -> float:
+    """The final norm, output matrix and argmax on ``device`` (for ``rows`` requests: the matrix read once)."""
+    return _seconds(rows * model.head_flops, model.head_bytes, device) * 1e3
 
 
-def node_ms(model: ModelGraph, device: Device, lo: int, hi: int, head: bool, routed: bool = True) -> float:
+def node_ms(
+    model: ModelGraph,
+    device: Device,
+    lo: int,
+    hi: int,
+    head: bool,
+    routed: bool = True,
+    rows: int = 1,
+    context: int = 0,
+) -> float:
     """One token through a node on ``device`` running blocks [lo, hi) (and the head when ``head``); ``routed``: with
-    the routed experts of its mixture-of-experts blocks."""
-    return device.overhead_ms + blocks_ms(model, device, lo, hi, routed) + (head_ms(model, device) if head else 0.0)
+    the routed experts of its mixture-of-experts blocks; ``rows``: one batched step of that many requests (the fixed
+    cost once, ``block_seconds``)."""
+    blocks = blocks_ms(model, device, lo, hi, routed, rows, context)
+    return device.overhead_ms + blocks + (head_ms(model, device, rows) if head else 0.0)
 
 
 def _expert_seconds(device: Device, block: Block, k: float) -> float:
@@ -184,21 +205,27 @@ class Part(NamedTuple):
 
 
 def loop_parts(
-    model: ModelGraph, cluster: Cluster, nodes: Sequence[LoopNode], routed: bool = True
+    model: ModelGraph,
+    cluster: Cluster,
+    nodes: Sequence[LoopNode],
+    routed: bool = True,
+    rows: int = 1,
+    context: int = 0,
 ) -> tuple[list[Part], list[Part]]:
     """One decode token around the loop over ``nodes`` (loop order, entry first): each node's compute (``node_ms``,
     busy ``busy_ms`` of it and the expert work the node serves), then each edge's message (``edge_ms``, busy
     ``serialization_ms``): the activations along the chain, then the token from the exit back to the entry. A loop of
-    one node has no edge: the token stays on its device. ``routed``: as for ``node_ms``."""
+    one node has no edge: the token stays on its device. ``routed``: as for ``node_ms``; ``rows``: a batched step of
+    that many requests (``node_ms``; each message carries every row)."""
     compute = []
     for node in nodes:
-        ms = node_ms(model, node.device, node.lo, node.hi, node.head, routed)
-        compute.append(Part(ms, busy_ms(ms + node.serving_ms, node.device)))
+        ms = node_ms(model, node.device, node.lo, node.hi, node.head, routed, rows, context)
+        compute.append(Part(ms, busy_ms(ms + rows * node.serving_ms, node.device)))
     edges = []
     if len(nodes) > 1:
         for i, src in enumerate(nodes):
             dst = nodes[(i + 1) % len(nodes)]
-            nbytes = model.activation_bytes if i < len(nodes) - 1 else model.token_bytes
+            nbytes = rows * (model.activation_bytes if i < len(nodes) - 1 else model.token_bytes)
             a, b = src.device.id, dst.device.id
             edges.append(Part(edge_ms(cluster, a, b, nbytes), serialization_ms(cluster, a, b, nbytes)))
     return compute, edges

@@ -14,6 +14,10 @@ predicted here and what a traced run is compared with:
 - throughput with R requests in flight: each request takes one token per loop of L ms, and the busiest resource (a
   node's compute, or a link's serialisation of its message) serves one token at a time, so
   ``min(R / L, 1 / bottleneck)`` tokens per ms;
+- batched (``batch`` B above 1, ``serving.batched``): the requests travel in steps of up to B rows; a node's step
+  reads its weights once for all of them, each row's KV cache (of ``prompt_tokens`` positions) and does every row's
+  FLOPs, and each message carries every row; L is a batch's loop, and the busiest resource serves B tokens per busy
+  time, so ``min(R / L, B / bottleneck)``;
 - price: the hourly price of every device a node runs on, over the throughput;
 - a plan that places the experts of a mixture-of-experts model (``ppharness.plan.experts``): each stage's compute
   leaves out its blocks' routed experts, and each mixture-of-experts block has a row of its own, the expected time of
@@ -67,12 +71,13 @@ class Prediction:
     rows: tuple[Row, ...]
     prompt_tokens: int
     requests: int
-    per_token_ms: float  # L: one token around the loop (decode)
+    per_token_ms: float  # L: one token (of a batch of ``batch`` rows) around the loop (decode)
     ttft_ms: float  # time to first token (prefill of the prompt, and the token back to the entry)
     bottleneck: str  # the row of the busiest resource
     bottleneck_ms: float
     throughput_tok_s: float  # with ``requests`` in flight
     usd_per_hour: float  # of the devices the nodes run on
+    batch: int = 1  # rows per step (batched serving); the rows' costs are those of one step of them
 
     @property
     def tok_s(self) -> float:
@@ -106,8 +111,10 @@ class Prediction:
         return (
             f"plan {self.plan_id}: per token (decode, predicted) {self.per_token_ms:.3f} ms, {self.tok_s:.1f} tok/s; "
             f"first token (prefill, {self.prompt_tokens} prompt tokens) {self.ttft_ms:.1f} ms; "
-            f"{self.throughput_tok_s:.1f} tok/s with {self.requests} in flight (bottleneck {self.bottleneck}, "
-            f"{self.bottleneck_ms:.3f} ms)" + (f"; ${price:.4g}/Mtoken" if price is not None else "")
+            f"{self.throughput_tok_s:.1f} tok/s with {self.requests} in flight"
+            + (f", batched {self.batch} per step" if self.batch > 1 else "")
+            + f" (bottleneck {self.bottleneck}, {self.bottleneck_ms:.3f} ms)"
+            + (f"; ${price:.4g}/Mtoken" if price is not None else "")
         )
 
     def summary(self) -> str:
@@ -142,13 +149,18 @@ def throughput_tok_s(per_token_ms: float, bottleneck_ms: float, requests: int) -
     return min(rates) * 1e3
 
 
-def simulate(doc: PlanDoc, prompt_tokens: int = 8, requests: int | None = None) -> Prediction:
-    """Predict ``doc``'s timing (the plan must have passed ``check_plan``); ``requests`` defaults to the objective's."""
+def simulate(doc: PlanDoc, prompt_tokens: int = 8, requests: int | None = None, batch: int = 1) -> Prediction:
+    """Predict ``doc``'s timing (the plan must have passed ``check_plan``); ``requests`` defaults to the objective's.
+    ``batch`` above 1: batched serving, steps of up to that many requests (the module docstring)."""
     if prompt_tokens < 1:
         raise ValueError(f"prompt_tokens must be at least 1, got {prompt_tokens}")
     r = doc.placement.objective.requests if requests is None else requests
     if r < 1:
         raise ValueError(f"requests must be at least 1, got {r}")
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+    rows_per_step = min(batch, r)
+    context = prompt_tokens if rows_per_step > 1 else 0
     model, cluster = doc.model, doc.cluster
     order = loop(doc)
     position = {n.label: i for i, n in enumerate(order)}
@@ -164,7 +176,7 @@ def simulate(doc: PlanDoc, prompt_tokens: int = 8, requests: int | None = None) 
         cost.LoopNode(device, lo, hi, node.heads, serving.get(node.label, 0.0))
         for node, device, (lo, hi) in zip(order, devices, spans)
     ]
-    compute, edges = cost.loop_parts(model, cluster, nodes, routed)
+    compute, edges = cost.loop_parts(model, cluster, nodes, routed, rows_per_step, context)
     rows: list[Row] = []
     for i, (node, device, (lo, hi), part) in enumerate(zip(order, devices, spans, compute)):
         prefill = cost.busy_ms(cost.prefill_ms(model, device, lo, hi, node.heads, prompt_tokens, routed), device)
@@ -173,8 +185,9 @@ def simulate(doc: PlanDoc, prompt_tokens: int = 8, requests: int | None = None) 
     for hop, part in zip(hops(doc), edges):  # none for one node: the trace has no hop either
         i, j = position[hop.src.label], position[hop.dst.label]
         a, b = hop.src.device, hop.dst.device
-        nbytes = model.activation_bytes if hop.kind == "activation" else model.token_bytes
-        first = prompt_tokens * nbytes if hop.kind == "activation" else nbytes
+        one = model.activation_bytes if hop.kind == "activation" else model.token_bytes
+        first = prompt_tokens * one if hop.kind == "activation" else one
+        nbytes = rows_per_step * one
         rows.append(
             Row(
                 f"hop {i}->{j}",
@@ -198,8 +211,9 @@ def simulate(doc: PlanDoc, prompt_tokens: int = 8, requests: int | None = None) 
         ttft_ms=sum(row.prefill_ms for row in rows),
         bottleneck=busiest.name,
         bottleneck_ms=busiest.busy_ms,
-        throughput_tok_s=throughput_tok_s(per_token, busiest.busy_ms, r),
+        throughput_tok_s=throughput_tok_s(per_token, busiest.busy_ms / rows_per_step, r),
         usd_per_hour=price,
+        batch=rows_per_step,
     )
 
 

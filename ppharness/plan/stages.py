@@ -58,6 +58,7 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_context: int = 256
     slots: int = 1  # requests served at once: a KV cache each (ppharness.run.stage)
     batched: bool = False  # one model call per step for every ready request (ppharness.model.batch)
+    max_batch: int = 0  # the most requests one batched step runs (0: every ready one)
     queue: int = 64  # stage 0: requests waiting for a free slot before more are refused
     join_s: float = 120.0
     resolve_s: float = 60.0
@@ -147,6 +148,7 @@ class StageSettings(TypedDict, total=False):
     max_context: int
     slots: int
     batched: bool
+    max_batch: int
     queue: int
     join_s: float
     resolve_s: float

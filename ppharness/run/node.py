@@ -500,6 +500,7 @@ class Node:
             retry=RetryPolicy(first_s=plan.ack_timeout_s, max_s=plan.retry_max_s, budget_s=plan.retry_budget_s),
             epoch=plan.epoch,
             queue=plan.queue,
+            max_batch=plan.max_batch,
         )
         self.loop.add_timer(stage)  # the outbox's resends
         self.loop.add_worker(stage)  # its steps

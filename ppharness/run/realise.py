@@ -115,6 +115,7 @@ def _settings(scenario: Scenario, compiled: Compiled, trace: bool) -> StageSetti
         max_context=scenario.model.max_context,
         slots=scenario.serving.slots,
         batched=scenario.serving.batched,
+        max_batch=scenario.serving.max_batch,
         queue=scenario.serving.queue,
         join_s=budget.join_s,
         resolve_s=budget.resolve_s,

@@ -322,8 +322,10 @@ class Stage(ReplayingStage):
         return True
 
     def _ready(self) -> list[Work]:
-        """The next batch: each request's next model call, for the requests that have one, oldest request first."""
-        return [req.work.popleft() for req in list(self.reqs.values()) if req.work]
+        """The next batch: each request's next model call, for the requests that have one, oldest request first (at
+        most ``max_batch`` of them)."""
+        reqs = [req for req in self.reqs.values() if req.work]
+        return [req.work.popleft() for req in (reqs[: self.max_batch] if self.max_batch else reqs)]
 
     def _run(self, batch: list[Work]) -> list[Hidden | int]:
         """The model for ``batch`` (the class docstring's seam): one output per item, a hidden state or, on the last

@@ -149,12 +149,15 @@ class StageState(ABC):
         epoch: int = 0,
         queue: int = QUEUE,
         keep_digests: bool = True,
+        max_batch: int = 0,
     ):
         """``route``: the names the activations come from and go to, as the compiled plan gives them (empty: the
         default pp-stage-{index -/+ 1}). ``policy``: none, retry or failover (``ppharness.run.stage``); ``retry`` its
         timings; ``epoch`` the directory's epoch ``names`` belongs to. ``queue``: on stage 0, how many requests may
         wait for a free slot (the model's ``slots`` say how many are served at once). ``keep_digests``: keep the
-        digest of every hidden state sent, for a DigestRequest (``ppharness.model.exactness``)."""
+        digest of every hidden state sent, for a DigestRequest (``ppharness.model.exactness``). ``max_batch``: the
+        most requests one step runs (0: every ready one); the rest run in the next step, so that several batches
+        travel the chain at once and its stages compute at the same time."""
         self.index, self.num_stages = index, num_stages
         self.first, self.last = index == 0, index == num_stages - 1
         self.next_is_middle = index + 1 < num_stages - 1  # a stage that frees its slot on RequestClose
@@ -173,6 +176,7 @@ class StageState(ABC):
         self.reqs: dict[str, Request] = {}  # the requests in flight here, by id, each in its own slot
         self.batches: deque[int] = deque(maxlen=4096)  # a batched model's calls: the rows of each, most recent last
         self.queue_limit = queue
+        self.max_batch = max_batch
         self.waiting: deque[tuple[InferenceRequest, list[int], Received | None]] = deque()  # stage 0: admitted next
         self.served = 0
         self.tracer = tracer

@@ -228,11 +228,13 @@ class ServingSection(Settings, frozen=True):
     to ``queue`` more requests waiting for a free slot and refuses the rest as busy. ``batched``: each stage runs the
     next position of all its ready requests in one model call (``ppharness.model.batch``), with batch-invariant
     kernels, so each request's answer stays the one it gets alone; else one call per request, with the fastest
-    kernels for one row."""
+    kernels for one row. ``max_batch``: the most requests a batched step runs (0: every ready one); a smaller batch
+    leaves the rest for the next step, so that several batches travel the chain at once."""
 
     slots: Annotated[int, Meta(ge=1, le=256)] = 1
     queue: Annotated[int, Meta(ge=0, le=65536)] = 64
     batched: bool = False
+    max_batch: Annotated[int, Meta(ge=0, le=256)] = 0
 
 
 class ExpectSection(Settings, frozen=True):
