@@ -106,6 +106,7 @@ def run_gpu_bench(
     in_flight: int = 1,
     block: bool = True,
     batched: bool = False,
+    max_batch: int = 0,
 ) -> GpuBench:
     """``in_flight`` above 1: each chain also serves that many requests at once (every stage keeps a KV cache per
     request), reported as a contender of its own with the aggregate decode tokens/s, and HF transformers decodes a
@@ -177,7 +178,10 @@ def run_gpu_bench(
             scenario = _scenario(preset, n, kind, tokens, max_context)
             if in_flight > 1 or batched:
                 scenario = msgspec.structs.replace(
-                    scenario, serving=msgspec.structs.replace(scenario.serving, slots=in_flight, batched=batched)
+                    scenario,
+                    serving=msgspec.structs.replace(
+                        scenario.serving, slots=in_flight, batched=batched, max_batch=max_batch
+                    ),
                 )
             how = ", batched" if batched else ""
             c.name += how

@@ -105,6 +105,9 @@ def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) 
     show_default=True,
     help="The chains run batched (serving.batched) and are held to the batched single process, bit for bit.",
 )
+@click.option(
+    "--max-batch", type=int, default=0, show_default=True, help="serving.max_batch of the chains (0: every ready one)."
+)
 @click.option("--out", "out_dir", default="bench-results", show_default=True, type=click.Path(file_okay=False))
 def bench_gpu(
     device: str,
@@ -118,6 +121,7 @@ def bench_gpu(
     in_flight: int,
     block: bool,
     batched: bool,
+    max_batch: int,
     out_dir: str,
 ) -> None:
     """The chain on an accelerator vs single-process tinygrad and HF transformers (docs/gpu-bench.md)."""
@@ -136,6 +140,7 @@ def bench_gpu(
             in_flight,
             block,
             batched,
+            max_batch,
         )
     click.echo(gpu_bench.report(res))
     click.echo(f"\nwritten: {out_dir}/gpu-bench.json, {out_dir}/gpu-bench.png")
