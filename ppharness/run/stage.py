@@ -70,10 +70,12 @@ class Stage(ReplayingStage):
     outbox's resends); whoever drives a stage by hand calls ``deliver``, which is ``handle`` and then every step.
 
     The batch seam is ``_run(batch)``: a list of ``Work`` items, each (request, slot, position, input), and one output
-    per item. Today it runs them one after the other, each a batch of one (``model.prefill``/``decode`` in the item's
-    slot); a batched model makes it one call over the stacked rows, each row in its own slot at its own position,
-    without a change anywhere else. Outputs are ``Hidden`` handles (``ppharness.model.hidden``): the codec packs them,
-    the exactness digest is taken only when the stage keeps digests.
+    per item. A model that is not batched runs them one after the other (``model.prefill``/``decode`` in the item's
+    slot); a batched model (``ppharness.model.batch``) runs the prefills so and every decode item in one call over the
+    stacked rows, each row in its own slot at its own position, and ``_settle_rows`` sends the rows on in one
+    ActivationRows (the last stage: one TokenRows) unless every message must be acknowledged on its own (policies
+    retry and failover). Outputs are ``Hidden`` handles (``ppharness.model.hidden``): the codec packs them, the
+    exactness digest is taken only when the stage keeps digests.
 
     Every message is taken only from the member whose role sends it (requests from the seed, RequestOpen and
     activations from the previous stage, NextToken from the last), by the sender address the transport authenticated;
