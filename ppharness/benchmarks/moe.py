@@ -37,7 +37,7 @@ from ppharness.model.slicing import ModelSlice
 from ppharness.model.spec import preset_spec, synthetic_source
 from ppharness.plan.build import chain
 from ppharness.plan.compile import implicit_cluster
-from ppharness.plan.doc import Device, Impaired, PlanDoc, pretty
+from ppharness.plan.doc import Device, Impaired, PlanDoc, pretty, with_id
 from ppharness.plan.experts import baseline_experts
 from ppharness.plan.graph import model_graph
 from ppharness.plan.probe import probe_fit
@@ -260,6 +260,8 @@ def serve_batched(
     """``doc`` batched with ``in_flight`` request slots: one request alone (median of ``repeats``), then ``in_flight``
     sent at once (aggregate decode tok/s, median of ``repeats``), every answer held to the batched unsplit model's."""
     max_context = doc.model.max_context
+    objective = msgspec.structs.replace(doc.placement.objective, requests=in_flight)  # its memory check counts them
+    doc = with_id(msgspec.structs.replace(doc, placement=msgspec.structs.replace(doc.placement, objective=objective)))
     f = GGUFFile(path)
     whole = ModelSlice(f, 0, f.config.blocks, True, True, max_context, slots=1, batched=True)
     want = oracle_decode(path, PROMPT, tokens, max_context, model=whole).token_ids
