@@ -21,6 +21,7 @@ from ppharness.wire.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack,
+    ActivationRows,
     Assign,
     ClockProbe,
     ClockReply,
@@ -47,6 +48,7 @@ from ppharness.wire.messages import (
     StageActivation,
     Stopped,
     StreamedToken,
+    TokenRows,
     TraceReport,
     TraceRequest,
 )
@@ -114,6 +116,21 @@ def realistic_messages() -> list[Message]:
         ),
         activation((1, 6, 64)),
         NextToken(request_id="req-0001", token_id=12366, position=6, done=False, plan_id="plan-2stage-a1b2"),
+        ActivationRows(
+            request_ids=["req-0001", "req-0002", "req-0003"],
+            positions=[7, 12, 9],
+            hidden=np.arange(3 * 64, dtype="<f2").tobytes(),
+            shape=(3, 1, 64),
+            dtype="f16",
+            plan_id="plan-2stage-a1b2",
+        ),
+        TokenRows(
+            request_ids=["req-0001", "req-0002"],
+            token_ids=[12366, 13],
+            positions=[8, 13],
+            done=[False, True],
+            plan_id="plan-2stage-a1b2",
+        ),
         InferenceResponse(
             request_id="req-0001",
             text=" Paris. It is known for the Eiffel Tower.",

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import TYPE_CHECKING, Any
 
+from ppharness.model.batch import widths
+
 if TYPE_CHECKING:
     from ppharness.model.slicing import ModelSlice
 
@@ -108,8 +110,6 @@ def warm_up(model: ModelSlice) -> None:
 
     x = [0] if model.first else np.zeros((1, 1, model.config.dim), dtype=np.float16)
     if getattr(model, "batched", False):  # one step per batch width: a row in the width's last slot compiles it
-        from ppharness.model.batch import widths
-
         for width in widths(model.slots):
             for pos in (0, 1, 2, 3):
                 model.warm(x, pos, width - 1)

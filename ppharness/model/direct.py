@@ -4,10 +4,13 @@ the projection whose one-position product compiles with fixed options there (``D
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from numpy.typing import NDArray
+
+from ppharness.model.kernels import INVARIANT, compiling_invariant, route_choices
 
 if TYPE_CHECKING:  # tinygrad is imported when a step is built, not with this module
     from collections.abc import Callable
@@ -98,6 +101,17 @@ def decode_context(device: str | tuple[str, ...]) -> Any:
     return cast(Any, Context)(DEVECTORIZE=0) if on_cpu(device) else contextlib.nullcontext()  # Context is unannotated
 
 
+@contextlib.contextmanager
+def invariant(device: str | tuple[str, ...]) -> Iterator[None]:
+    """Compile (and run) a batched step on ``device`` inside this to get batch-invariant kernels
+    (``ppharness.model.batch``), with the decode step's compile settings (``decode_context``)."""
+    from tinygrad.helpers import Context
+
+    route_choices()
+    with cast(Any, Context)(BEAM=INVARIANT), decode_context(device):  # Context is unannotated
+        yield
+
+
 class DecodeLinear:
     """``nn.Linear`` (same ``weight``/``bias`` names, so the same state dict) whose one-position product, a decode
     step's matrix-vector product, is a kernel of its own on the CPU with fixed optimisations: the output rows upcast
@@ -112,8 +126,6 @@ class DecodeLinear:
 
     def __call__(self, x: Tensor) -> Tensor:
         from tinygrad.codegen.opt import Opt, OptOps
-
-        from ppharness.model.batch import compiling_invariant
 
         y = x.linear(self.weight.transpose(), self.bias)
         rows = int(self.weight.shape[0])

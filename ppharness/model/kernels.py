@@ -15,6 +15,7 @@ those before any search.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -220,6 +221,66 @@ def heuristic(s: Scheduler) -> Scheduler:
     return hand_coded_optimizations(s)
 
 
+# --- batch-invariant kernels (ppharness.model.batch) -----------------------------------------------------------------
+
+INVARIANT = 4093  # tinygrad's BEAM value while a batched slice compiles: no search has this width
+GROUP = 8  # threads a reduction of at least GROUP_MIN values is split over on a device with threads
+GROUP_MIN = 256
+MAX_UPCAST = 32  # accumulators per thread the non-reduced axes may be upcast to
+
+
+def compiling_invariant() -> bool:
+    from tinygrad.helpers import BEAM
+
+    return bool(BEAM.value == INVARIANT)
+
+
+def invariant_opts(s: Scheduler) -> Scheduler:
+    """A kernel's optimisations where no row's reduction order may depend on the other axes (why:
+    ``ppharness.model.batch``)."""
+    from tinygrad.codegen.opt import KernelOptError, Opt, OptOps
+    from tinygrad.uop import Ops
+    from tinygrad.uop.ops import AxisType
+
+    k: Any = cast(Any, s).copy()  # Scheduler.copy is unannotated
+    if not k.axes_of(AxisType.REDUCE) or any(u.op is Ops.BUFFERIZE for u in k.ast.backward_slice):
+        return heuristic(s)  # nothing is summed here: no optimisation can change a value
+    first = k.full_shape[k.axes_of(AxisType.REDUCE)[0]]
+    if k.ren.has_local and k.ren.has_shared and isinstance(first, int) and first >= GROUP_MIN and first % GROUP == 0:
+        with contextlib.suppress(KernelOptError):  # whether it applies depends on the reduction alone
+            k.apply_opt(Opt(OptOps.GROUP, 0, GROUP))
+    # the axes not reduced: first those the largest buffer is broadcast along (a batch's rows over one weight matrix:
+    # upcast them and each weight is read once for all of them), then the widest other one
+    upcast = 1
+    big = max(k.bufs, key=lambda b: int(getattr(b.src[0].dtype, "size", 0) or 0))  # the weight of a product
+    for axis in list(k.upcastable_dims):
+        rng = k.rngs[axis]
+        size = k.full_shape[axis]
+        if rng in big.src[1].get_idx().backward_slice or not isinstance(size, int):
+            continue
+        amt = next((n for n in (8, 4, 2) if size % n == 0 and upcast * n <= MAX_UPCAST), 0)
+        if amt:
+            with contextlib.suppress(KernelOptError):
+                k.apply_opt(Opt(OptOps.UPCAST, axis, amt))
+                upcast *= amt
+    rest = [a for a in k.upcastable_dims if isinstance(k.full_shape[a], int) and k.full_shape[a] > 1]
+    if rest:
+        axis = max(rest, key=lambda a: k.full_shape[a])
+        size = k.full_shape[axis]
+        if k.ren.has_local:
+            with contextlib.suppress(KernelOptError):
+                if size % 4 == 0:
+                    k.apply_opt(Opt(OptOps.LOCAL, axis, 4))
+                    size //= 4
+        # on a GPU few outputs per thread keep enough workgroups for a one-row product (tinygrad's matvec shape)
+        amts = (4, 2) if k.ren.has_local else (16, 8, 4, 2)
+        amt = next((n for n in amts if size % n == 0 and upcast * n <= MAX_UPCAST), 0)
+        if amt:
+            with contextlib.suppress(KernelOptError):
+                k.apply_opt(Opt(OptOps.UPCAST, axis, amt))
+    return cast("Scheduler", k)
+
+
 _ORIGINAL_SEARCH: Any = None
 _active: Pinning | None = None
 
@@ -256,8 +317,6 @@ def route_choices() -> None:
 def _choose(s: Scheduler, rawbufs: list[Any], amt: int, allow_test_size: bool = True) -> Scheduler:
     """A kernel's optimisations: batch-invariant ones while a batched slice compiles (``ppharness.model.batch``),
     else the pinned table's (or, tuning, a search), else tinygrad's own search."""
-    from ppharness.model.batch import compiling_invariant, invariant_opts
-
     if compiling_invariant():
         return invariant_opts(s)
     if _active is not None:

@@ -11,8 +11,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
-from ppharness.model.batch import invariant, store_prefill, width_for
-from ppharness.model.moe import ExpertCall, Routing, combine, route
+from ppharness.model.batch import store_prefill, width_for
+from ppharness.model.direct import invariant
+from ppharness.model.moe import ExpertCall, Routing, combine
 
 if TYPE_CHECKING:
     from collections.abc import Generator, Sequence
@@ -53,6 +54,8 @@ class BatchedRows:
         def step(
             self, x: list[int] | NDArray[np.float16], position: int, slot: int = 0
         ) -> Generator[ExpertCall, NDArray[np.float16], NDArray[np.float16] | int]: ...
+
+        def _route(self, i: int, logits: NDArray[np.float32]) -> Routing: ...
 
     def _store(self, slot: int) -> None:
         """A prefill computed in the scratch slot: its KV cache into slot ``slot``'s region of the slot caches."""
@@ -172,16 +175,3 @@ class BatchedRows:
                 ids: NDArray[Any] = self._row_heads[w](x_in).numpy()
                 return ids
         return h
-
-    def _route(self, i: int, logits: NDArray[np.float32]) -> Routing:
-        cfg = self.config
-        return route(
-            logits,
-            cfg.experts_used,
-            cfg.norm_topk,
-            gating=cfg.gating,
-            bias=self._bias.get(self.lo + i),
-            groups=cfg.expert_groups,
-            groups_used=cfg.groups_used,
-            scale=cfg.routed_scale,
-        )

@@ -33,7 +33,7 @@ from ppharness.model.batch import Rows, widths
 from ppharness.model.direct import DecodeLinear, DirectStep, decode_context
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.kernels import pin_from_env
-from ppharness.model.moe import ExpertBank, ExpertCall, all_experts, combine
+from ppharness.model.moe import ExpertBank, ExpertCall, Routing, all_experts, combine, route
 from ppharness.model.rows import BatchedRows
 
 if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this module
@@ -431,6 +431,19 @@ class ModelSlice(BatchedRows):
             buf.copyin(np.ascontiguousarray(arr).data.cast("B"))
         with decode_context(self._decode_in.device):
             return self._output(self._jit(self._decode_in, self._pos.bind(position)))
+
+    def _route(self, i: int, logits: NDArray[np.float32]) -> Routing:
+        cfg = self.config
+        return route(
+            logits,
+            cfg.experts_used,
+            cfg.norm_topk,
+            gating=cfg.gating,
+            bias=self._bias.get(self.lo + i),
+            groups=cfg.expert_groups,
+            groups_used=cfg.groups_used,
+            scale=cfg.routed_scale,
+        )
 
     def decode_kernels(self) -> list[str]:
         """The source of every kernel the compiled decode step (blocks, then the head on the last stage) runs, in order,

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from ppharness.errors import ModelError
 from ppharness.model.arch.base import BLOCK_TENSOR, Architecture, Shape, check_no_mla
-from ppharness.model.batch import Rows, attention_rows
+from ppharness.model.batch import Rows, rope_rows
 from ppharness.model.direct import DecodeLinear
 
 if TYPE_CHECKING:
@@ -129,6 +129,59 @@ def block_class() -> type[TransformerBlock]:
             return out
 
     return Block
+
+
+def rotary_table(block: Any) -> Tensor:
+    """The block's rotary table (context, head dim), as its own attention computes it: tinygrad's, or with Llama-3
+    factors ``ppharness.model.arch.llama.rope_table``'s."""
+    from tinygrad.apps.llm import precompute_freqs_cis
+
+    factors = getattr(block, "rope_factors", ())
+    if factors:
+        return rope_table(block.head_dim, block.max_context, block.rope_theta, factors)
+    table: Tensor = precompute_freqs_cis(block.head_dim, block.max_context, block.rope_theta)
+    return table
+
+
+def attention_rows(block: Any, x: Tensor, rows: Rows) -> Tensor:
+    """A llama-family block's attention (tinygrad's ``TransformerBlock._attention``: norm, projections, optional
+    q/k norms, rotary embedding, cache, grouped-query attention, output projection, residual) for a batch of decode
+    rows: ``x`` (W,1,D), row r in slot r at ``rows.pos[r]`` (``ppharness.model.batch``: why each row's bytes are
+    its request's alone)."""
+    from tinygrad.dtype import dtypes
+    from tinygrad.tensor import Tensor
+
+    w, h, kvh, hd = int(x.shape[0]), block.n_heads, block.n_kv_heads, block.head_dim
+    x_norm = block.attn_norm(x)
+    q, k, v = block.attn_q(x_norm), block.attn_k(x_norm), block.attn_v(x_norm)
+    if block.qk_norm and block.qk_norm != hd:
+        q, k = block.attn_q_norm(q), block.attn_k_norm(k)
+    q = q.reshape(w, 1, h, hd).transpose(1, 2)  # (W,H,1,Hd)
+    k = k.reshape(w, 1, kvh, hd).transpose(1, 2)  # (W,KvH,1,Hd)
+    v = v.reshape(w, 1, kvh, hd).transpose(1, 2)
+    if block.qk_norm == hd:
+        q, k = block.attn_q_norm(q), block.attn_k_norm(k)
+    cos_sin = rows.at_positions(rotary_table(block)).contiguous()  # once, not inside every kernel that reads it
+    q, k = rope_rows(q, cos_sin), rope_rows(k, cos_sin)
+    cache = cast("Tensor", block.slot_cache)  # (2, slots, KvH, context, Hd)
+    ctx, g = int(cache.shape[3]), h // kvh
+    # the new key and value at each row's own position, the rest of the batch's slots rewritten unchanged (a static
+    # shape: every axis but the context merges into one)
+    view = cache[:, 0:w]
+    new = Tensor.stack(k, v).cast(cache.dtype).contiguous()  # (2,W,KvH,1,Hd)
+    here = Tensor.arange(ctx).reshape(1, 1, 1, ctx, 1) == rows.pos.reshape(1, w, 1, 1, 1)
+    view.assign(here.where(new, view)).realize()
+    # each row over [0, L), the positions after its own masked: rows and KV heads one axis, a KV head's queries the next
+    length = cast(int, rows.length)
+    keys = cache[0, 0:w, :, 0:length, :].reshape(w * kvh, -1, hd)  # (W*KvH, L, Hd)
+    values = cache[1, 0:w, :, 0:length, :].reshape(w * kvh, -1, hd)
+    qg = q.reshape(w * kvh, g, hd)  # query head j of KV head i is head i*G + j (tinygrad's repeat_interleave)
+    scores = qg.matmul(keys.transpose(-2, -1), dtype=dtypes.float32) / math.sqrt(hd)  # (W*KvH, G, L)
+    seen = rows.seen().reshape(w, 1, 1, -1).expand(w, kvh, g, -1).reshape(w * kvh, g, -1)
+    scores = scores + seen.where(0.0, -math.inf)
+    attn = scores.cast(q.dtype).softmax(-1) @ values  # (W*KvH, G, Hd), as scaled_dot_product_attention computes it
+    out: Tensor = x + block.attn_output(attn.reshape(w, 1, h * hd))
+    return out
 
 
 def block_args(cfg: ModelConfig, max_context: int) -> tuple[int, int, int, int, float, int, float, int]:

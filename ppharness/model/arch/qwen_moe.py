@@ -29,13 +29,14 @@ from ppharness.model.arch.base import (
 from ppharness.model.arch.llama import (
     ATTENTION_PARTS,
     FFN_PARTS,
+    attention_rows,
     attention_tensors,
     block_args,
     dense_block,
     write_attention,
     write_rope_keys,
 )
-from ppharness.model.batch import Rows, attention_rows
+from ppharness.model.batch import Rows
 
 if TYPE_CHECKING:
     from tinygrad.tensor import Tensor
