@@ -3,9 +3,9 @@ the expert fan-out.
 
 A turn runs the due timers (the outbox's resends, network events, an open-loop load's arrivals), the checks (a member's
 death, the parent process gone: they raise to end the wait), the actors' ready work (a Stage's ``step``), then waits
-for one message — never past the next timer, the wait's deadline or ``poll_s`` — and hands it to the wait's handler,
-with every message that has already arrived behind it (up to ``DRAIN``): a Stage's next step then runs all the
-requests they made ready as one batch.
+for one message — never past the next timer, the wait's deadline or ``poll_s`` — and hands it to the wait's handler;
+a loop made with ``drain`` (a batched stage's: ``DRAIN``) also hands it every message that has already arrived behind
+it, so that the stage's next step runs all the requests they made ready as one batch.
 A frame that does not decode is logged and dropped; nothing a peer sends ends the loop.
 
 A wait may nest: a step that needs answers from other members (the expert fan-out) waits inside the loop for them;
@@ -25,7 +25,7 @@ from ppharness.seams.transport import Received
 from ppharness.wire.messages import Message
 
 POLL_S = 0.2  # the longest a turn waits for a message before it looks at the timers and checks again
-DRAIN = 256  # messages already waiting that a turn takes before the actors work
+DRAIN = 256  # a batched stage's loop: messages already waiting that a turn takes before the actors work
 
 Handler = Callable[[str, Message, Received | None], bool]  # True: the wait is over
 
@@ -54,8 +54,9 @@ class Worker(Protocol):
 class Loop:
     """Turns one endpoint's mail (``transport``) into handler calls, between timers, checks and actors' work."""
 
-    def __init__(self, transport: Inbox, log: Callable[[str], None], poll_s: float = POLL_S):
+    def __init__(self, transport: Inbox, log: Callable[[str], None], poll_s: float = POLL_S, drain: int = 0):
         self.transport, self.log, self.poll_s = transport, log, poll_s
+        self.drain = drain  # messages already waiting that a turn also takes (a batched stage's loop: DRAIN)
         self.timers: list[Timed] = []
         self.checks: list[Callable[[], None]] = []
         self.workers: list[Worker] = []
@@ -163,7 +164,7 @@ class Loop:
                 if got is not None and handle(*got):
                     return
                 # and what else has come already: the actors' next step sees all of it at once (a batch)
-                for _ in range(DRAIN if got is not None else 0):
+                for _ in range(self.drain if got is not None else 0):
                     more = self.next(0.0)
                     if more is None:
                         break

@@ -37,7 +37,7 @@ from ppharness.registry import impaired_transport, transport_class
 from ppharness.run.cluster import resolve_members
 from ppharness.run.experts import ExpertParallel, ExpertServer, warm_bank
 from ppharness.run.faults import with_fault
-from ppharness.run.loop import Loop
+from ppharness.run.loop import DRAIN, Loop
 from ppharness.run.membership import NodeMembership
 from ppharness.run.reliable import RetryPolicy, ack_of
 from ppharness.run.stage import Stage
@@ -504,6 +504,8 @@ class Node:
         )
         self.loop.add_timer(stage)  # the outbox's resends
         self.loop.add_worker(stage)  # its steps
+        if plan.batched:  # its steps run what every waiting message made ready
+            self.loop.drain = DRAIN
         return stage
 
     def _on_message(self, sender: str, msg: Message, rx: Received | None) -> bool:
