@@ -159,3 +159,32 @@ def test_requests_in_flight_on_pp_node_processes(tiny_model_path, tiny_gguf):
         assert response.token_ids == want[prompts[0]]
         label = chain.run_label
     assert not labelled_pids(label), "pp-node processes outlived the run"
+
+
+@pytest.mark.slow
+def test_a_batched_chain_of_pp_node_processes_answers_each_request_as_alone(tiny_model_path, tiny_gguf):
+    """Real processes over ZeroMQ, batched (serving.batched, 4 slots): four requests sent at once travel as batches of
+    rows (ActivationRows, TokenRows) and every answer equals the batched unsplit model's answer to that prompt alone;
+    a plain request after them too."""
+    import msgspec
+
+    from ppharness.model.oracle import oracle_decode
+    from ppharness.run.client import Job
+    from ppharness.run.inprocess import load_slices
+    from ppharness.run.orchestrator import Chain
+
+    base = scenario_from_args(num_stages=3, max_tokens=12)
+    serving = msgspec.structs.replace(base.serving, slots=4, batched=True)
+    scenario = msgspec.structs.replace(base, serving=serving)
+    prompts = ["The quick brown fox", "héllo wörld", "a b c", "Pipeline parallel"]
+    ctx = scenario.model.max_context
+    whole = load_slices(tiny_gguf, [(0, 8)], ctx, cache={}, slots=4, batched=True)[0]
+    want = {p: oracle_decode(tiny_model_path, p, 12, ctx, model=whole).token_ids for p in prompts}
+    with Chain(scenario, progress=Progress(quiet=True), run_label=_label()) as chain:
+        served = chain.serve([Job(p, 12) for p in prompts])
+        for s in served:
+            assert s.response is not None and s.response.token_ids == want[s.job.prompt], s.job.prompt
+        response, _ = chain.request(prompts[0], 12)
+        assert response.token_ids == want[prompts[0]]
+        label = chain.run_label
+    assert not labelled_pids(label), "pp-node processes outlived the run"
