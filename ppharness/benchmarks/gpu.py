@@ -37,6 +37,7 @@ from ppharness.run.orchestrator import Chain, decode_span, decode_tok_s
 
 if TYPE_CHECKING:
     from ppharness.model.config import ModelConfig
+    from ppharness.model.oracle import OracleResult
 
 
 class Tokenizer(Protocol):
@@ -131,32 +132,15 @@ def run_gpu_bench(
     )
 
     progress("single process: loading and compiling")
-    single = ModelSlice(f, 0, cfg.blocks, True, True, max_context, taps=True)  # taps: the same kernels
-    warm_up(single)
-    one = Contender("tinygrad, one process")
-    oracle = oracle_decode(path, prompt, tokens, max_context, model=single, boundaries=True)
-    one.ttft_cold_s = oracle.ttft_s
-    for _ in range(repeats):
-        r = oracle_decode(path, prompt, tokens, max_context, model=single)
-        one.decode_tok_s.append(r.decode_tok_s)
-        one.ttft_warm_s.append(r.ttft_s)
+    one, oracle = _one_process("tinygrad, one process", f, path, prompt, tokens, max_context, repeats, False)
     one.device_mib = [device_bytes() / 2**20]
     res.contenders.append(one)
-    del single
-    if batched:
+    if batched:  # the oracle of batched chains: the same kernels as theirs
         progress("single process, batched slice: loading and compiling")
-        single = ModelSlice(f, 0, cfg.blocks, True, True, max_context, taps=True, batched=True)
-        warm_up(single)
-        inv = Contender("tinygrad, one process, batch-invariant kernels")
-        oracle = oracle_decode(path, prompt, tokens, max_context, model=single, boundaries=True)
-        inv.ttft_cold_s = oracle.ttft_s
-        for _ in range(repeats):
-            r = oracle_decode(path, prompt, tokens, max_context, model=single)
-            inv.decode_tok_s.append(r.decode_tok_s)
-            inv.ttft_warm_s.append(r.ttft_s)
+        name = "tinygrad, one process, batch-invariant kernels"
+        inv, oracle = _one_process(name, f, path, prompt, tokens, max_context, repeats, True)
         res.contenders.append(inv)
         progress(f"{inv.name}: {inv.median_tok_s():.1f} tok/s")
-        del single
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -215,6 +199,31 @@ def run_gpu_bench(
     save()
     _plot(res, out / "gpu-bench.png")
     return res
+
+
+def _one_process(
+    name: str,
+    f: GGUFFile,
+    path: str,
+    prompt: str,
+    tokens: int,
+    max_context: int,
+    repeats: int,
+    batched: bool,
+) -> tuple[Contender, OracleResult]:
+    """The unsplit model in this process (a batched slice when ``batched``): its answer with every boundary (the
+    oracle), then ``repeats`` timed decodes."""
+    # taps compile the same kernels as a slice without them
+    single = ModelSlice(f, 0, f.config.blocks, True, True, max_context, taps=True, batched=batched)
+    warm_up(single)
+    c = Contender(name)
+    oracle = oracle_decode(path, prompt, tokens, max_context, model=single, boundaries=True)
+    c.ttft_cold_s = oracle.ttft_s
+    for _ in range(repeats):
+        r = oracle_decode(path, prompt, tokens, max_context, model=single)
+        c.decode_tok_s.append(r.decode_tok_s)
+        c.ttft_warm_s.append(r.ttft_s)
+    return c, oracle
 
 
 def _serve_many(

@@ -5,7 +5,7 @@ per batch width, MoE slices block by block with the batch's rows in one expert c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from tinygrad.uop.ops import UOp
 
     from ppharness.model.config import ModelConfig
+
+
+R = TypeVar("R")
 
 
 class BatchedRows:
@@ -57,6 +60,8 @@ class BatchedRows:
 
         def _route(self, i: int, logits: NDArray[np.float32]) -> Routing: ...
 
+        def _answered(self, gen: Generator[ExpertCall, NDArray[np.float16], R], stand_in: bool = False) -> R: ...
+
     def _store(self, slot: int) -> None:
         """A prefill computed in the scratch slot: its KV cache into slot ``slot``'s region of the slot caches."""
         for block in self.blk:
@@ -87,13 +92,7 @@ class BatchedRows:
         output is what ``decode`` returns for that request alone, to the byte (``ppharness.model.batch``).
         A MoE slice answers its expert calls from the experts it holds (``stand_in``: as ``answer``'s, for compiling
         the step before a request)."""
-        gen = self.rows_step(xs, positions, slots)
-        try:
-            call = next(gen)
-            while True:
-                call = gen.send(self.answer(call, stand_in))
-        except StopIteration as stop:
-            return cast("list[NDArray[np.float16] | int]", stop.value)
+        return self._answered(self.rows_step(xs, positions, slots), stand_in)
 
     def rows_step(
         self,

@@ -22,7 +22,7 @@ import functools
 import math
 import re
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -44,6 +44,8 @@ if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this m
     from tinygrad.engine.realize import ExecItem
     from tinygrad.tensor import Tensor
     from tinygrad.uop.ops import UOp
+
+R = TypeVar("R")  # what a driven step returns
 
 PREFILL_STEPS = 32  # compiled prefill steps a slice keeps (one per request slot and prompt length), most recent first
 
@@ -330,16 +332,21 @@ class ModelSlice(BatchedRows):
                     out[t, j] = self.bank.run(call.layer, int(e), call.hidden[t])
         return out
 
-    def _moe_step(
-        self, x: list[int] | NDArray[np.float16], position: int, stand_in: bool = False
-    ) -> NDArray[np.float16] | int:
-        gen = self.step(x, position, self._slot)
+    def _answered(self, gen: Generator[ExpertCall, NDArray[np.float16], R], stand_in: bool = False) -> R:
+        """What a MoE step (``step``, ``prefill_step``, ``rows_step``) returns, its expert calls answered from the
+        experts this slice holds (``stand_in``: as ``answer``'s)."""
         try:
             call = next(gen)
             while True:
                 call = gen.send(self.answer(call, stand_in))
         except StopIteration as stop:
-            return cast("NDArray[np.float16] | int", stop.value)
+            out: R = stop.value
+            return out
+
+    def _moe_step(
+        self, x: list[int] | NDArray[np.float16], position: int, stand_in: bool = False
+    ) -> NDArray[np.float16] | int:
+        return self._answered(self.step(x, position, self._slot), stand_in)
 
     def warm(self, x: list[int] | NDArray[np.float16], position: int, slot: int = 0) -> None:
         """One step to compile it before the first request; a MoE slice stands zeros in for experts held
@@ -371,13 +378,7 @@ class ModelSlice(BatchedRows):
         if not 0 <= slot < self.slots:
             raise ModelError(f"request slot {slot} is outside this slice's {self.slots} slot(s)")
         if self.config.moe:
-            gen = self.prefill_step(x, slot)
-            try:
-                call = next(gen)
-                while True:
-                    call = gen.send(self.answer(call))
-            except StopIteration as stop:
-                return cast("NDArray[np.float16] | int", stop.value)
+            return self._answered(self.prefill_step(x, slot))
         from tinygrad.engine.jit import TinyJit
         from tinygrad.tensor import Tensor
 
