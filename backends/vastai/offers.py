@@ -39,8 +39,9 @@ def offer_query(s: VastaiSettings, count: int) -> dict[str, Any]:
         "limit": max(64, 4 * count),
         "allocated_storage": float(s.disk_gb),
     }
-    if s.gpu_name:
-        q["gpu_name"] = {"eq": s.gpu_name} if isinstance(s.gpu_name, str) else {"in": list(s.gpu_name)}
+    names = s.gpu_names
+    if names:
+        q["gpu_name"] = {"eq": names[0]} if isinstance(s.gpu_name, str) else {"in": list(names)}
     if s.min_gpu_ram_gb:
         q["gpu_ram"] = {"gte": s.min_gpu_ram_gb * 1000}
     if s.min_cuda is not None:
@@ -52,7 +53,7 @@ def offer_query(s: VastaiSettings, count: int) -> dict[str, Any]:
 
 def offer_matches(offer: dict[str, Any], s: VastaiSettings) -> bool:
     """The constraints checked again on our side: the catalog is cached and a server may ignore a filter."""
-    names = (s.gpu_name,) if isinstance(s.gpu_name, str) else tuple(s.gpu_name or ())
+    names = s.gpu_names
     try:
         return (
             not offer.get("rented")
@@ -71,7 +72,7 @@ def offer_matches(offer: dict[str, Any], s: VastaiSettings) -> bool:
 
 def describe_constraints(s: VastaiSettings) -> str:
     parts = [
-        f"{s.num_gpus}x {s.gpu_name if isinstance(s.gpu_name, str) else ' or '.join(s.gpu_name or ['any GPU'])}",
+        f"{s.num_gpus}x {' or '.join(s.gpu_names) or 'any GPU'}",
         f"<= ${s.max_dph:.3f}/hr",
         f"reliability >= {s.min_reliability}",
     ]

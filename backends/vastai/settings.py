@@ -20,6 +20,8 @@ class VastaiSettings(ProviderSettings, frozen=True):
     ``VAST_API_KEY``/``--api-key``."""
 
     always = True  # a vastai run always rents by these: at their defaults when the scenario has no provider.vastai
+    # what a plan device's source.offer may set: its own search (ppharness.seams.settings.ProviderSettings.for_device)
+    device_fields = ("gpu_name", "num_gpus", "min_gpu_ram_gb", "max_dph", "min_reliability", "min_cuda", "direct_ports")
 
     gpu_name: str | tuple[str, ...] | None = None
     num_gpus: PositiveInt = 1
@@ -36,6 +38,12 @@ class VastaiSettings(ProviderSettings, frozen=True):
     disk_gb: Annotated[int, Meta(ge=8, le=1 << 20)] = 16
     poll_s: Seconds = 10.0
     estimate_minutes: Minutes = 30.0
+
+    @property
+    def gpu_names(self) -> tuple[str, ...]:
+        """The GPU models as the API spells them: ``RTX_4090`` (the vastai CLI's form) is sent as ``RTX 4090``."""
+        names = (self.gpu_name,) if isinstance(self.gpu_name, str) else tuple(self.gpu_name or ())
+        return tuple(n.replace("_", " ") for n in names)
 
     def __post_init__(self) -> None:
         for i, port in enumerate(self.ports):

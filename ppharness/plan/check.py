@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from ppharness.document.explain import FieldError
 from ppharness.errors import PlanError
 from ppharness.plan.doc import (
     Blocks,
@@ -40,6 +41,7 @@ from ppharness.plan.doc import (
     expert_nodes,
     loop,
 )
+from ppharness.registry import provider_settings_type
 
 FREQUENCY_TOLERANCE = 1e-3  # how far (relative to ``active``) a block's frequencies may add up from ``active``
 
@@ -132,8 +134,61 @@ def check_cluster(cluster: Cluster, source: str, at: str = "$.cluster") -> None:
         if d.source.kind == "vastai" and not d.source.offer:
             raise PlanError(
                 f"{source}: {at}.devices[{i}].source.offer: a vast.ai device needs an offer filter, e.g. "
-                "{gpu_name: RTX_4090, num_gpus: '1'}"
+                "{gpu_name: RTX 4090, num_gpus: '1'}"
             )
+        if d.source.offer is not None:
+            _check_offer(d.source.kind, d.source.offer, source, f"{at}.devices[{i}].source.offer")
+        if d.source.gpu is not None and d.source.host is None:
+            raise PlanError(
+                f"{source}: {at}.devices[{i}].source.gpu: a GPU index names a GPU of a host — set source.host (the "
+                "same for every GPU of that machine) or drop gpu"
+            )
+    _check_hosts(cluster, source, at)
+
+
+def _check_offer(kind: str, offer: dict[str, str], source: str, at: str) -> None:
+    settings = provider_settings_type(kind)
+    if settings is None or not settings.device_fields:
+        raise PlanError(f"{source}: {at}: an offer filter is for vast.ai devices, this one is {kind} — drop it")
+    try:
+        settings().for_device(offer)
+    except FieldError as exc:
+        raise PlanError(f"{source}: {at}.{exc.field}: {exc}") from None
+
+
+def _check_hosts(cluster: Cluster, source: str, at: str) -> None:
+    """GPUs of one host: one kind and one offer, a GPU index each, no more of them than the offer's GPUs."""
+    hosts: dict[str, list[int]] = {}
+    for i, d in enumerate(cluster.devices):
+        if d.source.host is not None:
+            hosts.setdefault(d.source.host, []).append(i)
+    for host, members in hosts.items():
+        first = cluster.devices[members[0]].source
+        gpus: dict[int, int] = {}
+        for i in members:
+            s = cluster.devices[i].source
+            where = f"{source}: {at}.devices[{i}].source"
+            if (s.kind, s.offer) != (first.kind, first.offer):
+                raise PlanError(
+                    f"{where}: the GPUs of host {host!r} come from one machine — give each the same kind and offer "
+                    f"as devices[{members[0]}] ({first.kind}, offer {first.offer})"
+                )
+            if s.gpu is None:
+                raise PlanError(f"{where}.gpu: a GPU of host {host!r} needs its index there (0, 1, ...)")
+            if s.gpu in gpus:
+                raise PlanError(
+                    f"{where}.gpu: GPU {s.gpu} of host {host!r} is already devices[{gpus[s.gpu]}] — give each GPU of "
+                    "a host its own index"
+                )
+            gpus[s.gpu] = i
+        if first.kind == "vastai" and first.offer is not None:
+            offered = int(first.offer.get("num_gpus", "1"))
+            if max(gpus) >= offered:
+                raise PlanError(
+                    f"{source}: {at}.devices[{gpus[max(gpus)]}].source.gpu: host {host!r} is rented as one offer of "
+                    f"{offered} GPU(s) (offer num_gpus), so its GPUs are 0 to {offered - 1} — raise num_gpus or "
+                    "renumber"
+                )
 
 
 def check_plan(doc: PlanDoc, source: str = "<plan>") -> None:

@@ -116,12 +116,30 @@ class ModelGraph(_Doc, frozen=True):
 
 
 class Source(_Doc, frozen=True):
-    """Where a device comes from: a process here, a docker container (with limits), or a vast.ai offer."""
+    """Where a device comes from: a process here, a docker container (with limits), or a vast.ai offer.
+
+    Devices with the same ``host`` are GPUs of one machine, ``gpu`` each (its index there, as
+    ``CUDA_VISIBLE_DEVICES`` counts): on vast.ai one instance of the host's offer runs a node per GPU; a local or
+    docker node sees only its own GPU. A hop between two of them is costed by the cluster's ``host_link``."""
 
     kind: Literal["local", "docker", "vastai"] = "local"
     cpus: Annotated[float, Meta(gt=0, le=1024)] | None = None  # docker: the container's CPU quota
     memory_limit: Bytes | None = None  # docker: the container's memory limit (default: the run's docker settings)
-    offer: dict[str, str] | None = None  # vastai: the offer filter, e.g. {gpu_name: RTX_4090, num_gpus: "1"}
+    # vastai: the offer search, in provider.vastai's words, e.g. {gpu_name: RTX 4090, num_gpus: "8"}
+    # (ppharness.plan.offers: the keys and their values)
+    offer: Annotated[dict[str, str], Meta(max_length=16)] | None = None
+    host: Name | None = None
+    gpu: Annotated[int, Meta(ge=0, le=63, description="a GPU index, 0 to 63")] | None = None
+
+
+class Measured(_Doc, frozen=True):
+    """What a device's speeds were measured with: the engine (``ppharness.plan.engine.engine_id``: its version and
+    the digest of the code that computes), the hardware and the day. A device without it is assumed, not measured."""
+
+    engine: Annotated[str, Meta(max_length=200)] = ""
+    hardware: Annotated[str, Meta(max_length=200)] = ""
+    date: Annotated[str, Meta(max_length=40)] = ""
+    how: Annotated[str, Meta(max_length=400)] = ""  # the command (or derivation) that gave the figures
 
 
 class Device(_Doc, frozen=True):
@@ -146,6 +164,7 @@ class Device(_Doc, frozen=True):
     usd_per_hour: Annotated[float, Meta(ge=0, le=1e6, description="US dollars per hour, 0 to 1e6")] = 0.0
     region: Name | None = None
     source: Source = Source()
+    measured: Measured | None = None
 
 
 class Impaired(Impairment, frozen=True, omit_defaults=True):
@@ -164,8 +183,8 @@ class Link(Impairment, frozen=True, rename={"src": "from", "dst": "to"}, omit_de
 
 
 class Cluster(_Doc, frozen=True):
-    """Devices and links. A pair's link is its own entry in ``links``, else its regions' entry in
-    ``region_links``, else ``default``."""
+    """Devices and links. A pair's link is its own entry in ``links``, else ``host_link`` when both are GPUs of one
+    host, else its regions' entry in ``region_links``, else ``default``."""
 
     devices: Annotated[tuple[Device, ...], Meta(min_length=1)]
     default: Impaired = Impaired()
@@ -174,6 +193,7 @@ class Cluster(_Doc, frozen=True):
     # fixed cost of one message hop (transport), as traces measure it
     hop_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0
     name: str = ""
+    host_link: Impaired = Impaired()  # between two GPUs of one host (devices with the same source.host)
 
     def device(self, device_id: str) -> Device:
         for d in self.devices:
@@ -186,12 +206,19 @@ class Cluster(_Doc, frozen=True):
         found = _find_link(self.links, src, dst)
         if found is not None:
             return found
+        if self.same_host(src, dst):
+            return _impairment(self.host_link)
         a, b = self.device(src).region, self.device(dst).region
         if a is not None and b is not None and a != b:
             found = _find_link(self.region_links, a, b)
             if found is not None:
                 return found
         return _impairment(self.default)
+
+    def same_host(self, a: str, b: str) -> bool:
+        """Whether devices ``a`` and ``b`` are GPUs of one host."""
+        host = self.device(a).source.host
+        return host is not None and host == self.device(b).source.host
 
 
 def _impairment(value: Impairment) -> Impairment:

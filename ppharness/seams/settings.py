@@ -8,10 +8,13 @@ scenario's sections are built from there.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+import json
+from typing import Annotated, Any, ClassVar, Self
 
 import msgspec
 from msgspec import Meta
+
+from ppharness.document.explain import FieldError, explain
 
 MAX_SECONDS = 86_400.0  # a day: the longest any budget, timeout or interval may be
 
@@ -31,8 +34,36 @@ class ProviderSettings(Settings, frozen=True):
 
     # a run of this kind always has the section: at its defaults when the scenario leaves it out
     always: ClassVar[bool] = False
+    # the fields a plan device's ``source.offer`` may set for its own node (vast.ai: its offer search); none by default
+    device_fields: ClassVar[tuple[str, ...]] = ()
+
+    def for_device(self, offer: dict[str, str]) -> Self:
+        """These settings with a plan device's ``source.offer`` applied: its values (strings, as a plan writes them)
+        converted to the fields' types. Raises FieldError for a key not in ``device_fields`` or a bad value."""
+        unknown = sorted(k for k in offer if k not in self.device_fields)
+        if unknown:
+            allowed = ", ".join(self.device_fields) or "none"
+            raise FieldError(unknown[0], f"unknown offer field {unknown[0]!r} — a device's offer may set: {allowed}")
+        fields = msgspec.structs.asdict(self) | {k: _typed(v) for k, v in offer.items()}
+        try:
+            return msgspec.convert(fields, type=type(self), strict=False)
+        except msgspec.ValidationError as exc:
+            text = explain(exc, fields, type(self), 1)  # "$.num_gpus: expected ..., got ..."
+            path, _, why = text.partition(": ")
+            raise FieldError(path.removeprefix("$."), why) from None
 
 
 class TransportSettings(Settings, frozen=True):
     """The fields a transport kind adds to a scenario's ``transport`` section. Each is optional (default ``None``)
     and applies to that kind only."""
+
+
+def _typed(value: str) -> Any:
+    """A plan's offer value as the field reads it: a JSON list for several (``["RTX 3090", "RTX 4090"]``), else the
+    text (msgspec's lax conversion turns "8" into 8 and "0.5" into 0.5)."""
+    if value.startswith("["):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
