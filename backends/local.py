@@ -77,6 +77,8 @@ class LocalProvider(Provider[LocalSettings | None]):
         for spec in specs:
             log_path = self.node_log_dir() / f"{spec.name}.log"
             env = {**os.environ, **device_env(), **spec.env, LABEL_VAR: self.run_label, "PYTHONUNBUFFERED": "1"}
+            if spec.gpu is not None:  # a GPU of this host: the node sees that one only, as its device 0
+                env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
             try:
                 with open(log_path, "wb") as log:
                     proc = subprocess.Popen(

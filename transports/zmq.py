@@ -94,12 +94,16 @@ class ZmqTransport(Transport):
 
     ``advertise_host`` is the host peers dial when it differs from the bind host (bind ``0.0.0.0`` inside a container,
     advertise its reachable IP); a wildcard bind host without it is refused, since peers cannot dial a wildcard.
+    ``advertise_port`` is the port peers dial when it differs from the bound one (a port the platform publishes in
+    front of the socket, as vast.ai maps a container port to another public port); without it the address names the
+    bound port.
     ``send_timeout`` bounds how long ``send_frame`` blocks on a full queue (``None``: forever). ``secret_key`` (z85)
     fixes the endpoint's CURVE identity (default: a fresh key pair); ``allowed`` lists the public keys (hex) that may
     connect (default: any).
     """
 
     kind = "zmq"
+    ip_protocol = "tcp"  # what a port it binds is a port of (a platform publishing it maps this protocol)
 
     @classmethod
     def plan_endpoints(cls, count: int, settings: JsonObject) -> list[JsonObject]:
@@ -119,10 +123,15 @@ class ZmqTransport(Transport):
         send_timeout: float | None = 30.0,
         secret_key: str | None = None,
         allowed: list[str] | None = None,
+        advertise_port: int | None = None,
     ) -> None:
         advertised = host if advertise_host is None else advertise_host
         if advertised in _WILDCARD_HOSTS:
             raise TransportError(f"bind host {host!r} is a wildcard peers cannot dial: pass advertise_host")
+        if advertise_port is not None and (
+            isinstance(advertise_port, bool) or not isinstance(advertise_port, int) or not 1 <= advertise_port <= 65535
+        ):
+            raise TransportError(f"zmq transport: advertise_port {advertise_port!r} is not a TCP port (1-65535)")
         try:
             if secret_key is None:
                 public, secret = zmq.curve_keypair()
@@ -145,6 +154,7 @@ class ZmqTransport(Transport):
         self._host = host
         self._port = port
         self._advertise_host = advertised
+        self._advertise_port = advertise_port
         self._send_timeout_ms = -1 if send_timeout is None else max(0, int(send_timeout * 1000))
         self._address: str | None = None
         self._address_bytes = b""
@@ -159,7 +169,8 @@ class ZmqTransport(Transport):
     # --- lifecycle ------------------------------------------------------------------------------------------------
 
     def start(self) -> str:
-        """Bind the PULL socket and return ``tcp://<advertise_host>:<port>``. Calling it again returns the same."""
+        """Bind the PULL socket and return ``tcp://<advertise_host>:<advertise_port or the bound port>``. Calling it
+        again returns the same."""
         with self._state_lock:
             self._check_open()
             if self._address is not None:
@@ -188,9 +199,8 @@ class ZmqTransport(Transport):
                     self._stop_zap(ctx)
                 raise
             self._ctx, self._pull = ctx, pull
-            self._address = (
-                f"tcp://{_host_part(self._advertise_host)}:{bound.rsplit(':', 1)[1]}{KEY_PARAM}{self.public_key}"
-            )
+            port = bound.rsplit(":", 1)[1] if self._advertise_port is None else str(self._advertise_port)
+            self._address = f"tcp://{_host_part(self._advertise_host)}:{port}{KEY_PARAM}{self.public_key}"
             self._address_bytes = self._address.encode()
             return self._address
 

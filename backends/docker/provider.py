@@ -22,7 +22,8 @@ Guarantees:
 
 Settings (scenario ``provider.docker``, all optional): ``image`` (use this node image as is), ``base_image`` (build
 ``docker/Dockerfile`` on it instead of the local Debian base), ``subnet`` (the run network, IPv4, /28 or larger),
-``cpus`` and ``memory`` (per-container limits, e.g. ``1.5`` and ``"1g"``).
+``cpus`` and ``memory`` (per-container limits, e.g. ``1.5`` and ``"1g"``). A plan device that is one GPU of a host
+(``source.gpu``) gets that GPU of this machine (a device request; it needs the NVIDIA container runtime).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import docker
 import docker.errors
-from docker.types import EndpointConfig, IPAMConfig, IPAMPool
+from docker.types import DeviceRequest, EndpointConfig, IPAMConfig, IPAMPool
 
 from backends.docker.image import ensure_node_image
 from backends.docker.network import client, daemon_problem, free_subnet, parse_subnet, remove_labelled
@@ -61,6 +62,14 @@ FIRST_HOST = 10
 RUNNING_TIMEOUT_S = 60.0
 POLL_S = 0.1
 LOG_TAIL = 20
+
+
+def gpu_request(gpu: int | None) -> list[DeviceRequest] | None:
+    """The container's GPU: the host's GPU ``gpu`` (the NVIDIA runtime shows it as the container's device 0), or
+    none."""
+    if gpu is None:
+        return None
+    return [DeviceRequest(device_ids=[str(gpu)], capabilities=[["gpu"]])]
 
 
 def _log(text: str) -> None:
@@ -213,6 +222,7 @@ class DockerProvider(Provider[DockerSettings | None]):
                 **network,
                 nano_cpus=int(cpus * 1e9) if cpus else None,
                 mem_limit=mem_limit,
+                device_requests=gpu_request(spec.gpu),
             )
         except docker.errors.DockerException as exc:
             raise ProvisionFailed(f"creating the container of {spec.name} failed: {_explain(exc)}") from exc

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.vastai.settings import VastaiSettings
 from ppharness.errors import ProvisionFailed
+
+if TYPE_CHECKING:
+    from backends.vastai.rentals import Rental
 
 ENV_ENTRY_MAX = 256  # characters per env entry, name and value together (shared/vastai-api.md §3)
 ENV_TOTAL_MAX = 32768
@@ -97,16 +100,20 @@ class RentalPlan:
         return sum(float(o["dph_total"]) for o in self.chosen)
 
 
-def choose_offers(offers: list[dict[str, Any]], s: VastaiSettings, count: int) -> RentalPlan:
-    """The ``count`` cheapest matching offers; ProvisionFailed when fewer match or they exceed ``max_total_dph``."""
+def choose_offers(
+    offers: list[dict[str, Any]], s: VastaiSettings, count: int, names: list[str] | None = None
+) -> RentalPlan:
+    """The ``count`` cheapest matching offers; ProvisionFailed when fewer match or they exceed ``max_total_dph``.
+    ``names``: what the offers are for (the message names them)."""
     usable = sorted(
         (o for o in offers if offer_matches(o, s)),
         key=lambda o: (float(o["dph_total"]), -float(o.get("reliability") or 0), int(o["id"])),
     )
     if len(usable) < count:
+        wanted = f"{count} (for {', '.join(names)})" if names else f"{count} (one per stage)"
         raise ProvisionFailed(
             f"only {len(usable)} vast.ai offer(s) match {describe_constraints(s)}, but the run "
-            f"needs {count} (one per stage); nothing was rented — relax provider.vastai or use "
+            f"needs {wanted}; nothing was rented — relax provider.vastai (or the plan devices' offers) or use "
             "fewer stages"
         )
     plan = RentalPlan(usable[:count], usable[count:])
@@ -118,31 +125,45 @@ def choose_offers(offers: list[dict[str, Any]], s: VastaiSettings, count: int) -
     return plan
 
 
-def plan_lines(plan: RentalPlan, names: list[str], s: VastaiSettings, run_label: str) -> list[str]:
-    """The plan as printed before anything is rented."""
+def offer_line(name: str, o: dict[str, Any]) -> str:
+    return (
+        f"  {name:<11} offer {o['id']:<9} {o.get('num_gpus')}x {o.get('gpu_name')} "
+        f"{float(o.get('gpu_ram') or 0) / 1000:.0f} GB  ${float(o['dph_total']):.3f}/hr  "
+        f"reliability {float(o.get('reliability') or 0):.3f}  {o.get('geolocation') or '?'}"
+    )
+
+
+def rental_lines(wanted: list[Rental], chosen: list[dict[str, Any]], s: VastaiSettings, run_label: str) -> list[str]:
+    """The plan as printed before anything is rented: each instance, the search it came from and what it runs."""
     lines = [
-        f"vast.ai plan for run {run_label}: {len(plan.chosen)} instance(s) of {s.image}, cheapest matching offers first"
+        f"vast.ai plan for run {run_label}: {len(wanted)} instance(s) of {s.image}, cheapest matching offers first"
     ]
-    for name, o in zip(names, plan.chosen):
-        lines.append(
-            f"  {name:<11} offer {o['id']:<9} {o.get('num_gpus')}x {o.get('gpu_name')} "
-            f"{float(o.get('gpu_ram') or 0) / 1000:.0f} GB  ${float(o['dph_total']):.3f}/hr  "
-            f"reliability {float(o.get('reliability') or 0):.3f}  {o.get('geolocation') or '?'}"
-        )
+    searches: dict[bytes, int] = {}
+    for rental, offer in zip(wanted, chosen):
+        k = searches.setdefault(rental.search_key, len(searches) + 1)
+        lines.append(offer_line(rental.describe(), offer) + f"  [search {k}]")
+    for key, k in searches.items():
+        settings = next(r.settings for r in wanted if r.search_key == key)
+        lines.append(f"  search {k}: {describe_constraints(settings)}")
+    return lines + [_total_line(sum(float(o["dph_total"]) for o in chosen), s)]
+
+
+def _total_line(total: float, s: VastaiSettings) -> str:
     hours = s.estimate_minutes / 60
-    lines.append(
-        f"  total ${plan.total_dph:.3f}/hr (cap ${s.max_total_dph:.3f}/hr); estimated "
-        f"${plan.total_dph * hours:.2f} for {s.estimate_minutes:g} min (boot plus the run's budget); "
+    return (
+        f"  total ${total:.3f}/hr (cap ${s.max_total_dph:.3f}/hr); estimated "
+        f"${total * hours:.2f} for {s.estimate_minutes:g} min (boot plus the run's budget); "
         "storage is billed from creation, GPU time from 'running'"
     )
-    return lines
 
 
-def encode_env(env: dict[str, str], ports: tuple[str, ...] = ()) -> tuple[dict[str, str], str]:
+def encode_env(
+    env: dict[str, str], ports: tuple[str, ...] = (), command: str = NODE_COMMAND
+) -> tuple[dict[str, str], str]:
     """The create body's ``env`` object and the shell script the instance runs.
 
     A value too long for one env entry is split into ``NAME__0``, ``NAME__1``, ... and the script joins the parts
-    back into ``NAME`` before it ``exec``s ``pp-node``, so the node sees exactly ``env``. Ports become the API's
+    back into ``NAME`` before it ``exec``s ``command``, so the node sees exactly ``env``. Ports become the API's
     ``"-p P:P[/udp]": "1"`` entries.
     """
     out: dict[str, str] = {}
@@ -164,17 +185,25 @@ def encode_env(env: dict[str, str], ports: tuple[str, ...] = ()) -> tuple[dict[s
     total = sum(len(k) + len(v) for k, v in out.items())
     if total > ENV_TOTAL_MAX:
         raise ProvisionFailed(f"the node environment is {total} characters, over vast.ai's {ENV_TOTAL_MAX}")
-    script = "; ".join([*joins, f"exec {NODE_COMMAND}"])
+    script = "; ".join([*joins, f"exec {command}"])
     return out, script
 
 
-def create_body(s: VastaiSettings, image: str, label: str, env: dict[str, str]) -> dict[str, Any]:
+def create_body(
+    s: VastaiSettings,
+    image: str,
+    label: str,
+    env: dict[str, str],
+    ports: tuple[str, ...] | None = None,
+    command: str = NODE_COMMAND,
+) -> dict[str, Any]:
     """``PUT /api/v0/asks/{id}/``'s body: the image's ENTRYPOINT replaced by ``/bin/sh`` (runtype ``args``, where
-    ``onstart`` is the entrypoint) running the script that starts ``pp-node``, so the instance exits when the node
-    does and its ``actual_status`` shows it."""
+    ``onstart`` is the entrypoint) running the script that starts ``command`` (``pp-node``, or ``pp-host`` for
+    several nodes), so the instance exits when the node does and its ``actual_status`` shows it. ``ports``: the
+    container ports to open (default: the scenario's)."""
     if len(label) > LABEL_MAX:
         raise ProvisionFailed(f"run label {label!r} is longer than {LABEL_MAX} characters")
-    env_obj, script = encode_env(env, tuple(s.ports))
+    env_obj, script = encode_env(env, tuple(s.ports) if ports is None else ports, command)
     args = ["-c", script]
     if sum(map(len, args)) + len("/bin/sh") > ARGS_TOTAL_MAX:
         raise ProvisionFailed(f"the start command is over vast.ai's {ARGS_TOTAL_MAX} characters")

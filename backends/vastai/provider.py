@@ -1,7 +1,10 @@
-"""vast.ai: one rented instance per stage, running the node image's ``pp-node``.
+"""vast.ai: one rented instance per node (per host for a plan's GPUs of one machine), running the node image's
+``pp-node`` (``pp-host`` for a host's nodes), each found with its plan device's own offer filter
+(``backends.vastai.rentals``).
 
 Guarantees (docs/vastai.md's failure table):
-- Fewer matching offers than stages, or a plan over ``max_total_dph``: ProvisionFailed before anything is rented.
+- Fewer matching offers than a search needs, or a plan over ``max_total_dph``: ProvisionFailed before anything is
+  rented. Each distinct search is made once; no offer is chosen twice.
 - The plan (offers, $/hr each, total, estimated cost) is printed before the first create.
 - A failed create destroys every instance already created (and any the failed reply names); an offer that vanished
   between search and create is replaced by the next cheapest spare within the caps.
@@ -25,7 +28,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from backends.vastai.client import ApiKey, VastApiError, VastClient, api_url
-from backends.vastai.offers import choose_offers, create_body, offer_query, plan_lines
+from backends.vastai.offers import choose_offers, create_body, offer_query, rental_lines
+from backends.vastai.rentals import Rental, instance_env, port_requests, rentals
 from backends.vastai.settings import VastaiSettings
 from ppharness.errors import NotReady, ProviderError, ProvisionFailed
 from ppharness.seams.provider import Instance, NodeSpec, Provider, Reaped
@@ -137,10 +141,9 @@ class VastaiProvider(Provider[VastaiSettings]):
     # --- provisioning --------------------------------------------------------------------------------------------
 
     def provision(self, specs: list[NodeSpec]) -> list[Instance]:
-        s = self.settings
+        wanted = rentals(specs, self.settings)
         try:
-            offers = self.client.search_offers(offer_query(s, len(specs)))
-            plan = choose_offers(offers, s, len(specs))
+            chosen, spares = self._choose(wanted)
         except VastApiError as exc:
             raise ProvisionFailed(f"vast.ai offer search failed; nothing was rented: {exc}") from exc
         if is_vast_host(self.client.base_url) and "/" not in self.image:
@@ -149,12 +152,12 @@ class VastaiProvider(Provider[VastaiSettings]):
                 "docker/Dockerfile's image to a registry and set provider.vastai.image or "
                 f"{IMAGE_VAR} (docs/vastai.md); nothing was rented"
             )
-        for line in plan_lines(plan, [sp.name for sp in specs], s, self.run_label):
+        for line in rental_lines(wanted, chosen, self.settings, self.run_label):
             _say(line)
-        spares, self._total_dph = list(plan.spares), plan.total_dph
+        self._total_dph = sum(float(o["dph_total"]) for o in chosen)
         try:
-            for i, (spec, offer) in enumerate(zip(specs, plan.chosen)):
-                self._create(spec, offer, spares, f"{i + 1}/{len(specs)}")
+            for i, (rental, offer) in enumerate(zip(wanted, chosen)):
+                self._create(rental, offer, spares[rental.search_key], f"{i + 1}/{len(wanted)}")
             self._wait_running()
         except ProviderError as exc:
             warnings = self.destroy_all()
@@ -166,28 +169,58 @@ class VastaiProvider(Provider[VastaiSettings]):
             raise (NotReady if isinstance(exc, NotReady) else ProvisionFailed)(f"{exc}; {done}") from exc
         return list(self.instances)
 
-    def _create(self, spec: NodeSpec, offer: dict[str, Any], spares: list[dict[str, Any]], which: str) -> None:
-        env = {**spec.env, LABEL_VAR: self.run_label}
-        body = create_body(self.settings, spec.image or self.image, self.run_label, env)
+    def _choose(self, wanted: list[Rental]) -> tuple[list[dict[str, Any]], dict[bytes, list[dict[str, Any]]]]:
+        """An offer per rental, one search per distinct search (an offer is never chosen twice), and each search's
+        spares; ProvisionFailed when a search has too few matches or the whole plan costs over max_total_dph."""
+        groups: dict[bytes, list[int]] = {}
+        for i, rental in enumerate(wanted):
+            groups.setdefault(rental.search_key, []).append(i)
+        chosen: list[dict[str, Any]] = [{} for _ in wanted]
+        spares: dict[bytes, list[dict[str, Any]]] = {}
+        taken: set[int] = set()
+        for key, members in groups.items():
+            s = wanted[members[0]].settings
+            offers = [o for o in self.client.search_offers(offer_query(s, len(members))) if int(o["id"]) not in taken]
+            plan = choose_offers(offers, s, len(members), [wanted[i].describe() for i in members])
+            for i, offer in zip(members, plan.chosen):
+                chosen[i] = offer
+                taken.add(int(offer["id"]))
+            spares[key] = list(plan.spares)
+        total = sum(float(o["dph_total"]) for o in chosen)
+        if total > self.settings.max_total_dph:
+            raise ProvisionFailed(
+                f"the {len(chosen)} instance(s) the plan needs cost ${total:.3f}/hr together, over "
+                f"provider.vastai.max_total_dph ${self.settings.max_total_dph:.3f}/hr; nothing was rented"
+            )
+        return chosen, spares
+
+    def _create(self, rental: Rental, offer: dict[str, Any], spares: list[dict[str, Any]], which: str) -> None:
+        env = instance_env(rental, {LABEL_VAR: self.run_label})
+        image = rental.specs[0].image or self.image
+        body = create_body(rental.settings, image, self.run_label, env, port_requests(rental), rental.command)
         while True:
             try:
                 iid = self.client.create_instance(int(offer["id"]), body)
                 break
             except VastApiError as exc:
                 if exc.new_contract is not None:
-                    self._discard(exc.new_contract, spec.name, offer)
+                    self._discard(exc.new_contract, rental.describe(), offer)
                 if exc.error == "no_such_ask" and spares:
                     replacement = spares.pop(0)
                     total = self._total_dph + float(replacement["dph_total"]) - float(offer["dph_total"])
                     if total <= self.settings.max_total_dph:
                         _say(
-                            f"  offer {offer['id']} is gone; {spec.name} takes offer {replacement['id']} "
+                            f"  offer {offer['id']} is gone; {rental.describe()} takes offer {replacement['id']} "
                             f"(${float(replacement['dph_total']):.3f}/hr) instead"
                         )
                         offer, self._total_dph = replacement, total
                         continue
-                raise ProvisionFailed(f"creating instance {which} ({spec.name}) failed: {exc}") from exc
-        self._adopt(iid, spec.name, offer)
+                raise ProvisionFailed(f"creating instance {which} ({rental.describe()}) failed: {exc}") from exc
+        for spec in rental.specs:
+            inst = self._adopt(iid, spec.name, offer)
+            if len(rental.specs) > 1:
+                inst.meta["host"] = rental.name
+            inst.meta["container_port"] = str(rental.ports[spec.name])
 
     def _adopt(self, iid: int, name: str, offer: dict[str, Any]) -> Instance:
         inst = Instance(
@@ -230,23 +263,26 @@ class VastaiProvider(Provider[VastaiSettings]):
         return failure_of(rec)
 
     def _wait_running(self) -> None:
-        pending = {int(i.id): i for i in self._watched()}
+        pending: dict[int, list[Instance]] = {}
+        for inst in self._watched():  # a host's nodes share their instance
+            pending.setdefault(int(inst.id), []).append(inst)
         for poll in range(MAX_POLLS):
             self._records = self._list_mine()
             self._polled_at = time.monotonic()
-            for iid, inst in list(pending.items()):
+            for iid, insts in list(pending.items()):
                 rec = self._records.get(iid)
                 why = self._failure(iid, poll + 1)
                 if why is not None:
-                    raise NotReady(f"vast.ai instance {iid} ({inst.name}) will not run: {why}")
+                    raise NotReady(f"vast.ai instance {iid} ({_names(insts)}) will not run: {why}")
                 if rec is not None and is_running(rec):
-                    inst.meta.update(_addresses(rec))
+                    for inst in insts:
+                        inst.meta.update(_addresses(rec))
                     del pending[iid]
             if not pending:
                 return
             if poll < MAX_POLLS - 1:
                 time.sleep(self.poll_s)
-        stuck = ", ".join(f"{iid} ({inst.name}: {describe(self._records.get(iid))})" for iid, inst in pending.items())
+        stuck = ", ".join(f"{iid} ({_names(i)}: {describe(self._records.get(iid))})" for iid, i in pending.items())
         raise NotReady(f"vast.ai instance(s) not running after {MAX_POLLS} polls {self.poll_s:g} s apart: {stuck}")
 
     # --- watching ------------------------------------------------------------------------------------------------
@@ -349,6 +385,10 @@ def _run_label_of(rec: dict[str, Any]) -> str | None:
     env = rec.get("extra_env") or []
     pairs = env.items() if isinstance(env, dict) else (p for p in env if isinstance(p, (list, tuple)) and len(p) == 2)
     return next((str(v) for k, v in pairs if k == LABEL_VAR), None)
+
+
+def _names(insts: list[Instance]) -> str:
+    return ", ".join(i.name for i in insts)
 
 
 def _addresses(rec: dict[str, Any]) -> dict[str, str]:

@@ -12,12 +12,13 @@ from ppharness.seams.settings import Minutes, PositiveInt, ProviderSettings, Sec
 
 
 class VastaiSettings(ProviderSettings, frozen=True):
-    """Settings of the ``vastai`` provider: the offer search (one instance per stage, cheapest match first: GPU model
-    or models, GPUs per instance, GPU RAM in GB, $/hour per instance, reliability 0-1, CUDA version, direct ports),
+    """Settings of the ``vastai`` provider: the offer search (one instance per node, cheapest match first: GPU model
+    or models as the API spells them, GPUs per instance, GPU RAM in GB, $/hour per instance, reliability 0-1, CUDA
+    version, direct ports; a plan device's ``source.offer`` replaces any of these for its own node),
     ``max_total_dph``, the cap on the whole plan's $/hour, the node image and disk, container ports to open
-    (``7000`` or ``7000/udp``), the status poll interval (at least 10 s against vast.ai itself) and the minutes the
-    printed cost estimate assumes. The API's address and key never come from a file: ``VAST_URL``/``--vastai-url``,
-    ``VAST_API_KEY``/``--api-key``."""
+    (``7000`` or ``7000/udp``; each node also opens its own, from ``node_port``), the status poll interval (at least
+    10 s against vast.ai itself) and the minutes the printed cost estimate assumes. The API's address and key never
+    come from a file: ``VAST_URL``/``--vastai-url``, ``VAST_API_KEY``/``--api-key``."""
 
     always = True  # a vastai run always rents by these: at their defaults when the scenario has no provider.vastai
     # what a plan device's source.offer may set: its own search (ppharness.seams.settings.ProviderSettings.for_device)
@@ -34,6 +35,9 @@ class VastaiSettings(ProviderSettings, frozen=True):
     ports: tuple[
         Annotated[str, Meta(pattern=r"^[0-9]{1,5}(/(tcp|udp))?$", description="1..65535, /tcp or /udp")], ...
     ] = ()
+    # the container port node k of the run binds: node_port + k (each requested as -p P:P and reached through the
+    # public port vast.ai maps it to)
+    node_port: Annotated[int, Meta(ge=1024, le=65000)] = 7100
     image: Annotated[str, Meta(min_length=1, max_length=1024)] = "ppharness-node:latest"
     disk_gb: Annotated[int, Meta(ge=8, le=1 << 20)] = 16
     poll_s: Seconds = 10.0

@@ -204,8 +204,9 @@ def _node(scenario: Scenario, at: Endpoints, program: StagePlan, device: Device,
 
 
 def _options(at: Endpoints, device: Device) -> NodeOptions:
-    options: NodeOptions = {"own_network": bool(at.ports)}
-    if device.source.kind == "docker":
-        options["cpus"] = device.source.cpus
-        options["memory"] = device.source.memory_limit  # None: the run's docker settings decide
+    src = device.source
+    options: NodeOptions = {"own_network": bool(at.ports), "host": src.host, "gpu": src.gpu, "offer": src.offer}
+    if src.kind == "docker":
+        options["cpus"] = src.cpus
+        options["memory"] = src.memory_limit  # None: the run's docker settings decide
     return options

@@ -45,6 +45,11 @@ class NodeSpec:
     # the node's own limits, where the provider can set them (docker: CPU quota and memory limit), from its device
     cpus: float | None = None
     memory: int | None = None
+    # the plan's machine: nodes with the same ``host`` run on one machine, each on its own ``gpu`` there
+    host: str | None = None
+    gpu: int | None = None
+    # the device's own offer search (vast.ai), in the provider's settings' words (ProviderSettings.for_device)
+    offer: dict[str, str] | None = None
 
 
 class NodeOptions(TypedDict, total=False):
@@ -55,6 +60,9 @@ class NodeOptions(TypedDict, total=False):
     own_network: bool
     cpus: float | None
     memory: int | None
+    host: str | None
+    gpu: int | None
+    offer: dict[str, str] | None
 
 
 @dataclass

@@ -128,6 +128,7 @@ class IrohTransport(Transport):
     the socket: the packet-level network emulation)."""
 
     kind = "iroh"
+    ip_protocol = "udp"  # what a port it binds is a port of (QUIC: a platform publishing it maps udp)
 
     @classmethod
     def plan_endpoints(cls, count: int, settings: JsonObject) -> list[JsonObject]:
