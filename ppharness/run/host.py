@@ -128,6 +128,9 @@ def run_host(env: Mapping[str, str], command: list[str]) -> int:
         _stop(procs)
         for t in relays:
             t.join(timeout=1.0)
+        for p in procs:
+            if p.stdout is not None:
+                p.stdout.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
