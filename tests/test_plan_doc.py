@@ -283,6 +283,21 @@ def test_a_cluster_file_loads_with_its_conveniences(tmp_path: Path) -> None:
     assert cluster.link("gpu-b", "gpu-a") == Impairment(delay_ms=40) and cluster.link("gpu-b", "box") == Impairment()
 
 
+def test_a_hop_between_gpus_of_one_host_takes_the_host_link() -> None:
+    from ppharness.plan.doc import Cluster, Device, Impaired, Source
+
+    def gpu(i: int, host: str) -> Device:
+        return Device(id=f"{host}-{i}", memory=1 << 30, gflops=1.0, region="r", source=Source(host=host, gpu=i))
+
+    cluster = Cluster(
+        devices=(gpu(0, "a"), gpu(1, "a"), gpu(0, "b")),
+        default=Impaired(delay_ms=2.0),
+        host_link=Impaired(delay_ms=0.01, rate_mbit=200_000),
+    )
+    assert cluster.link("a-0", "a-1").delay_ms == 0.01 and cluster.link("a-0", "a-1").rate_mbit == 200_000
+    assert cluster.link("a-1", "b-0").delay_ms == 2.0, "GPUs of two hosts are joined by the cluster's links"
+
+
 def test_loop_and_hops_follow_the_edges_not_the_node_order() -> None:
     doc = chain(_model(), _cluster("a", "b", "c"), ["b", "c", "a"], [2, 5])
     shuffled = _replace(doc, placement=_replace(doc.placement, nodes=tuple(reversed(doc.placement.nodes))))
@@ -452,6 +467,58 @@ BAD: dict[str, tuple[Mutation, str, list[str]]] = {
         _set("cluster.devices.0.source", {"kind": "vastai"}),
         "$.cluster.devices[0].source.offer: a vast.ai device needs an offer filter",
         [],
+    ),
+    "an unknown offer field": (
+        _set("cluster.devices.0.source", {"kind": "vastai", "offer": {"gpu_model": "RTX 4090"}}),
+        "$.cluster.devices[0].source.offer.gpu_model: unknown offer field 'gpu_model'",
+        ["a device's offer may set: gpu_name, num_gpus"],
+    ),
+    "an offer value of the wrong type": (
+        _set("cluster.devices.0.source", {"kind": "vastai", "offer": {"num_gpus": "eight"}}),
+        "$.cluster.devices[0].source.offer.num_gpus: expected int",
+        [],
+    ),
+    "an offer on a local device": (
+        _set("cluster.devices.0.source", {"kind": "local", "offer": {"num_gpus": "1"}}),
+        "$.cluster.devices[0].source.offer: an offer filter is for vast.ai devices, this one is local",
+        ["drop it"],
+    ),
+    "a gpu without a host": (
+        _set("cluster.devices.0.source", {"kind": "local", "gpu": 1}),
+        "$.cluster.devices[0].source.gpu: a GPU index names a GPU of a host",
+        ["set source.host"],
+    ),
+    "two devices on one gpu of a host": (
+        _both(
+            _set("cluster.devices.0.source", {"kind": "local", "host": "h", "gpu": 0}),
+            _set("cluster.devices.1.source", {"kind": "local", "host": "h", "gpu": 0}),
+        ),
+        "$.cluster.devices[1].source.gpu: GPU 0 of host 'h' is already devices[0]",
+        ["its own index"],
+    ),
+    "a gpu of a host without its index": (
+        _both(
+            _set("cluster.devices.0.source", {"kind": "local", "host": "h", "gpu": 0}),
+            _set("cluster.devices.1.source", {"kind": "local", "host": "h"}),
+        ),
+        "$.cluster.devices[1].source.gpu: a GPU of host 'h' needs its index there",
+        [],
+    ),
+    "a host of two offers": (
+        _both(
+            _set("cluster.devices.0.source", {"kind": "vastai", "host": "h", "gpu": 0, "offer": {"num_gpus": "2"}}),
+            _set("cluster.devices.1.source", {"kind": "vastai", "host": "h", "gpu": 1, "offer": {"num_gpus": "4"}}),
+        ),
+        "$.cluster.devices[1].source: the GPUs of host 'h' come from one machine",
+        ["the same kind and offer as devices[0]"],
+    ),
+    "a gpu beyond the hosts offer": (
+        _both(
+            _set("cluster.devices.0.source", {"kind": "vastai", "host": "h", "gpu": 0, "offer": {"num_gpus": "2"}}),
+            _set("cluster.devices.1.source", {"kind": "vastai", "host": "h", "gpu": 2, "offer": {"num_gpus": "2"}}),
+        ),
+        "$.cluster.devices[1].source.gpu: host 'h' is rented as one offer of 2 GPU(s)",
+        ["raise num_gpus or renumber"],
     ),
     "a spare that runs a node": (
         _set("placement.spares", ["gpu-a"]),
