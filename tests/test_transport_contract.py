@@ -6,8 +6,11 @@ Kind-specific behaviour (the memory hub, raw zmq multipart messages) is tested a
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -52,6 +55,7 @@ from ppharness.wire.messages import (
     TraceReport,
     TraceRequest,
 )
+from transports.iroh import session as iroh_session
 
 KINDS = [
     pytest.param("memory", id="memory"),
@@ -514,3 +518,62 @@ def test_zmq_transports_in_one_process_are_independent(
     assert got == {Shutdown("from other"), Shutdown("from sender")}
     receiver.send(sender.address, Shutdown("back"))
     assert sender.recv(timeout=WAIT) == (receiver.address, Shutdown("back"))
+
+
+def test_iroh_logs_a_connections_path_once_when_it_is_established(capfd: pytest.CaptureFixture[str]) -> None:
+    cls = transport_class("iroh")
+    with cls() as receiver, cls() as sender:
+        sender.send(receiver.address, Shutdown("hello"))
+        assert receiver.recv(timeout=WAIT)[1] == Shutdown("hello")
+        logged: list[str] = []
+        deadline = time.monotonic() + WAIT
+        while sum("<-> endpoint" in ln for ln in logged) < 2 and time.monotonic() < deadline:
+            logged += capfd.readouterr().err.splitlines()
+            time.sleep(0.05)
+        time.sleep(1.5)  # past the next looks at the path, which is unchanged
+        logged += capfd.readouterr().err.splitlines()
+    ours, theirs = sender.endpoint_id, receiver.endpoint_id
+    paths = sorted(ln for ln in logged if "<-> endpoint" in ln)
+    assert len(paths) == 2, paths
+    assert any(f"endpoint {ours} <-> endpoint {theirs}: path direct to 127.0.0.1:" in ln for ln in paths), paths
+    assert any(f"endpoint {theirs} <-> endpoint {ours}: path direct to 127.0.0.1:" in ln for ln in paths), paths
+
+
+def test_iroh_logs_when_a_connections_path_changes(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The session's path watch over a scripted connection: direct, then through a relay (twice, logged once), then
+    direct again, then gone."""
+
+    def path(is_relay: bool, addr: str) -> SimpleNamespace:
+        return SimpleNamespace(is_selected=True, is_relay=is_relay, remote_addr=addr, rtt_ms=7)
+
+    snapshots = [
+        [],
+        [path(False, "203.0.113.5:41234")],
+        [path(True, "https://relay.example./")],
+        [path(True, "https://relay.example./")],
+        [path(False, "203.0.113.5:41234")],
+    ]
+    session = iroh_session.Session(
+        SimpleNamespace(IrohError=RuntimeError), SimpleNamespace(id=lambda: "ab" * 32), "iroh://x", None, None, None
+    )
+
+    class Scripted:
+        def stable_id(self) -> int:
+            return 1
+
+        def paths(self) -> list[SimpleNamespace]:
+            if len(snapshots) == 1:
+                session.conns.pop(1)
+            return snapshots.pop(0)
+
+    session.conns[1] = Scripted()
+    monkeypatch.setattr(iroh_session, "PATH_POLL_S", 0)
+    asyncio.run(session._watch_path(Scripted(), "cd" * 32))
+    lines = [ln.split(": ", 1)[1] for ln in capfd.readouterr().err.splitlines() if "<-> endpoint" in ln]
+    assert lines == [
+        "path direct to 203.0.113.5:41234 (rtt 7 ms)",
+        "path changed: now through the relay https://relay.example./, was direct to 203.0.113.5:41234 (rtt 7 ms)",
+        "path changed: now direct to 203.0.113.5:41234, was through the relay https://relay.example./ (rtt 7 ms)",
+    ]

@@ -6,6 +6,9 @@ still there) and replays it over real HTTP: through the client where the client 
 
 from __future__ import annotations
 
+import json
+import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +18,8 @@ import httpx
 import pytest
 
 from backends.vastai.client import ApiKey, VastApiError, VastClient
+from backends.vastai.emulator.network import RESERVATION_NAME
+from backends.vastai.emulator.server import Emulator
 from backends.vastai.provider import failure_of, is_running
 
 pytestmark = pytest.mark.vastai
@@ -434,3 +439,138 @@ def test_example_replays_against_the_emulator(vastai_api, example):
         example(api)
     finally:
         api.close()
+
+
+# --- ports: what vast.ai publishes, and where ------------------------------------------------------------------------
+
+SERVE_PORTS = """
+import json, os, socket, threading
+host = os.environ["PP_BIND_HOST"]
+tcp = socket.create_server((host, 7100))
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+udp.bind((host, 7101))
+names = ("PP_BIND_HOST", "PUBLIC_IPADDR", "VAST_TCP_PORT_7100", "VAST_UDP_PORT_7101")
+print("ENV " + json.dumps({k: os.environ.get(k) for k in names}), flush=True)
+def echo():
+    while True:
+        data, peer = udp.recvfrom(65535)
+        udp.sendto(b"udp:" + data, peer)
+threading.Thread(target=echo, daemon=True).start()
+while True:
+    conn, _ = tcp.accept()
+    conn.sendall(b"tcp:" + conn.recv(100))
+    conn.close()
+"""
+
+
+def _serving_ports(api: Api) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """An instance whose command serves TCP on container port 7100 and UDP on 7101 at the address it is told to
+    bind (the client asks for 0.0.0.0, as the provider does): (its id, its view once running, the environment its
+    command saw)."""
+    iid = api.create(
+        env={"-p 7100:7100": "1", "-p 7101:7101/udp": "1", "PP_BIND_HOST": "0.0.0.0"},
+        runtype="args",
+        onstart=sys.executable,
+        args=["-c", SERVE_PORTS],
+    )
+    inst = api.running(iid)
+    for _ in range(200):
+        lines = [ln for ln in api.emu.node_log(iid).splitlines() if ln.startswith("ENV ")]
+        if lines:
+            return iid, inst, json.loads(lines[0][4:])
+        time.sleep(0.05)
+    raise AssertionError(f"instance {iid}'s command never served: {api.emu.node_log(iid)}")
+
+
+def _host_port(inst: dict[str, Any], spec: str) -> str:
+    return str(inst["ports"][spec][0]["HostPort"])
+
+
+@pytest.fixture
+def api(vastai_api):
+    if vastai_api.emulator is None:
+        pytest.skip("vastai: the emulator's own network is tested against the emulator (not with --vastai-real)")
+    api = Api(vastai_api.emulator)
+    yield api
+    api.close()
+
+
+def test_a_published_container_port_is_reached_at_another_public_port(api):
+    iid, inst, env = _serving_ports(api)
+    host_port = _host_port(inst, "7100/tcp")
+    assert isinstance(inst["ports"]["7100/tcp"][0]["HostPort"], str) and host_port != "7100"
+    assert inst["direct_port_start"] <= int(host_port) <= inst["direct_port_end"]
+    assert env["VAST_TCP_PORT_7100"] == host_port
+    assert env["PUBLIC_IPADDR"] == inst["public_ipaddr"] and env["PUBLIC_IPADDR"].strip() == "127.0.0.1"
+    address = api.emu.instances[iid].address
+    assert env["PP_BIND_HOST"] == address and address.startswith("127.77.")  # not the client's 0.0.0.0
+    with socket.create_connection(("127.0.0.1", int(host_port)), timeout=5) as conn:
+        conn.sendall(b"hello")
+        assert conn.recv(100) == b"tcp:hello"
+    forwarders = list(api.emu.instances[iid].forwarders.values())
+    assert api.client.destroy_instance(iid) is True
+    assert forwarders and not any(f.alive for f in forwarders)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", int(host_port)), timeout=5).close()
+    assert f"instance {iid}: withdrew 2 published port(s)" in api.emu.log_text()
+
+
+def test_a_published_udp_port_relays_datagrams_both_ways(api):
+    _, inst, env = _serving_ports(api)
+    host_port = _host_port(inst, "7101/udp")
+    assert env["VAST_UDP_PORT_7101"] == host_port and host_port != "7101"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+        client.settimeout(5)
+        for datagram in (b"one", b"two"):
+            client.sendto(datagram, ("127.0.0.1", int(host_port)))
+            assert client.recvfrom(100) == (b"udp:" + datagram, ("127.0.0.1", int(host_port)))
+
+
+def test_two_instances_bind_the_same_container_port_at_addresses_of_their_own(api):
+    first, second = _serving_ports(api), _serving_ports(api)
+    assert first[2]["PP_BIND_HOST"] != second[2]["PP_BIND_HOST"]
+    assert _host_port(first[1], "7100/tcp") != _host_port(second[1], "7100/tcp")
+    for _, inst, _ in (first, second):
+        with socket.create_connection(("127.0.0.1", int(_host_port(inst, "7100/tcp"))), timeout=5) as conn:
+            conn.sendall(b"which")
+            assert conn.recv(100) == b"tcp:which"
+
+
+def test_a_stopped_instance_publishes_no_ports_until_it_runs_again(api):
+    iid, inst, _ = _serving_ports(api)
+    forwarders = list(api.emu.instances[iid].forwarders.values())
+    api.client.manage_instance(iid, {"state": "stopped"})
+    for _ in range(100):
+        if not any(f.alive for f in forwarders):
+            break
+        time.sleep(0.05)
+    assert not any(f.alive for f in forwarders) and api.client.show_instance(iid)["ports"] is None
+    api.client.manage_instance(iid, {"state": "running"})
+    again = api.running(iid)
+    assert set(again["ports"]) == set(inst["ports"]) == {"7100/tcp", "7101/udp"}
+
+
+def test_an_offer_search_is_logged_with_each_filter_field_it_ignored(api):
+    offers = api.client.search_offers({"gpu_nmae": {"eq": "RTX 4090"}, "num_gpus": {"eq": 1}, "verified": True})
+    assert len({o["gpu_name"] for o in offers}) > 1  # answered as vast.ai does: the misspelt field filtered nothing
+    lines = [ln for ln in api.emu.log_text().splitlines() if " search: " in ln]
+    assert len([ln for ln in lines if "search: filters" in ln]) == 1
+    assert any('"gpu_nmae": {"eq": "RTX 4090"}' in ln and '"num_gpus": {"eq": 1}' in ln for ln in lines)
+    ignored = [ln.split("search: ")[1] for ln in lines if "ignored filter field" in ln]
+    assert ignored == [
+        "ignored filter field 'gpu_nmae': offers have no such field",
+        "ignored filter field 'verified': True is not an {op: value} object",
+    ]
+
+
+def test_no_forwarder_or_address_outlives_the_emulator(tmp_path):
+    with Emulator.for_ci(tmp_path / "emulator") as emu:
+        api = Api(emu)
+        try:
+            iid, _, env = _serving_ports(api)
+            forwarders = list(emu.instances[iid].forwarders.values())
+        finally:
+            api.close()
+    assert forwarders and not any(f.alive for f in forwarders)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.bind(RESERVATION_NAME.format(env["PP_BIND_HOST"]))  # the instance's address is free again

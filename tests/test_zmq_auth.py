@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
 import zmq
 from zmq_peers import raw_push
 
+from backends.vastai.emulator.network import TcpForwarder
 from ppharness.errors import TransportError, TransportTimeout
 from ppharness.wire import codec
 from ppharness.wire.messages import Shutdown
@@ -114,3 +116,41 @@ def test_plan_endpoints_refuses_settings():
 def test_a_bad_secret_key_is_refused():
     with pytest.raises(TransportError, match="not a z85 CURVE secret key"):
         ZmqTransport(secret_key="not a key")
+
+
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return int(s.getsockname()[1])
+
+
+def test_a_member_advertising_a_published_port_is_reached_through_that_port():
+    """As on vast.ai: the endpoint binds one port, a forwarder publishes it at another, and members dial the other."""
+    receiver_opts, sender_opts = ZmqTransport.plan_endpoints(2, {})
+    bound = _free_port()
+    forwarder = TcpForwarder(("127.0.0.1", bound))
+    receiver = ZmqTransport(port=bound, advertise_port=forwarder.port, **receiver_opts)
+    sender = ZmqTransport(**sender_opts)
+    try:
+        address, _ = receiver.start(), sender.start()
+        assert forwarder.port != bound
+        assert split_address(address) == (f"tcp://127.0.0.1:{forwarder.port}", receiver.public_key)
+        sender.send(address, Shutdown("through the published port"))
+        assert receiver.recv(timeout=WAIT) == (sender.address, Shutdown("through the published port"))
+        assert forwarder.connections == 1  # the member's one connection went through the forwarder
+    finally:
+        sender.close()
+        receiver.close()
+        forwarder.close()
+    assert not forwarder.alive
+
+
+@pytest.mark.parametrize("port", [0, 65536, -1, True, "7100"])
+def test_an_advertise_port_that_is_not_a_tcp_port_is_refused(port):
+    with pytest.raises(TransportError, match="advertise_port .* is not a TCP port"):
+        ZmqTransport(advertise_port=port)
+
+
+def test_without_advertise_port_the_address_names_the_bound_port():
+    bound = _free_port()
+    with ZmqTransport(port=bound) as t:
+        assert split_address(t.address)[0] == f"tcp://127.0.0.1:{bound}"

@@ -3,8 +3,9 @@
 Inputs come from the environment (the node contract): ``STAGE``, ``NUM_STAGES``, ``SEED_ADDR`` (the orchestrator's
 transport address), ``MODEL`` (GGUF path, URL or ``synthetic:`` spec), ``PLAN`` (the node's program from the compiled
 plan, a JSON StagePlan: block range, plan id, the names to register, where activations come from and go, wire dtype,
-timeouts), ``TRANSPORT`` (registry kind) and ``PP_RUN_LABEL``. Optional: ``PP_BIND_HOST`` and ``PP_ADVERTISE_HOST``
-for transports that bind sockets.
+timeouts), ``TRANSPORT`` (registry kind) and ``PP_RUN_LABEL``. Optional, for transports that bind sockets:
+``PP_BIND_HOST``, ``PP_ADVERTISE_HOST``, ``PP_PORT`` and, on vast.ai, ``PUBLIC_IPADDR`` with ``VAST_TCP_PORT_<P>`` /
+``VAST_UDP_PORT_<P>`` (``ppharness.run.node_address``).
 
 The node joins the cluster, loads only its own layers, compiles its decode step, reports Ready, and serves until
 Shutdown (exit 0). Any failure is reported to the seed as an Error message with one line of reason, then exit 1.
@@ -39,6 +40,7 @@ from ppharness.run.experts import ExpertParallel, ExpertServer, warm_bank
 from ppharness.run.faults import with_fault
 from ppharness.run.loop import DRAIN, Loop
 from ppharness.run.membership import NodeMembership
+from ppharness.run.node_address import SOCKET_OPTIONS, describe, published
 from ppharness.run.reliable import RetryPolicy, ack_of
 from ppharness.run.stage import Stage
 from ppharness.run.stage_requests import StageModel
@@ -120,8 +122,8 @@ def make_transport(
     extra: JsonObject | None = None,
 ) -> Transport:
     """The node's transport: options from ``PP_TRANSPORT_OPTS`` (JSON, made by the transport's ``plan_endpoints``)
-    plus the bind/advertise hosts of providers that set them and ``extra``; with a message-level ``network``,
-    impaired."""
+    plus the bind/advertise address the environment gives (``ppharness.run.node_address``; one log line says what it
+    binds and advertises, and why) and ``extra``; with a message-level ``network``, impaired."""
     transport = _plain_transport(kind, env, extra or {})
     if network is None or network.layer != "message":
         return transport
@@ -135,11 +137,11 @@ def _plain_transport(kind: str, env: dict[str, str], extra: JsonObject) -> Trans
         opts = msgspec.json.decode(env.get("PP_TRANSPORT_OPTS") or "{}", type=JsonObject)
     except msgspec.DecodeError as exc:
         raise HarnessError(f"PP_TRANSPORT_OPTS is not a JSON object: {exc}") from exc
-    if env.get("PP_BIND_HOST"):
-        opts["host"] = env["PP_BIND_HOST"]
-    if env.get("PP_ADVERTISE_HOST"):
-        opts["advertise_host"] = env["PP_ADVERTISE_HOST"]
-    return cls(**(opts | extra))
+    socket_opts, why = published(cls, env)
+    why |= {name: "the node's network emulation" for name in extra if name in SOCKET_OPTIONS}
+    opts |= socket_opts | extra
+    _log(env.get("STAGE") or STANDBY_NODE, describe(kind, opts, why))
+    return cls(**opts)
 
 
 def start_packet_bridge(network: Network, env: dict[str, str], clock: EventClock) -> tuple[Bridge, JsonObject]:

@@ -10,6 +10,12 @@ of a stream is the sender's address (``iroh://<endpoint ticket>``, utf-8); every
 passed on as it came so the codec judges it. The ticket's endpoint id must be the connection's authenticated remote
 id, so a peer cannot claim another's address; a stream that breaks the protocol (a bad first record, a record over
 the size limit, an end inside a record) is logged and no longer read, and the other streams are unaffected.
+
+The path of each connection is logged on stderr: one line once a path is selected (direct, with the peer's socket
+address, or through a relay) and one whenever the selected path changes kind or address, each naming both endpoint
+ids and the round-trip time. The binding's snapshot (``Connection.paths()``) is read every ``PATH_POLL_S`` on the
+loop thread while the connection lives; its push form (``watch_paths``) calls back on a Rust thread through an event
+loop the binding keeps for the whole process, which would route every transport's binding calls to one loop.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ READ_CHUNK = 64 * 1024
 CLOSE_CODE, CLOSE_REASON = 0, b"ppharness transport closed"
 REFUSE_CODE, REFUSE_REASON = 403, b"ppharness: endpoint not invited to this run"
 HANDSHAKE_TIMEOUT_S = 10.0
+PATH_POLL_S = 1.0
 
 PREFIX = struct.Struct(">I")
 SCHEME = "iroh://"
@@ -51,7 +58,9 @@ class RunBlocking(Protocol):
 
 
 def log(text: str) -> None:
-    print(f"[ppharness iroh] {text}", file=sys.stderr, flush=True)
+    """One line on stderr, written whole (lines of several threads never interleave)."""
+    sys.stderr.write(f"[ppharness iroh] {text}\n")
+    sys.stderr.flush()
 
 
 def parse_address(iroh: ModuleType, address: str) -> EndpointAddr:
@@ -157,6 +166,23 @@ class Session:
         self.conns[conn.stable_id()] = conn
         self.spawn(self._accept_streams(conn, remote))
         self.spawn(self._watch(conn, remote))
+        self.spawn(self._watch_path(conn, remote))
+
+    async def _watch_path(self, conn: Connection, remote: str) -> None:
+        """Log the connection's selected path when one is first selected and whenever it changes (module docstring)."""
+        shown: tuple[bool, str] | None = None
+        conn_id = conn.stable_id()
+        while conn_id in self.conns and not self.closing:
+            try:
+                selected = next((p for p in conn.paths() if p.is_selected), None)
+            except Exception:  # noqa: BLE001 - best effort: a connection the binding no longer serves has no path
+                return
+            if selected is not None and (selected.is_relay, selected.remote_addr) != shown:
+                now = _path_kind(selected.is_relay, selected.remote_addr)
+                said = f"path {now}" if shown is None else f"path changed: now {now}, was {_path_kind(*shown)}"
+                log(f"endpoint {self.endpoint_id} <-> endpoint {remote}: {said} (rtt {selected.rtt_ms} ms)")
+                shown = (selected.is_relay, selected.remote_addr)
+            await asyncio.sleep(PATH_POLL_S)
 
     async def _accept_streams(self, conn: Connection, remote: str) -> None:
         while True:
@@ -269,6 +295,10 @@ class Session:
             task.cancel()
         if leftover:
             await asyncio.wait(leftover, timeout=1.0)
+
+
+def _path_kind(is_relay: bool, remote_addr: str) -> str:
+    return f"through the relay {remote_addr}" if is_relay else f"direct to {remote_addr}"
 
 
 async def _quietly(aw: Awaitable[object]) -> None:

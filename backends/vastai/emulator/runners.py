@@ -1,8 +1,17 @@
 """How the vast.ai emulator runs an instance's container: a local process group, or a Docker container.
 
 Both run what vast.ai would: for runtype ``args``, ``onstart`` as the entrypoint and ``args`` as its arguments; for
-the other runtypes ``sh -c onstart``. Both give the command the environment entries the client sent plus
-``CONTAINER_API_KEY``, ``CONTAINER_ID``, ``VAST_CONTAINERLABEL`` and ``PP_VASTAI_EMULATOR``, and nothing secret:
+the other runtypes ``sh -c onstart``. Both give the command the environment entries the client sent plus what vast.ai
+sets in a container: ``CONTAINER_API_KEY``, ``CONTAINER_ID``, ``VAST_CONTAINERLABEL``, ``PUBLIC_IPADDR`` (padded with
+whitespace, as vast.ai's) and ``VAST_TCP_PORT_<P>`` / ``VAST_UDP_PORT_<P>`` (the public port of each published
+container port P), plus ``PP_VASTAI_EMULATOR``; and nothing secret.
+
+``PP_BIND_HOST`` is the instance's own address (``network.reserve_address``), whatever the client sent (also for
+each node of a ``pp-host`` instance, whose own ``PP_N<k>_PP_BIND_HOST`` entries are dropped): the emulator has no
+network namespace per container, and this address stands in for the container's own interface, which a node binds
+with ``0.0.0.0`` on vast.ai. So two instances binding the same container port never collide, and others reach what
+a node binds as they do on vast.ai: at the public address through the published ports (and, as on one host's
+loopback, at its own address).
 
 - ``ProcessRunner`` (CI): on top of this process's environment less anything named like a key, token, secret or
   password, with the interpreter's directory first on ``PATH`` so ``pp-node`` is found; output to a log file.
@@ -26,14 +35,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from backends.vastai.emulator.network import platform_env
+
 if TYPE_CHECKING:
     from docker.models.containers import Container
 
     from backends.vastai.emulator.state import EmuInstance
 
 EMULATOR_VAR = "PP_VASTAI_EMULATOR"
+BIND_HOST_VAR = "PP_BIND_HOST"
 CHECK_S = 0.5
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.I)
+_NODE_BIND_HOST = re.compile(r"^PP_N\d+_PP_BIND_HOST$")
 
 
 def container_argv(inst: EmuInstance) -> list[str]:
@@ -50,12 +63,20 @@ def container_argv(inst: EmuInstance) -> list[str]:
 
 
 def instance_extras(inst: EmuInstance, emulator_id: str) -> dict[str, str]:
+    """What the platform adds to the client's entries (module docstring); these win over the client's."""
     return {
         "CONTAINER_API_KEY": inst.instance_key,
         "CONTAINER_ID": str(inst.id),
         "VAST_CONTAINERLABEL": f"C.{inst.id}",
+        **platform_env(inst.forwarders),
+        BIND_HOST_VAR: inst.address,
         EMULATOR_VAR: emulator_id,
     }
+
+
+def client_entries(inst: EmuInstance) -> dict[str, str]:
+    """The client's environment entries less the per-node bind hosts of a ``pp-host`` instance (module docstring)."""
+    return {k: v for k, v in inst.env.items() if not _NODE_BIND_HOST.match(k)}
 
 
 def node_environment(client_env: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
@@ -90,7 +111,7 @@ class ProcessRunner:
 
     def start(self, inst: EmuInstance) -> None:
         path = self.log_dir / f"instance-{inst.id}.log"
-        env = node_environment(inst.env, instance_extras(inst, self.emulator_id))
+        env = node_environment(client_entries(inst), instance_extras(inst, self.emulator_id))
         with open(path, "ab") as log:
             try:
                 inst.handle = subprocess.Popen(
@@ -146,7 +167,7 @@ class DockerRunner:
         import docker.errors
 
         argv = container_argv(inst)
-        env = {**inst.env, **instance_extras(inst, self.emulator_id)}
+        env = {**client_entries(inst), **instance_extras(inst, self.emulator_id)}
         try:
             inst.handle = self.docker.containers.run(
                 self.image,

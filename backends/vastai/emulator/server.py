@@ -5,7 +5,14 @@ Same paths (trailing slash included), bodies, status codes and error shapes as t
 contract's validations; single GET (``instances: null`` or, switched on, 404 for unknown ids); the v1 list with
 filters, ordering, 25-per-page keyset paging and ``label_counts``; destroy (404 ``no_such_instance`` when gone);
 per-endpoint, per-identity minimum intervals answered with plain-text 429s; and fault switches (``Faults``) for every
-provider-side failure. Instances run real nodes (``vastai_emulator_state``).
+provider-side failure. Instances run real nodes (``state``), each at its own address with its container ports
+published at other public ports, as vast.ai maps them (``network``).
+
+The emulator keeps a log of its own, ``emulator.log`` in its log directory (``Emulator.log_text()``): a line per
+published or withdrawn port, and for every offer search it answers one line with the query's filters and options,
+then one line per filter field it ignored (a field no offer has, or a value that is not an ``{op: value}`` object).
+The API answers such searches as vast.ai does, ignoring those keys (shared/vastai-api.md §8.3); the log is where a
+client's misspelt filter shows.
 
 The server is the standard library's ThreadingHTTPServer: no dependency, and full control of every status line,
 header and body (plain-text 429s, ``X-RateLimit-Reset``, dropped connections).
@@ -31,9 +38,18 @@ from types import FrameType
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from backends.vastai.emulator.api import Reply, handle_create, handle_list, handle_manage, handle_search, validate_key
+from backends.vastai.emulator.api import (
+    SEARCH_KEYS,
+    Reply,
+    handle_create,
+    handle_list,
+    handle_manage,
+    handle_search,
+    validate_key,
+)
+from backends.vastai.emulator.network import reserve_address
 from backends.vastai.emulator.runners import DockerRunner, ProcessRunner
-from backends.vastai.emulator.state import EmuInstance, Faults, Timeline, make_catalog
+from backends.vastai.emulator.state import EmuInstance, EventLog, Faults, Timeline, make_catalog, priced
 from ppharness.errors import ProviderError
 
 # Minimum seconds between calls of one endpoint by one identity (shared/vastai-api.md §1), before ``rate_scale``.
@@ -60,7 +76,8 @@ __all__ = ["ApiTarget", "Emulator", "Faults", "serve_forever"]
 
 class Emulator:
     """One emulated account: a catalog, instances, faults and an HTTP server. A context manager: leaving it destroys
-    every instance (killing its node) and stops the server."""
+    every instance (killing its node, closing its forwarders and their threads, releasing its address) and stops the
+    server."""
 
     def __init__(
         self,
@@ -85,8 +102,11 @@ class Emulator:
         self.rate_scale = rate_scale
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="ppharness-vastai-emulator-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(self.log_dir / "emulator.log")
         self.runner = DockerRunner(self.id, docker_image) if docker_image else ProcessRunner(self.id, self.log_dir)
-        self.timeline = Timeline(delays, self.faults, self.runner)
+        self.timeline = Timeline(delays, self.faults, self.runner, self.events.write)
+        sample = next(iter(self.catalog.values()), None)
+        self.offer_fields = frozenset(priced(sample, 0.0, False)) if sample is not None else frozenset()
         self.lock = self.timeline.lock
         self.instances: dict[int, EmuInstance] = {}
         self.history: dict[int, EmuInstance] = {}
@@ -149,6 +169,10 @@ class Emulator:
         inst = self.history.get(instance_id)
         return self.runner.log(inst) if inst is not None else ""
 
+    def log_text(self) -> str:
+        """The emulator's own log so far (module docstring)."""
+        return self.events.text()
+
     # --- internals ------------------------------------------------------------------------------------------------
 
     def _tick(self) -> None:
@@ -163,6 +187,9 @@ class Emulator:
 
     def _destroy(self, inst: EmuInstance) -> None:
         self.runner.stop(inst)
+        self.timeline.withdraw(inst)
+        if inst.reservation is not None:
+            inst.reservation.release()
         inst.cur_state = "unloaded"
         self.instances.pop(inst.id, None)
         self.destroyed.add(inst.id)
@@ -181,6 +208,7 @@ class Emulator:
             created_at=time.time(),
             label=body.get("label"),
             flags=flags,
+            reservation=reserve_address(self.id, self.next_id),
         )
         if body.get("target_state") == "stopped":
             inst.intended_status = inst.cur_state = inst.next_state = inst.actual_status = "stopped"
@@ -252,7 +280,9 @@ class Emulator:
 
     def _handle(self, name: str, match: re.Match[str], query: dict[str, str], body: Any) -> Reply:
         if name == "search":
-            return handle_search(self, body if query.get("q") is None else _json_or_none(query["q"]))
+            search = body if query.get("q") is None else _json_or_none(query["q"])
+            self._log_search(search)
+            return handle_search(self, search)
         if name == "create":
             return handle_create(self, int(match[1]), body)
         if name == "list":
@@ -279,6 +309,22 @@ class Emulator:
             )
         self._destroy(inst)
         return Reply(200, {"success": True, "msg": f"destroying instance {iid}."})
+
+    def _log_search(self, search: Any) -> None:
+        """One line for the search, one per filter field it ignores (module docstring)."""
+        if not isinstance(search, dict):
+            self.events.write(f"search: the query is not a JSON object ({type(search).__name__})")
+            return
+        filters = {k: v for k, v in search.items() if k not in SEARCH_KEYS}
+        options = {k: v for k, v in search.items() if k in SEARCH_KEYS}
+        self.events.write(
+            f"search: filters {json.dumps(filters, sort_keys=True)}, options {json.dumps(options, sort_keys=True)}"
+        )
+        for name, value in sorted(filters.items()):
+            if name not in self.offer_fields:
+                self.events.write(f"search: ignored filter field {name!r}: offers have no such field")
+            elif not isinstance(value, dict):
+                self.events.write(f"search: ignored filter field {name!r}: {value!r} is not an {{op: value}} object")
 
 
 @dataclass(frozen=True)
@@ -447,7 +493,10 @@ def serve_forever(
         faults=faults,
         docker_image=docker_image,
     ).start()
-    announce(f"vast.ai emulator at {emu.url} ({len(emu.catalog)} offers, seed {seed}; node logs in {emu.log_dir})")
+    announce(
+        f"vast.ai emulator at {emu.url} ({len(emu.catalog)} offers, seed {seed}; node logs and emulator.log, its own, "
+        f"in {emu.log_dir})"
+    )
     announce(
         f"point ppharness at it:  VAST_URL={emu.url} pp-smoke-run --vastai --transport zmq --scenario "
         f"scenarios/acceptance-5stage-vastai.yaml   (or --vastai-url {emu.url})"

@@ -1,8 +1,12 @@
 """The vast.ai emulator's world: a seeded offer catalog, the filter grammar, and instances that run real nodes.
 
-Instances go through ``null -> created -> loading -> running`` on a configurable timeline; entering ``running`` starts
-the container's command through a runner (``vastai_emulator_runners``: a local process or a Docker container); a
-command that ends turns an ``args`` instance into ``exited`` (other runtypes stay up, as vast.ai's ssh containers do).
+Instances go through ``null -> created -> loading -> running`` on a configurable timeline; entering ``running``
+publishes the instance's container ports (``network.publish``: a forwarder per ``-p`` entry, and 22/tcp for the
+direct ssh runtypes, from the public address at a port the OS picks to the instance's own address) and then starts
+the container's command through a runner (``runners``: a local process or a Docker container); a command that ends
+turns an ``args`` instance into ``exited`` (other runtypes stay up, as vast.ai's ssh containers do). An instance
+that is not running has no forwarders: they are closed when it exits or stops (within one tick) and when it is
+destroyed. Every publication and withdrawal is a line of the emulator's log (``EventLog``).
 """
 
 from __future__ import annotations
@@ -10,8 +14,13 @@ from __future__ import annotations
 import random
 import re
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from backends.vastai.emulator.network import PUBLIC_IPADDR_SHOWN, Forwarder, Reservation, publish, withdraw
 
 if TYPE_CHECKING:
     import subprocess
@@ -167,6 +176,25 @@ class Faults:
     gone_404: bool = False
 
 
+class EventLog:
+    """The emulator's own log (``emulator.log`` in its log directory): one timestamped line per event, appended, safe
+    to write from any thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def write(self, line: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        with self._lock, open(self.path, "a", encoding="utf-8") as out:
+            out.write(f"{stamp} {line}\n")
+
+    def text(self) -> str:
+        """Every line written so far."""
+        with self._lock:
+            return self.path.read_text(encoding="utf-8") if self.path.exists() else ""
+
+
 @dataclass
 class EmuInstance:
     id: int
@@ -187,24 +215,45 @@ class EmuInstance:
     label: str | None = None
     destroy_attempts: int = 0
     flags: list[str] = field(default_factory=list)
+    reservation: Reservation | None = None  # the instance's own address (network.reserve_address)
+    forwarders: dict[str, Forwarder] = field(default_factory=dict)  # "7100/tcp" -> its forwarder, while running
+
+    @property
+    def address(self) -> str:
+        """The instance's own address: what its container binds (the emulator's stand-in for its interface)."""
+        assert self.reservation is not None, "the emulator reserves an address for every instance it makes"
+        return self.reservation.address
 
     @property
     def runtype(self) -> str:
         given = self.body.get("runtype")
         return str(given or ("args" if self.body.get("args") or self.body.get("args_str") else "ssh"))
 
-    def ports(self) -> dict[str, list[dict[str, str]] | None]:
-        """Container ports (from ``-p`` entries, plus 22 for direct ssh) mapped to host ports in the direct range."""
-        start = 40_000 + (self.id % 500) * 20
+    def container_ports(self) -> list[str]:
+        """The container ports vast.ai publishes: each ``-p`` entry's (``"7100/tcp"``), and 22/tcp first for the
+        direct ssh runtypes."""
         container = [f"{m[2]}/{m[4] or 'tcp'}" for k in self.flags if (m := _PORT_FLAG.match(k))]
         if "direc" in self.runtype:
             container.insert(0, "22/tcp")
-        return {p: [{"HostIp": "0.0.0.0", "HostPort": str(start + 1 + j)}] for j, p in enumerate(container)}
+        return list(dict.fromkeys(container))
+
+    def ports(self) -> dict[str, list[dict[str, str]] | None]:
+        """Each published container port with the public port its forwarder listens on (a string, as vast.ai's)."""
+        return {spec: [{"HostIp": "0.0.0.0", "HostPort": str(f.port)}] for spec, f in self.forwarders.items()}
+
+    def direct_ports(self) -> tuple[int, int]:
+        """The instance's direct port range: it covers every public port published now."""
+        published = [f.port for f in self.forwarders.values()]
+        if published:
+            return min(published), max(published)
+        start = 40_000 + (self.id % 500) * 20
+        return start, start + 19
 
     def view(self, faults: Faults) -> dict[str, Any]:
         """The instance as the API shows it."""
         o, running = self.offer, self.actual_status == "running"
         start = 40_000 + (self.id % 500) * 20
+        direct_start, direct_end = self.direct_ports()
         ports = self.ports() if running else None
         if ports is not None and self.ordinal in faults.null_ssh_port:
             ports = {**ports, "22/tcp": None}
@@ -221,12 +270,12 @@ class EmuInstance:
             "image_args": list(self.body.get("args") or []),
             "onstart": self.body.get("onstart"),
             "extra_env": [[k, v] for k, v in self.env.items()],
-            "public_ipaddr": "127.0.0.1 \n" if running else None,
+            "public_ipaddr": PUBLIC_IPADDR_SHOWN if running else None,
             "local_ipaddrs": "127.0.0.1 10.0.0.2\n",
             "ssh_host": f"ssh{self.id % 9 + 1}.vast.emulator",
             "ssh_port": start if running else None,
-            "direct_port_start": start,
-            "direct_port_end": start + 19,
+            "direct_port_start": direct_start,
+            "direct_port_end": direct_end,
             "ports": ports,
             "dph_total": priced(o, float(self.body.get("disk") or 10), self.is_bid)["dph_total"],
             "dph_base": o["dph_base"],
@@ -253,15 +302,39 @@ class EmuInstance:
 
 
 class Timeline:
-    """Advances instances through the status sequence and watches their commands (called on a ticker thread);
-    ``runner`` runs the commands (``vastai_emulator_runners``)."""
+    """Advances instances through the status sequence, publishes and withdraws their ports and watches their commands
+    (called on a ticker thread); ``runner`` runs the commands (``runners``), ``log`` takes the emulator's log lines."""
 
-    def __init__(self, delays: tuple[float, float, float], faults: Faults, runner: ProcessRunner | DockerRunner):
-        self.delays, self.faults, self.runner = delays, faults, runner
+    def __init__(
+        self,
+        delays: tuple[float, float, float],
+        faults: Faults,
+        runner: ProcessRunner | DockerRunner,
+        log: Callable[[str], None],
+    ):
+        self.delays, self.faults, self.runner, self.log = delays, faults, runner, log
         self.lock = threading.RLock()
+
+    def publish(self, inst: EmuInstance) -> None:
+        """Open the running instance's forwarders (one log line per published port)."""
+        inst.forwarders = publish(inst.address, inst.container_ports())
+        for spec, forwarder in inst.forwarders.items():
+            how = "" if forwarder.protocol == "tcp" else ", datagram by datagram"
+            self.log(
+                f"instance {inst.id}: container port {spec} published at {forwarder.host}:"
+                f"{forwarder.port}, forwarded to {inst.address}:{spec.split('/')[0]}{how}"
+            )
+
+    def withdraw(self, inst: EmuInstance) -> None:
+        """Close the instance's forwarders (one log line when there were any)."""
+        if inst.forwarders:
+            self.log(f"instance {inst.id}: withdrew {len(inst.forwarders)} published port(s) ({inst.actual_status})")
+        withdraw(inst.forwarders)
 
     def advance(self, inst: EmuInstance, now: float) -> None:
         f, k = self.faults, inst.ordinal
+        if inst.actual_status != "running" and inst.forwarders:
+            self.withdraw(inst)
         if inst.intended_status != "running":
             return
         t = now - inst.created_at
@@ -284,6 +357,7 @@ class Timeline:
             else:
                 inst.actual_status, inst.running_at = "running", now
                 inst.status_msg = f"success, running {inst.body.get('image')}/{inst.runtype}"
+                self.publish(inst)
                 self.runner.start(inst)
         if inst.actual_status == "running":
             self._watch(inst, now)
@@ -293,6 +367,7 @@ class Timeline:
         if after is not None and inst.running_at is not None and now - inst.running_at >= after and inst.handle:
             self.runner.stop(inst, grace_s=0.5)
             inst.actual_status, inst.status_msg = "exited", "container exited (injected by exit_after_s)"
+            self.withdraw(inst)
             return
         if inst.handle is None and inst.exit_code is not None:
             return
@@ -301,3 +376,4 @@ class Timeline:
             self.runner.stop(inst)
             inst.exit_code = rc
             inst.actual_status, inst.status_msg = "exited", f"container exited with code {rc}"
+            self.withdraw(inst)
