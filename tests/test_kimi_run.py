@@ -169,7 +169,7 @@ def test_the_kimi_plan_runs_token_exact_on_vastai_instances(vastai_api, tmp_path
     sc = load_scenario(ACCEPTANCE)
     sc = msgspec.structs.replace(sc, stages=type(sc.stages)())  # the plan says how to split
     sc = scenario_from_args(base=sc, plan=str(KIMI_VASTAI), transport="zmq", max_tokens=MAX_TOKENS)
-    settings = msgspec.structs.replace(sc.provider.vastai, poll_s=0.1)
+    settings = msgspec.structs.replace(sc.provider.vastai, poll_s=0.1, max_total_dph=20.0)  # two 8-GPU machines
     sc = msgspec.structs.replace(
         sc,
         provider=msgspec.structs.replace(sc.provider, vastai=settings),
@@ -183,6 +183,15 @@ def test_the_kimi_plan_runs_token_exact_on_vastai_instances(vastai_api, tmp_path
     assert result.trace is not None and "experts" in result.trace.summary()
     with client_from_env() as client:
         assert not [i for i in client.list_instances() if label in str(i.get("label", ""))], "instances left behind"
+    # each host is one instance found by its own search, with the GPU name as the API spells it
+    assert vastai_api.emulator is not None
+    searches = [line for line in vastai_api.emulator.log_text().splitlines() if "search: filters" in line]
+    assert len(searches) == 2, searches
+    assert any('"gpu_name": {"eq": "RTX 4090"}' in line for line in searches), searches
+    assert any('"gpu_name": {"eq": "A100 SXM4"}' in line for line in searches), searches
+    assert all('"num_gpus": {"eq": 8}' in line for line in searches), searches
+    creates = [line for line in vastai_api.emulator.log_text().splitlines() if " create: " in line]
+    assert len(creates) == 2 and all("exec pp-host" in line for line in creates), "one instance per 8-GPU host"
 
 
 def test_plan_show_keeps_a_large_plans_lines_short_and_plan_text_prints_them_whole():

@@ -214,6 +214,11 @@ class Emulator:
             inst.intended_status = inst.cur_state = inst.next_state = inst.actual_status = "stopped"
         self.instances[inst.id] = self.history[inst.id] = inst
         self.consumed.add(offer["id"])
+        command = " ".join(str(a) for a in body.get("args") or [])[-40:]
+        self.events.write(
+            f"create: instance {inst.id} from offer {offer['id']} ({offer['num_gpus']}x {offer['gpu_name']}), "
+            f"{len(flags)} port(s) requested, runs …{command}"
+        )
         return inst
 
     def dispatch(self, method: str, path: str, query: dict[str, str], headers: Message, body: Any, peer: str) -> Reply:
