@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -121,6 +122,11 @@ def test_chain_matches_oracle(vastai_api, num_stages, caplog, capsys):
             assert vastai_api.key not in json.dumps(inst.body), "the API key reached an instance's create body"
             assert all(inst.env.get(k) or any(n.startswith(f"{k}__") for n in inst.env) for k in NODE_ENV), inst.env
         assert {i.env["STAGE"] for i in made} == {str(i) for i in range(num_stages)}
+        for inst in made:  # each node joined through the public port the instance's own port was mapped to
+            port = inst.env["PP_PORT"]
+            log = emu.node_log(inst.id)
+            m = re.search(rf"binds {re.escape(inst.address)} port {port} and advertises 127\.0\.0\.1 port (\d+)", log)
+            assert m is not None and m[1] != port, log[-2000:]
 
 
 test_chain_matches_oracle.default_num_stages = (5,)  # type: ignore[attr-defined]
