@@ -10,15 +10,19 @@ import msgspec
 import pytest
 
 from ppharness.benchmarks.plan import PlanBenchResult, PlanCase, calibrated, on_provider, report, shipped_clusters
-from ppharness.plan.doc import Device, load_cluster
+from ppharness.plan.doc import Device, Measured, load_cluster
 
 
 def test_calibration_gives_every_device_the_probes_speed_and_keeps_its_quota():
     cluster = load_cluster(shipped_clusters()[2])
-    probe = Device(id="probe", memory=1 << 30, gflops=0.7, bandwidth_gbs=0.6, overhead_ms=0.9, prefill_ms=3.0)
+    stamp = Measured(engine="ppharness 0.1.0/tinygrad 0.12.0/0123456789ab", hardware="here", date="2026-12-03")
+    probe = Device(
+        id="probe", memory=1 << 30, gflops=0.7, bandwidth_gbs=0.6, overhead_ms=0.9, prefill_ms=3.0, measured=stamp
+    )
     got = calibrated(cluster, probe, hop_ms=0.4)
     assert got.hop_ms == 0.4
     assert all((d.gflops, d.overhead_ms, d.prefill_ms) == (0.7, 0.9, 3.0) for d in got.devices)
+    assert all(d.measured == stamp for d in got.devices)  # the figures say they are the probe's
     assert [d.source.cpus for d in got.devices] == [d.source.cpus for d in cluster.devices]
     assert {d.source.kind for d in on_provider(cluster, "local").devices} == {"local"}
 

@@ -154,10 +154,15 @@ def test_summary_and_compare_name_every_row():
     records = [TokenRecord(k, 7, 40.0 + k, dict(parts), {"0->1": 2048}) for k in range(4)]
     trace = Trace(request_id="r1", num_stages=3, records=records)
     out = compare(p, trace)
-    assert "stage 0 serialize" in out and "other" in out and "per token" in out and "first token" in out
+    assert "per token" in out and "first token" in out
     row = next(line for line in out.splitlines() if line.startswith("hop 0->1"))
     err = 100 * (next(r.ms for r in p.rows if r.name == "hop 0->1") - 15.0) / 15.0
     assert f"{err:+.1f}%" in row
+    # the trace's rows the cost model does not predict: one line that names them and adds up their p50s
+    rest = next(line for line in out.splitlines() if line.startswith("not predicted"))
+    assert "2 trace rows: serialize, other" in rest and f"{0.1 + trace.p50_parts()['other']:.3f}" in rest
+    assert "first token" not in compare(p, trace, first_token=False)
+    assert "cpu quota wait" not in out  # no device here has a quota
 
 
 def test_show_mentions_every_node_and_edge():
@@ -207,6 +212,33 @@ def test_probe_measures_this_machine(tiny_model_path):
     assert cost.blocks_ms(graph, device, 0, 1) == pytest.approx(max(fit.b_ms, 1e-6), rel=1e-6)
 
 
+@pytest.mark.slow  # 20-40 s: a mixture-of-experts model's probe and a two-stage chain
+def test_probe_times_moe_blocks_says_what_it_measured_with_and_a_hop_in_a_running_chain():
+    import json
+
+    from ppharness.model.files import resolve_model
+    from ppharness.plan.engine import engine_id
+    from ppharness.plan.graph import model_graph
+    from ppharness.plan.probe import probe_fit, probe_hop, probe_record
+
+    source = "synthetic:tiny-moe"
+    path = str(resolve_model(source))
+    fit = probe_fit(path, "moe", blocks=(1, 2), tokens=6, source=source)
+    measured = fit.device.measured
+    assert fit.moe and measured is not None
+    assert measured.engine == engine_id() and measured.date and fit.backend in measured.hardware
+    # one MoE block as the cost model reads it (its dense part, then its active experts): the fitted slope at least,
+    # as both parts share one speed and one bandwidth
+    graph = model_graph(path, source, 64)
+    one = cost.blocks_ms(graph, fit.device, 0, 1)
+    assert max(fit.b_ms, 1e-6) * (1 - 1e-9) <= one <= 2 * max(fit.b_ms, 1e-6)
+    hop = probe_hop(path, tokens=6, source=source)
+    assert hop.samples >= 2 and 0 < hop.hop_ms < 100 and hop.activation_bytes > graph.activation_bytes
+    record = json.loads(json.dumps(probe_record(fit, hop)))
+    assert record["moe"] and record["block_ms"] == fit.b_ms and record["hop"]["hop_ms"] == hop.hop_ms
+    assert record["device"]["measured"]["engine"] == engine_id()
+
+
 def test_a_batched_step_reads_the_weights_once_and_each_requests_cache():
     """Batched serving: a node's step of B rows costs its fixed cost and its weights once, and B times the FLOPs and
     the KV reads: a step of 8 costs less than 8 single steps, and throughput grows with the batch."""
@@ -230,3 +262,59 @@ def test_a_batched_step_reads_the_weights_once_and_each_requests_cache():
     assert "batched 8 per step" in eight.header()
     with pytest.raises(ValueError, match="batch must be at least 1"):
         simulate(doc, batch=0)
+
+
+def test_plan_make_show_and_simulate_print_one_per_token_figure_the_quota_wait_included(tmp_path, tiny_model_path):
+    """The three commands print the simulator's per-token time for one plan. Here a quarter-CPU device's node keeps
+    its share busy four times as long as its compute, so the figure is the quota's bound, more than the rows add up
+    to, and each command says so."""
+    from click.testing import CliRunner
+
+    from ppharness.cli import main
+    from ppharness.plan.doc import load_plan
+
+    cluster = tmp_path / "quota-cluster.yaml"
+    cluster.write_text(
+        "name: quota\nhop_ms: 0.3\ndefault: {delay_ms: 1}\ndevices:\n"
+        "  - {id: a, memory: 1g, reserve: 0, gflops: 1.0, overhead_ms: 0.5, source: {kind: docker, cpus: 0.25}}\n"
+    )
+    out = tmp_path / "plan.json"
+    made = CliRunner().invoke(main, ["plan", "make", "--model", "tiny", "--cluster", str(cluster), "-o", str(out)])
+    assert made.exit_code == 0, made.output
+    shown = CliRunner().invoke(main, ["plan", "show", str(out)])
+    simulated = CliRunner().invoke(main, ["plan", "simulate", str(out)])
+    assert shown.exit_code == 0 and simulated.exit_code == 0, shown.output + simulated.output
+    p = simulate(load_plan(out))
+    assert p.quota_wait_ms > 0 and p.per_token_ms > sum(r.ms for r in p.rows)
+    figure = f"{p.per_token_ms:.3f}"
+    assert f"per token (decode, predicted) {figure} ms" in made.output
+    assert f"per token (decode, predicted) {figure} ms" in simulated.output
+    assert f"\nper token {figure} ms" in shown.output
+    assert "cpu quota wait" in shown.output and "cpu quota wait" in simulated.output
+
+
+def test_a_plan_run_prints_its_prediction_beside_its_trace_row_for_row(tmp_path, capsys):
+    """What ``pp-smoke-run --plan`` prints after the run: each predicted row with the trace's p50 and the error, the
+    rows the cost model does not predict on a line that says so, the per-token total; nothing to compare with when
+    the run wrote no trace."""
+    import time
+
+    from ppharness.cli.smoke import print_prediction
+    from ppharness.plan.doc import pretty
+
+    doc = _plan()
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(pretty(doc))
+    started = time.time()
+    parts = {"stage 0 compute": 4.0, "stage 0 serialize": 0.1, "hop 0->1": 15.0, "hop 2->0": 1.5}
+    Trace("r0", 3, [TokenRecord(k, 7, 40.0, dict(parts), {}) for k in range(5)]).write(str(tmp_path / "run.json"))
+    print_prediction(str(plan_file), str(tmp_path / "run.json"), started)
+    out = capsys.readouterr().out
+    p = simulate(doc)
+    stage0 = next(line for line in out.splitlines() if line.startswith("stage 0 compute"))
+    assert f"{p.rows[0].ms:.3f}" in stage0 and "4.000" in stage0 and f"{100 * (p.rows[0].ms - 4) / 4:+.1f}%" in stage0
+    assert "not predicted" in out and "serialize" in out
+    per_token = next(line for line in out.splitlines() if line.startswith("per token"))
+    assert f"{p.per_token_ms:.3f}" in per_token and "40.000" in per_token
+    print_prediction(str(plan_file), None, started)
+    assert "not compared" in capsys.readouterr().out

@@ -113,7 +113,8 @@ def oracle_prompt_tokens(path: str) -> list[int]:
 
 
 def calibrated(cluster: Cluster, probe: Device, hop_ms: float) -> Cluster:
-    """``cluster`` with this machine's measured speed in every device (each keeps its quota) and the measured hop."""
+    """``cluster`` with this machine's measured speed in every device (each keeps its quota, and takes the probe's
+    ``measured``: what its figures now come from) and the measured hop."""
     devices = tuple(
         msgspec.structs.replace(
             d,
@@ -123,6 +124,7 @@ def calibrated(cluster: Cluster, probe: Device, hop_ms: float) -> Cluster:
             prefill_ms=probe.prefill_ms,
             prefill_block_ms=probe.prefill_block_ms,
             prefill_gflops=probe.prefill_gflops,
+            measured=probe.measured,
         )
         for d in cluster.devices
     )

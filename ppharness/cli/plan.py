@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 import msgspec
 
+from ppharness.benchmarks.plan import calibrated
 from ppharness.cli.common import exit_1_on_failure, fail
 from ppharness.document.reader import read_text_file
 from ppharness.errors import HarnessError, PlanError
@@ -28,10 +29,20 @@ from ppharness.plan.doc import (
     pretty,
     with_id,
 )
+from ppharness.plan.engine import stale_warnings
 from ppharness.plan.expert_problem import without_routed_experts
 from ppharness.plan.experts import ExpertReport, baseline_experts, place_experts
 from ppharness.plan.graph import model_graph, simulation_only, spec_graph
-from ppharness.plan.probe import ROUTING_PROMPTS, probe_fit, probe_routing, routing_report
+from ppharness.plan.probe import (
+    ROUTING_PROMPTS,
+    block_counts,
+    first_timed_block,
+    probe_fit,
+    probe_hop,
+    probe_record,
+    probe_routing,
+    routing_report,
+)
 from ppharness.plan.routing import load_routing, with_frequencies
 from ppharness.plan.search import policy_plan
 from ppharness.plan.simulate import simulate
@@ -107,6 +118,48 @@ def _write(text: str, out: str | None) -> None:
     else:
         Path(out).write_text(text)
         click.echo(f"written: {out}", err=True)
+
+
+PROBE_TOKENS = 8  # decode steps per slice when `--probe` re-measures this machine
+
+
+def _warn_measured(cluster: Cluster) -> None:
+    """Tell where the cluster's device speeds come from when they are not this engine's measurements."""
+    for line in stale_warnings(cluster):
+        click.echo(f"warning: {line}", err=True)
+
+
+def _probed(cluster: Cluster, graph: ModelGraph) -> Cluster:
+    """``cluster`` with its local and docker devices re-measured on this machine: one probe of the plan's model, its
+    figures in every such device (each keeps its CPU quota, which the cost model applies), as ``ppharness bench
+    plan`` calibrates them, and their ``measured`` stamped. vast.ai devices stay as they are."""
+    here = tuple(d for d in cluster.devices if d.source.kind in ("local", "docker"))
+    away = len(cluster.devices) - len(here)
+    if away:
+        click.echo(f"--probe: {away} vast.ai device(s) left as they are (measure a card on it: `plan probe`)", err=True)
+    if not here:
+        return cluster
+    if simulation_only(graph.source):
+        fail(
+            f"--probe times the plan's model here, and {graph.source} is for the simulator only: probe a model this "
+            "machine can run (`ppharness plan probe --model M`) and put its device entry in the cluster file"
+        )
+    path = str(resolve_model(graph.source))
+    ks = block_counts(len(graph.blocks), first_timed_block(path))
+    how = (
+        f"ppharness plan --probe: {PROBE_TOKENS} decode steps per slice of {', '.join(map(str, ks))} block(s) of "
+        f"{graph.source[:160]}"
+    )
+    fit = probe_fit(path, "probe", ks, PROBE_TOKENS, source=graph.source, progress=_say, how=how)
+    click.echo(fit.probe_report, err=True)
+    same = calibrated(msgspec.structs.replace(cluster, devices=here), fit.device, cluster.hop_ms).devices
+    new = {d.id: msgspec.structs.replace(d, measured=fit.device.measured) for d in same}
+    click.echo(f"--probe: re-measured {', '.join(new)} (hop_ms kept at {cluster.hop_ms:g} ms)", err=True)
+    return msgspec.structs.replace(cluster, devices=tuple(new.get(d.id, d) for d in cluster.devices))
+
+
+def _say(text: str) -> None:
+    click.echo(text, err=True)
 
 
 @click.group()
@@ -213,6 +266,12 @@ def plan_text(plan_file: str) -> None:
     help="How weight bytes count: f16 (what the node runtime holds), or a quantised GGUF's for the simulator only: "
     "q8_0 (8.5 bits per weight), q4_k (4.5), q4_0 (4.5), or bits per weight (e.g. 4.85).",
 )
+@click.option(
+    "--probe",
+    "reprobe",
+    is_flag=True,
+    help="Re-measure the cluster's local and docker devices on this machine first (one probe of the model).",
+)
 @click.option("-o", "--out", help="Plan file to write (JSON); default: standard output.")
 def plan_make(
     model: str,
@@ -227,6 +286,7 @@ def plan_make(
     expert_time_limit: float,
     routing_file: str | None,
     weights: str,
+    reprobe: bool,
     out: str | None,
 ) -> None:
     """Make a plan for MODEL on a cluster: which devices, in which order, which blocks each (and, with --experts-on,
@@ -235,6 +295,9 @@ def plan_make(
     with exit_1_on_failure():
         cluster: Cluster = load_cluster(cluster_file)
         graph = model_for(model, max_context, weights)
+        if reprobe:
+            cluster = _probed(cluster, graph)
+        _warn_measured(cluster)
         goal = Objective(kind=objective, requests=requests)  # type: ignore[arg-type]
         if experts_on is None:
             doc = policy_plan(policy, graph, cluster, goal)
@@ -300,9 +363,19 @@ def plan_show(plan_file: str, png: str | None, mermaid_file: str | None, dot_fil
     show_default=True,
     help="Batched serving (serving.batched): up to this many requests per step, weights read once for all of them.",
 )
-def plan_simulate(plan_file: str, requests: int | None, prompt_tokens: int, batch: int) -> None:
+@click.option(
+    "--probe",
+    "reprobe",
+    is_flag=True,
+    help="Re-measure the plan's local and docker devices on this machine first (one probe of the model).",
+)
+def plan_simulate(plan_file: str, requests: int | None, prompt_tokens: int, batch: int, reprobe: bool) -> None:
     """Predict time to first token, per-token latency (its parts, as the trace lists them) and throughput."""
     doc = _load(plan_file)
+    if reprobe:
+        with exit_1_on_failure():
+            doc = with_id(msgspec.structs.replace(doc, cluster=_probed(doc.cluster, doc.model)))
+    _warn_measured(doc.cluster)
     if batch < 1:
         raise click.BadParameter(f"--batch must be at least 1, got {batch}")
     click.echo(simulate(doc, prompt_tokens=prompt_tokens, requests=requests, batch=batch).summary())
@@ -318,13 +391,41 @@ def plan_simulate(plan_file: str, requests: int | None, prompt_tokens: int, batc
     help="Measure a mixture-of-experts model's routing instead: how often each expert of each block is chosen "
     "(JSON for `plan make --routing`).",
 )
-@click.option("--tokens", type=int, default=32, show_default=True, help="--routing: tokens generated per prompt.")
+@click.option(
+    "--tokens",
+    type=int,
+    default=32,
+    show_default=True,
+    help="Decode steps timed per slice (and through the chain, --hop); --routing: tokens generated per prompt.",
+)
 @click.option("--prompt", "prompts", multiple=True, help="--routing: a prompt (repeatable; default: three built in).")
+@click.option(
+    "--hop",
+    "hop_too",
+    is_flag=True,
+    help="Also measure the transport's cost per hop: the model in a running chain of two stages in this process over "
+    "ZeroMQ, the median from one stage's send of a hidden state to the next stage's receipt (a cluster's hop_ms).",
+)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False),
+    help="Also write what was measured as JSON (the device entry with its `measured`, the fit, the hop), as "
+    "`python -m ppharness.plan.consumer --basis FILE` reads it.",
+)
 def plan_probe(
-    model: str, device_id: str, out: str | None, routing: bool, tokens: int, prompts: tuple[str, ...]
+    model: str,
+    device_id: str,
+    out: str | None,
+    routing: bool,
+    tokens: int,
+    prompts: tuple[str, ...],
+    hop_too: bool,
+    json_out: str | None,
 ) -> None:
     """Time per-block decode on this machine (tinygrad's default device) and print the device entry for a
-    cluster file: speed, memory bandwidth, fixed cost per token, memory. With --routing, measure which experts a
+    cluster file: speed, memory bandwidth, fixed cost per token, memory, and what it was measured with. A
+    mixture-of-experts model's slices start at its first MoE block. With --routing, measure which experts a
     mixture-of-experts model's tokens choose instead."""
     if routing:
         with exit_1_on_failure():
@@ -336,6 +437,14 @@ def plan_probe(
         return
     with exit_1_on_failure():
         graph = model_for(model, 256)
-        fit = probe_fit(str(resolve_model(graph.source)), device_id, source=graph.source)
+        path = str(resolve_model(graph.source))
+        ks = block_counts(len(graph.blocks), first_timed_block(path))
+        fit = probe_fit(path, device_id, ks, tokens, source=graph.source, progress=_say)
+        hop = probe_hop(path, tokens, source=graph.source, progress=_say) if hop_too else None
     click.echo(fit.probe_report, err=True)
+    if hop is not None:
+        click.echo(f"{hop.report}; a cluster's hop_ms: {hop.hop_ms:.3f}", err=True)
+    if json_out:
+        Path(json_out).write_text(json.dumps(probe_record(fit, hop), indent=1) + "\n")
+        click.echo(f"written: {json_out}", err=True)
     _write(msgspec.yaml.encode([msgspec.to_builtins(fit.device)]).decode(), out)

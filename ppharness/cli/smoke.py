@@ -11,6 +11,9 @@ import click
 
 from ppharness.cli.common import SCENARIO_HELP, fail, load_scenario_or_fail, run_and_report
 from ppharness.model.files import cache_dir
+from ppharness.plan.doc import load_plan
+from ppharness.plan.simulate import compare, simulate
+from ppharness.plan.validation import jsonl_path, read_trace
 
 
 @click.command(name="pp-smoke-run")
@@ -77,21 +80,40 @@ def smoke_run(
         fail("--api-key and --vastai-url apply only with --vastai")
     if plan_file is not None and trace_path is None and not no_trace:
         trace_path = str(_default_trace(plan_file))
+    scenario = load_scenario_or_fail(
+        scenario_file,
+        num_stages=num_stages,
+        transport=transport,
+        provider=provider,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        plan=plan_file,
+    )
+    started = time.time()
     run_and_report(
-        load_scenario_or_fail(
-            scenario_file,
-            num_stages=num_stages,
-            transport=transport,
-            provider=provider,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            plan=plan_file,
-        ),
+        scenario,
         quiet=quiet,
         run_label=run_label,
         trace_path=trace_path,
         trace=False if no_trace else None,
     )
+    if scenario.plan is not None:
+        print_prediction(scenario.plan, trace_path or scenario.trace.path, started)
+
+
+def print_prediction(plan_file: str, trace_path: str | None, started: float) -> None:
+    """A plan run's prediction (``ppharness plan simulate``'s rows) beside what this run's trace measured, row for
+    row, with the error; said plainly when the run left no trace to hold it against."""
+    jsonl = jsonl_path(trace_path) if trace_path else None
+    if jsonl is None or not jsonl.is_file() or jsonl.stat().st_mtime < started:
+        click.echo(
+            "\nthe plan's prediction is not compared with this run: it wrote no trace file (--no-trace, a scenario "
+            "tracing without a path, or a stage replaced mid-run)"
+        )
+        return
+    prediction = simulate(load_plan(plan_file))
+    click.echo("\npredicted (ppharness plan simulate) against measured (this run's trace):")
+    click.echo(compare(prediction, read_trace(jsonl, "of this run"), first_token=False))
 
 
 def _default_trace(plan_file: str) -> Path:

@@ -2,10 +2,11 @@
 
 Each shows every node (its device, its ops, what it needs of its device's memory and its predicted time per token)
 and every edge (what it carries and its predicted time per token; the token edge dashed, experts edges dotted). The
-times are the cost model's (``ppharness.plan.cost``), as ``simulate`` adds them up. Where the plan places the experts
-of a mixture-of-experts model, a stage's time leaves out its blocks' routed experts, an expert node's time is the
-expert work it is expected to do per token, an experts edge shows one request for one expert, and the table lists
-each block's predicted fan-out time (``ppharness.plan.fanout``), which the per-token total includes.
+times are the cost model's (``ppharness.plan.cost``); the per-token total is ``simulate``'s, the CPU-quota wait
+included, so that ``plan show``, ``plan make`` and ``plan simulate`` give one figure for one plan. Where the plan
+places the experts of a mixture-of-experts model, a stage's time leaves out its blocks' routed experts, an expert
+node's time is the expert work it is expected to do per token, an experts edge shows one request for one expert, and
+the table lists each block's predicted fan-out time (``ppharness.plan.fanout``), which the per-token total includes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ppharness.plan import cost
 from ppharness.plan.check import gib, node_kv, node_memory, node_weights
 from ppharness.plan.doc import Edge, ExpertGroup, Node, PlanDoc, loop, plan_id
 from ppharness.plan.fanout import LayerTime, layer_times
+from ppharness.plan.simulate import simulate
 from ppharness.plan.text import op_text
 
 SPELLED_GROUPS = 4  # a node with more expert groups than this shows them as a count (its text form has them all)
@@ -66,13 +68,6 @@ def _nbytes(n: int) -> str:
     return f"{n} B" if n < 1 << 10 else f"{n / (1 << 10):.1f} KiB" if n < 1 << 20 else gib(n)
 
 
-def _per_token_ms(doc: PlanDoc, layers: list[LayerTime]) -> float:
-    nodes = [n for n in doc.placement.nodes if not n.expert_only]
-    edges = [e for e in doc.placement.edges if e.kind != "experts"] if len(nodes) > 1 else []
-    total = sum(_node_ms(doc, n, layers) for n in nodes) + sum(_edge_ms(doc, e) for e in edges)
-    return total + sum(t.ms for t in layers) if layers else total
-
-
 def _layers(doc: PlanDoc) -> list[LayerTime]:
     """The fan-out times of a plan that places experts (none otherwise, or for a plan without an entry)."""
     try:
@@ -109,8 +104,13 @@ def table(doc: PlanDoc) -> str:
         lines.append(f"{'experts of block':<17} {'owner':<16} {'expert nodes':<33} {'ms/token':>9}")
         for t in layers:
             lines.append(f"{t.layer:<17} {t.owner:<16} {', '.join(t.remote) or '(all its own)':<33} {t.ms:>9.3f}")
-    ms = _per_token_ms(doc, layers)
-    lines.append(f"per token {ms:.3f} ms ({1e3 / ms if ms > 0 else math.inf:.1f} tok/s, one request)")
+    prediction = simulate(doc)
+    if prediction.quota_wait_ms:
+        lines.append(
+            f"cpu quota wait {prediction.quota_wait_ms:.3f} ms per token: {prediction.bottleneck} keeps its device's "
+            f"CPU share busy {prediction.bottleneck_ms:.3f} ms per token"
+        )
+    lines.append(f"per token {prediction.per_token_ms:.3f} ms ({prediction.tok_s:.1f} tok/s, one request)")
     return "\n".join(lines)
 
 
@@ -209,10 +209,10 @@ def draw_png(doc: PlanDoc, path: str | Path) -> Path:
         ax.annotate("", xy=end, xytext=start, arrowprops=style | {"connectionstyle": "arc3,rad=0.15"})
         mx, my = (start[0] + end[0]) / 2, (start[1] + end[1]) / 2
         ax.text(mx, my, label, fontsize=7, ha="center", va="center", backgroundcolor="white")
-    ms = _per_token_ms(doc, layers)
-    tok_s = 1e3 / ms if ms > 0 else math.inf
+    prediction = simulate(doc)
     fig.suptitle(
-        f"plan {doc.id or plan_id(doc)}: {tok_s:.1f} tok/s predicted ({ms:.3f} ms per token)",
+        f"plan {doc.id or plan_id(doc)}: {prediction.tok_s:.1f} tok/s predicted ({prediction.per_token_ms:.3f} ms per "
+        "token)",
         fontsize=11,
     )
     out = Path(path)

@@ -96,6 +96,13 @@ class Prediction:
         per = self.usd_per_token
         return None if per is None else per * 1e6
 
+    @property
+    def quota_wait_ms(self) -> float:
+        """How much longer than its rows a token takes because a node's CPU quota bounds the loop (``cost.loop_ms``:
+        the busiest node's time over its share); 0 when no quota does. ``per_token_ms`` includes it."""
+        wait = self.per_token_ms - sum(r.ms for r in self.rows)
+        return wait if wait > 1e-9 else 0.0
+
     def parts(self) -> dict[str, float]:
         """Row name -> predicted ms, and ``per token``: the shape of ``Trace.p50_parts``."""
         out = {r.name: r.ms for r in self.rows}
@@ -126,8 +133,8 @@ class Prediction:
                 f"{r.name:<22} {r.ms:>12.3f} {r.nbytes if r.nbytes else '':>8} {_share(r.ms, self.per_token_ms):>7}  "
                 f"{r.device}"
             )
-        wait = self.per_token_ms - sum(r.ms for r in self.rows)
-        if wait > 1e-9:  # a node's CPU quota bounds the loop (ppharness.plan.cost.loop_ms)
+        wait = self.quota_wait_ms
+        if wait:  # a node's CPU quota bounds the loop (ppharness.plan.cost.loop_ms)
             lines.append(
                 f"{'cpu quota wait':<22} {wait:>12.3f} {'':>8} {_share(wait, self.per_token_ms):>7}  {self.bottleneck}"
             )
@@ -239,10 +246,12 @@ def _experts_row(doc: PlanDoc, t: LayerTime, serving: dict[str, float]) -> Row:
     )
 
 
-def compare(prediction: Prediction, trace: Trace) -> str:
+def compare(prediction: Prediction, trace: Trace, first_token: bool = True) -> str:
     """Predicted against measured p50 (over the trace's decode tokens), row for row, with the error of the prediction
-    in % of the measurement; then the trace's components the cost model has no row for (serialisation, "other"), the
-    per-token total and the first token."""
+    in % of the measurement; the CPU-quota wait the prediction adds (no trace row measures it: the token waits inside
+    the others); one line for the trace's rows the cost model does not predict (deserialise, tokenize, serialise,
+    "other": a node's fixed cost per token stands for them), with the sum of their p50s; the per-token total; and,
+    when ``first_token``, the first token against the prediction's prefill of ``prompt_tokens``."""
     measured = trace.p50_parts()
     lines = [
         f"plan {prediction.plan_id} against trace {trace.request_id} ({len(trace.decode)} decode tokens, p50)",
@@ -256,13 +265,22 @@ def compare(prediction: Prediction, trace: Trace) -> str:
 
     for row in prediction.rows:
         lines.append(line(row.name, row.ms, measured.get(row.name), row.device))
+    if prediction.quota_wait_ms:
+        lines.append(
+            line(
+                "cpu quota wait", prediction.quota_wait_ms, None, f"{prediction.bottleneck} (no trace row measures it)"
+            )
+        )
     predicted_names = {row.name for row in prediction.rows}
-    for name, ms in measured.items():
-        if name not in predicted_names and name != "per token":
-            lines.append(line(name, None, ms))
+    rest = {name: ms for name, ms in measured.items() if name not in predicted_names and name != "per token"}
+    if rest:
+        kinds = list(dict.fromkeys(name.split()[-1] for name in rest))
+        total = sum(ms for ms in rest.values() if not math.isnan(ms))
+        lines.append(line("not predicted", None, total, f"{len(rest)} trace rows: {', '.join(kinds)} (sum of p50s)"))
     lines.append(line("per token", prediction.per_token_ms, measured.get("per token")))
-    first = trace.records[0].total_ms if trace.records and trace.records[0].step == 0 else None
-    lines.append(line("first token", prediction.ttft_ms, first))
+    if first_token:
+        first = trace.records[0].total_ms if trace.records and trace.records[0].step == 0 else None
+        lines.append(line("first token", prediction.ttft_ms, first, f"prefill of {prediction.prompt_tokens} tokens"))
     return "\n".join(lines)
 
 
