@@ -4,11 +4,14 @@ environment encoding and its supervision of real processes."""
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
 import textwrap
 import time
+import zlib
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -18,10 +21,11 @@ from backends.vastai.offers import offer_query
 from backends.vastai.rentals import instance_env, port_requests, rentals
 from backends.vastai.settings import VastaiSettings
 from ppharness.errors import ProvisionFailed
-from ppharness.run.host import COUNT_VAR, HostError, host_env, run_host, split_env
+from ppharness.run.host import COUNT_VAR, OWN_VAR, HostError, host_env, run_host, split_env
 from ppharness.seams.provider import NodeSpec
 
 EIGHT = {"gpu_name": "RTX_4090", "num_gpus": "8"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _spec(name: str, stage: int, **kw: object) -> NodeSpec:
@@ -96,7 +100,7 @@ def test_each_node_binds_its_own_port_and_the_instance_opens_them():
     assert port_requests(iroh[0]) == ("7100/udp",), "QUIC needs its UDP port opened"
 
 
-_NAMES = st.from_regex(r"[A-Z][A-Z0-9_]{0,8}", fullmatch=True).filter(lambda n: not n.startswith("PP_N"))
+_NAMES = st.from_regex(r"[A-Z][A-Z0-9_]{0,8}", fullmatch=True).filter(lambda n: not n.startswith("PP_HOST"))
 
 
 @given(st.lists(st.dictionaries(_NAMES, st.text(max_size=20), max_size=6), min_size=1, max_size=8))
@@ -111,7 +115,11 @@ def test_a_hosts_environment_gives_each_node_exactly_its_own(envs):
     [
         ({}, "whole number"),
         ({COUNT_VAR: "0"}, "1 to 64"),
-        ({COUNT_VAR: "1", "PP_N3_STAGE": "1"}, "node 3 of a host of 1"),
+        ({COUNT_VAR: "1"}, "PP_HOST_OWN must be the nodes' own entries"),
+        ({COUNT_VAR: "1", OWN_VAR: "zlib:!!"}, "PP_HOST_OWN is not the nodes' own entries"),
+        ({**host_env([{"A": "1"}]), COUNT_VAR: "2"}, "holds 1 node"),
+        ({COUNT_VAR: "1", OWN_VAR: "zlib:" + base64.b64encode(zlib.compress(b"[1]")).decode()}, "a list of objects"),
+        ({COUNT_VAR: "1", OWN_VAR: "zlib:" + base64.b64encode(zlib.compress(b" " * (17 << 20))).decode()}, "inflates"),
     ],
 )
 def test_a_broken_host_environment_is_refused(env, says):
@@ -141,6 +149,34 @@ def test_pp_host_runs_each_node_and_the_first_to_end_ends_the_others(tmp_path, c
     for k in range(3):
         assert f"[node {k}] node {k} on GPU {k}" in out
     assert "node 1 exited with code 3" in out
+
+
+def test_a_kimi_host_fits_one_instances_environment():
+    """The west host of scenarios/kimi-vastai.json runs four nodes whose programs, compressed one by one, would not
+    fit vast.ai's 32 KiB of environment; compressed together they do, and each node gets its program back."""
+    from backends.vastai.offers import ENV_TOTAL_MAX, encode_env
+    from ppharness.plan.compile import load_compiled, programs
+    from ppharness.plan.stages import decode_program, encode_program
+
+    _, compiled = load_compiled(str(ROOT / "scenarios" / "kimi-vastai.json"))
+    specs = [
+        NodeSpec(
+            f"n{i}",
+            {"STAGE": str(i), "PLAN": encode_program(p), "TRANSPORT": "zmq"},
+            host=d.source.host,
+            gpu=d.source.gpu,
+            offer=d.source.offer,
+        )
+        for i, (p, d) in enumerate(zip(programs(compiled, {}), compiled.all_devices))
+    ]
+    hosts = rentals(specs, VastaiSettings())
+    assert len(hosts) == 2
+    for rental in hosts:
+        env = instance_env(rental, {})
+        entries, _ = encode_env(env, port_requests(rental))
+        assert sum(len(k) + len(v) for k, v in entries.items()) <= ENV_TOTAL_MAX
+        for node, spec in zip(split_env(env), rental.specs):
+            assert decode_program(node["PLAN"]) == decode_program(spec.env["PLAN"])
 
 
 def test_pp_host_without_nodes_exits_1_with_the_reason():

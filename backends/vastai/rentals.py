@@ -7,7 +7,7 @@ Pure functions of the node specs and the scenario's ``provider.vastai`` settings
   ``num_gpus`` GPUs, a node per GPU, ``pp-host`` starting them); any other node is an instance of its own. Each
   instance's search is the scenario's settings with its device's ``source.offer`` applied
   (``ProviderSettings.for_device``); instances with equal searches are found by one search.
-- ``instance_env``: the node (or the host's nodes, ``ppharness.run.host``'s encoding) with what each node needs on a
+- ``instance_env``: the node (or the host's nodes, in ``ppharness.run.host``'s encoding) with what each node needs on a
   rented machine: its own container port ``PP_PORT`` (``node_port`` + its index in the run), requested as
   ``-p P:P`` (udp for iroh) so that vast.ai maps it to a public port the node reads from ``VAST_TCP_PORT_<P>`` /
   ``VAST_UDP_PORT_<P>`` and advertises with ``PUBLIC_IPADDR``; ``PP_BIND_HOST=0.0.0.0``; ``CUDA_VISIBLE_DEVICES`` for
@@ -24,6 +24,7 @@ from backends.vastai.offers import NODE_COMMAND
 from backends.vastai.settings import VastaiSettings
 from ppharness.document.explain import FieldError
 from ppharness.errors import ProvisionFailed
+from ppharness.plan.stages import decode_program
 from ppharness.run.host import host_env
 from ppharness.seams.provider import NodeSpec
 
@@ -97,9 +98,16 @@ def node_env(spec: NodeSpec, port: int) -> dict[str, str]:
 
 
 def instance_env(rental: Rental, extra: dict[str, str]) -> dict[str, str]:
-    """The instance's environment: its node's (``extra`` added), or its host's nodes' in ``pp-host``'s encoding."""
+    """The instance's environment: its node's (``extra`` added), or its host's nodes' in ``pp-host``'s encoding, each
+    node's program as plain JSON there (the host's entries are compressed together, and programs compressed one by
+    one would not compress again)."""
     envs = [node_env(s, rental.ports[s.name]) | extra for s in rental.specs]
-    return envs[0] if len(envs) == 1 else host_env(envs)
+    if len(envs) == 1:
+        return envs[0]
+    for env in envs:
+        if "PLAN" in env:
+            env["PLAN"] = msgspec.json.encode(decode_program(env["PLAN"])).decode()
+    return host_env(envs)
 
 
 def port_requests(rental: Rental) -> tuple[str, ...]:

@@ -4,77 +4,91 @@ A rented machine with K GPUs runs one instance and so one command. A plan placin
 same ``source.host``) gives that command one environment holding all of them:
 
 - ``PP_HOST_NODES=K``;
-- entries every node shares, as they are (``SEED_ADDR``, ``MODEL``, ...);
-- each node's own entries with the prefix ``PP_N<k>_`` (``PP_N0_STAGE``, ``PP_N0_PLAN``, ``PP_N0_CUDA_VISIBLE_DEVICES``,
-  ...), ``k`` from 0.
+- entries every node shares, as they are (``SEED_ADDR``, ``MODEL``, ``PP_BIND_HOST``, ...);
+- ``PP_HOST_OWN``: each node's own entries (``STAGE``, ``PLAN``, ``PP_PORT``, ``CUDA_VISIBLE_DEVICES``, ...), a JSON
+  list of K objects, compressed together (``zlib:`` and base64, as a long ``PLAN`` is): the nodes of one host have
+  much in common (the run's keys, their programs' shape), so the host's environment stays within what one instance
+  may carry (vast.ai: 32 KiB) where K programs compressed one by one would not. Decompression stops at
+  ``MAX_OWN_BYTES``.
 
-``pp-host`` starts node k with the shared entries plus its own (prefix removed), each line of its output prefixed
-with ``[node k]``. It ends when the first node ends: the others are stopped (SIGTERM, then SIGKILL after
-``GRACE_S``) and it exits with that node's code, so the instance's status says a node failed as it would for one
-node. SIGTERM and SIGINT are passed on to every node. ``split_env``/``host_env`` are the two directions of the
-encoding; the vast.ai provider writes it, ``pp-host`` reads it.
+``pp-host`` starts node k with the shared entries plus its own, each line of its output prefixed with ``[node k]``. It
+ends when the first node ends: the others are stopped (SIGTERM, then SIGKILL after ``GRACE_S``) and it exits with
+that node's code, so the instance's status says a node failed as it would for one node. SIGTERM and SIGINT are
+passed on to every node. ``host_env``/``split_env`` are the two directions of the encoding; the vast.ai provider
+writes it, ``pp-host`` reads it.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Mapping
 from types import FrameType
 from typing import IO
 
-COUNT_VAR = "PP_HOST_NODES"
+COUNT_VAR, OWN_VAR = "PP_HOST_NODES", "PP_HOST_OWN"
 MAX_NODES = 64  # GPUs of one machine, with room to spare
+MAX_OWN_BYTES = 16 << 20
+ZLIB_PREFIX = "zlib:"
 GRACE_S = 5.0
 POLL_S = 0.2
-_PREFIX = re.compile(r"^PP_N(\d{1,2})_(.+)$")
 
 
 class HostError(ValueError):
     """The environment does not describe the nodes of a host."""
 
 
-def node_prefix(k: int) -> str:
-    return f"PP_N{k}_"
-
-
 def host_env(envs: list[dict[str, str]]) -> dict[str, str]:
-    """One environment for the nodes ``envs``: what they share, and each one's own entries under ``PP_N<k>_``."""
+    """One environment for the nodes ``envs``: what they share, and each one's own entries in ``PP_HOST_OWN``."""
     if not 1 <= len(envs) <= MAX_NODES:
         raise HostError(f"a host runs 1 to {MAX_NODES} nodes, not {len(envs)}")
     shared = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs[1:])}
-    out = {COUNT_VAR: str(len(envs)), **shared}
-    for k, env in enumerate(envs):
-        out.update({node_prefix(k) + name: value for name, value in env.items() if name not in shared})
-    return out
+    own = [{name: value for name, value in env.items() if name not in shared} for env in envs]
+    packed = ZLIB_PREFIX + base64.b64encode(zlib.compress(json.dumps(own, separators=(",", ":")).encode(), 9)).decode()
+    return {COUNT_VAR: str(len(envs)), OWN_VAR: packed, **shared}
 
 
 def split_env(env: Mapping[str, str]) -> list[dict[str, str]]:
-    """Each node's environment from a host's (``host_env``'s inverse; entries of neither kind are shared)."""
+    """Each node's environment from a host's (``host_env``'s inverse)."""
     try:
         count = int(env.get(COUNT_VAR, ""))
     except ValueError:
         raise HostError(f"{COUNT_VAR} must be a whole number of nodes, 1 to {MAX_NODES}") from None
     if not 1 <= count <= MAX_NODES:
         raise HostError(f"{COUNT_VAR} must be 1 to {MAX_NODES}, not {count}")
-    shared: dict[str, str] = {}
-    own: list[dict[str, str]] = [{} for _ in range(count)]
-    for name, value in env.items():
-        m = _PREFIX.match(name)
-        if name == COUNT_VAR:
-            continue
-        if m is None:
-            shared[name] = value
-        elif int(m[1]) < count:
-            own[int(m[1])][m[2]] = value
-        else:
-            raise HostError(f"{name}: node {m[1]} of a host of {count} ({COUNT_VAR})")
+    own = _own_entries(env.get(OWN_VAR, ""))
+    if len(own) != count:
+        raise HostError(f"{OWN_VAR} holds {len(own)} node(s), {COUNT_VAR} says {count}")
+    shared = {k: v for k, v in env.items() if k not in (COUNT_VAR, OWN_VAR)}
     return [shared | mine for mine in own]
+
+
+def _own_entries(packed: str) -> list[dict[str, str]]:
+    if not packed.startswith(ZLIB_PREFIX):
+        raise HostError(f"{OWN_VAR} must be the nodes' own entries, zlib: and base64")
+    try:
+        inflater = zlib.decompressobj()
+        raw = inflater.decompress(base64.b64decode(packed[len(ZLIB_PREFIX) :], validate=True), MAX_OWN_BYTES)
+    except (ValueError, zlib.error) as exc:
+        raise HostError(f"{OWN_VAR} is not the nodes' own entries: {type(exc).__name__}") from None
+    if inflater.unconsumed_tail or not inflater.eof:
+        raise HostError(f"{OWN_VAR} inflates past {MAX_OWN_BYTES:,} bytes or is cut short")
+    try:
+        own = json.loads(raw)
+    except ValueError:
+        raise HostError(f"{OWN_VAR} is not the nodes' own entries: not JSON") from None
+    if not isinstance(own, list) or not all(
+        isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items()) for d in own
+    ):
+        raise HostError(f"{OWN_VAR} must be a list of objects of text entries, one per node")
+    return own
 
 
 def _relay(k: int, stream: IO[bytes]) -> None:

@@ -6,8 +6,8 @@ sets in a container: ``CONTAINER_API_KEY``, ``CONTAINER_ID``, ``VAST_CONTAINERLA
 whitespace, as vast.ai's) and ``VAST_TCP_PORT_<P>`` / ``VAST_UDP_PORT_<P>`` (the public port of each published
 container port P), plus ``PP_VASTAI_EMULATOR``; and nothing secret.
 
-``PP_BIND_HOST`` is the instance's own address (``network.reserve_address``), whatever the client sent (also for
-each node of a ``pp-host`` instance, whose own ``PP_N<k>_PP_BIND_HOST`` entries are dropped): the emulator has no
+``PP_BIND_HOST`` is the instance's own address (``network.reserve_address``), whatever the client sent (for every
+node of a ``pp-host`` instance too: the provider gives them one bind host, an entry they share): the emulator has no
 network namespace per container, and this address stands in for the container's own interface, which a node binds
 with ``0.0.0.0`` on vast.ai. So two instances binding the same container port never collide, and others reach what
 a node binds as they do on vast.ai: at the public address through the published ports (and, as on one host's
@@ -46,7 +46,6 @@ EMULATOR_VAR = "PP_VASTAI_EMULATOR"
 BIND_HOST_VAR = "PP_BIND_HOST"
 CHECK_S = 0.5
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.I)
-_NODE_BIND_HOST = re.compile(r"^PP_N\d+_PP_BIND_HOST$")
 
 
 def container_argv(inst: EmuInstance) -> list[str]:
@@ -75,8 +74,8 @@ def instance_extras(inst: EmuInstance, emulator_id: str) -> dict[str, str]:
 
 
 def client_entries(inst: EmuInstance) -> dict[str, str]:
-    """The client's environment entries less the per-node bind hosts of a ``pp-host`` instance (module docstring)."""
-    return {k: v for k, v in inst.env.items() if not _NODE_BIND_HOST.match(k)}
+    """The client's environment entries."""
+    return dict(inst.env)
 
 
 def node_environment(client_env: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
