@@ -204,6 +204,10 @@ def test_nothing_measured_is_shown_as_a_dash_and_written_as_null(tmp_path: Path)
     write_json(res, str(tmp_path / "chaos.json"))
     written = json.loads((tmp_path / "chaos.json").read_text())
     assert written["summary"]["next_token_p50_s"] is None and written["overhead"] is None
+    # what it was measured with travels with the figures
+    made = written["provenance"]
+    assert {"ppharness", "tinygrad", "engine", "commit", "host", "date", "device", "hardware"} <= set(made)
+    assert made["engine"].startswith("ppharness ") and made["date"].endswith("+00:00") and made["device"]
 
 
 # --- on real processes ----------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from ppharness.benchmarks.provenance import stamped
 from ppharness.benchmarks.transport import run_transport_bench
 from ppharness.errors import HarnessError
 from ppharness.model.decoding import warm_up
@@ -150,7 +151,7 @@ def run_chain_bench(
                 )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(asdict(res) | {"medians_tok_s": res.medians()}, indent=2))
+    (out / "bench.json").write_text(json.dumps(stamped(asdict(res) | {"medians_tok_s": res.medians()}), indent=2))
     plot(res, out / "bench.png")
     return res
 

@@ -42,6 +42,7 @@ from typing import Literal
 
 import msgspec
 
+from ppharness.benchmarks.provenance import stamped
 from ppharness.model.oracle import oracle_decode
 from ppharness.network.spec import Bursty, Event, Impairment, Network, stage_node
 from ppharness.run.failover import Recovery
@@ -586,7 +587,7 @@ def to_json(res: ChaosResult) -> dict[str, object]:
 
 def write_json(res: ChaosResult, path: str) -> None:
     # NaN is not JSON: a figure nothing measured is null
-    text = json.dumps(_nan_to_none(to_json(res)), indent=1)
+    text = json.dumps(_nan_to_none(stamped(to_json(res))), indent=1)
     Path(path).write_text(text + "\n")
 
 

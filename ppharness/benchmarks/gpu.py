@@ -24,6 +24,7 @@ import msgspec
 
 from ppharness.benchmarks.chain import _scenario
 from ppharness.benchmarks.floor import BlockCost, block_cost
+from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
 from ppharness.model import kernels
 from ppharness.model.decoding import warm_up
@@ -145,7 +146,7 @@ def run_gpu_bench(
     out.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        (out / "gpu-bench.json").write_text(json.dumps(asdict(res), indent=2))
+        (out / "gpu-bench.json").write_text(json.dumps(stamped(asdict(res)), indent=2))
 
     save()
     progress(f"single process: {one.median_tok_s():.1f} tok/s")

@@ -29,6 +29,7 @@ from pathlib import Path
 import msgspec
 
 from ppharness.benchmarks.chain import _scenario as chain_scenario
+from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
 from ppharness.model.decoding import warm_up
 from ppharness.model.files import resolve_model
@@ -227,7 +228,7 @@ def run_load_bench(
         res.most_in_flight = _most_in_flight(answered)
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(asdict(res), indent=2) + "\n")
+        Path(json_out).write_text(json.dumps(stamped(asdict(res)), indent=2) + "\n")
     return res
 
 

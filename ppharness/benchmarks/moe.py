@@ -29,6 +29,7 @@ from pathlib import Path
 import msgspec
 
 from ppharness.benchmarks.plan import PROMPT, oracle_prompt_tokens, plan_scenario, run_plan
+from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
 from ppharness.model.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile
@@ -238,12 +239,12 @@ def run_moe_bench(
             f"({case.error_pct:+.1f} %)"
         )
         res.wall_s = time.monotonic() - t0
-        (out / "bench-moe.json").write_text(json.dumps(asdict(res), indent=1))
+        (out / "bench-moe.json").write_text(json.dumps(stamped(asdict(res)), indent=1))
     if in_flight > 1:
         doc = moe_plan(path, source, max_context, expert_nodes, 0.0, fit.device, calibration)
         serve_batched(res, doc, out / "plans" / "moe-batched.json", path, tokens, repeats, in_flight, progress)
         res.wall_s = time.monotonic() - t0
-        (out / "bench-moe.json").write_text(json.dumps(asdict(res), indent=1))
+        (out / "bench-moe.json").write_text(json.dumps(stamped(asdict(res)), indent=1))
     return res
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import msgspec
 
+from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
 from ppharness.model.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile
@@ -285,7 +286,7 @@ def run_plan_bench(
 
 
 def write_json(res: PlanBenchResult, path: Path) -> None:
-    path.write_text(json.dumps(asdict(res), indent=1) + "\n")
+    path.write_text(json.dumps(stamped(asdict(res)), indent=1) + "\n")
 
 
 def report(res: PlanBenchResult) -> str:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, TextIO, cast
 
+from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
 from ppharness.registry import transport_class
 from ppharness.seams.transport import JsonObject
@@ -303,7 +304,7 @@ def run_transport_bench(
     _print(rows, repeats, out)
     if json_out:
         with open(json_out, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=2)
+            json.dump(stamped({"rows": [asdict(r) for r in rows]}), f, indent=2)
     return rows
 
 

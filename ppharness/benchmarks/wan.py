@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Literal, TextIO
 
+from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
 from ppharness.network.bridge import Bridge
 from ppharness.network.datagram import enable_timestamps, recv_stamped, set_buffers
@@ -376,7 +377,7 @@ def _fmt(value: float, unit: str) -> str:
 
 def write_json(cal: Calibration, path: str) -> None:
     """The calibration as JSON (a figure that could not be measured is null)."""
-    doc = {"seed": cal.seed, "met": cal.met, "cases": [asdict(r) for r in cal.cases]}
+    doc = stamped({"seed": cal.seed, "met": cal.met, "cases": [asdict(r) for r in cal.cases]})
     with open(path, "w") as f:
         json.dump(_no_nan(doc), f, indent=2, allow_nan=False)
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
+from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
 from ppharness.model.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile
@@ -411,7 +412,7 @@ def _finite(value: object) -> object:
 
 
 def write_json(res: WanBenchResult, path: Path) -> None:
-    path.write_text(json.dumps(_finite(asdict(res) | {"met": res.met}), indent=2))
+    path.write_text(json.dumps(_finite(stamped(asdict(res) | {"met": res.met})), indent=2))
 
 
 def plot(res: WanBenchResult, path: Path) -> bool:

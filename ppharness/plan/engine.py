@@ -18,9 +18,10 @@ import functools
 import hashlib
 import importlib.metadata
 import os
+import platform
 import subprocess
 import tomllib
-from datetime import date
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 import msgspec
@@ -187,3 +188,40 @@ def stale_warnings(cluster: Cluster, engine: str | None = None) -> list[str]:
 def _names(ids: list[str]) -> str:
     shown = ", ".join(ids[:NAMES_SHOWN])
     return shown if len(ids) <= NAMES_SHOWN else f"{shown} and {len(ids) - NAMES_SHOWN} more"
+
+
+def git_commit() -> str:
+    """The commit of the checkout ppharness runs from (``+dirty`` with uncommitted changes), or "" outside one."""
+    root = PYPROJECT.parent
+    if not (root / ".git").exists():
+        return ""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    if head.returncode != 0:
+        return ""
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
+def provenance(backend: str) -> dict[str, str]:
+    """What a benchmark's JSON says it was measured with: versions, the engine, the commit, this host, the time (UTC)
+    and the device (``backend``: tinygrad's, e.g. CPU or CUDA)."""
+    return {
+        "ppharness": _version("ppharness"),
+        "tinygrad": _version("tinygrad"),
+        "engine": engine_id(),
+        "commit": git_commit(),
+        "host": platform.node(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": backend,
+        "hardware": hardware(backend),
+    }

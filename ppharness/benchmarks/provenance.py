@@ -1,0 +1,18 @@
+"""Every benchmark's JSON says what it was measured with: a ``provenance`` object (``ppharness.plan.engine.
+provenance``: versions, the engine id, the commit, the host, the time and the device) beside the figures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinygrad.device import Device
+
+from ppharness.plan.engine import provenance
+
+KEY = "provenance"
+
+
+def stamped(doc: dict[str, Any], device: str | None = None) -> dict[str, Any]:
+    """``doc`` with its ``provenance`` (``device``: tinygrad's device the figures were measured on, default this
+    process's)."""
+    return {KEY: provenance(device or str(Device.DEFAULT)), **doc}
