@@ -586,9 +586,8 @@ def to_json(res: ChaosResult) -> dict[str, object]:
 
 
 def write_json(res: ChaosResult, path: str) -> None:
-    # NaN is not JSON: a figure nothing measured is null
-    text = json.dumps(_nan_to_none(stamped(to_json(res))), indent=1)
-    Path(path).write_text(text + "\n")
+    """The report and its provenance as JSON; NaN is not JSON: a figure nothing measured is null."""
+    Path(path).write_text(json.dumps(_nan_to_none(stamped(to_json(res))), indent=1) + "\n")
 
 
 def _nan_to_none(v: object) -> object:

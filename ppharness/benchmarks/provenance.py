@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tinygrad.device import Device
-
 from ppharness.plan.engine import provenance
 
 KEY = "provenance"
@@ -15,4 +13,8 @@ KEY = "provenance"
 def stamped(doc: dict[str, Any], device: str | None = None) -> dict[str, Any]:
     """``doc`` with its ``provenance`` (``device``: tinygrad's device the figures were measured on, default this
     process's)."""
-    return {KEY: provenance(device or str(Device.DEFAULT)), **doc}
+    if device is None:
+        from tinygrad.device import Device  # tinygrad's device only when a benchmark writes its figures
+
+        device = str(Device.DEFAULT)
+    return {KEY: provenance(device), **doc}
