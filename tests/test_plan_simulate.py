@@ -182,6 +182,16 @@ def test_show_mentions_every_node_and_edge():
     assert f"{ms:.3f}" in t and f"{ms:.3f} ms" in m
 
 
+def test_a_node_box_of_the_png_holds_its_text():
+    from ppharness.plan.show import BOX_CHARS, BOX_LINES, _boxed
+
+    long = ", ".join(f"experts[{i}][0-{i}]" for i in range(40))
+    lines = _boxed(long).split("\n")
+    assert len(lines) == BOX_LINES and all(len(line) <= BOX_CHARS for line in lines)
+    assert lines[-1].endswith("…"), "what does not fit is cut, visibly"
+    assert _boxed("embed, blk[0:6]") == "embed, blk[0:6]"
+
+
 def test_draw_png_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     out = draw_png(_plan(), tmp_path / "plan.png")

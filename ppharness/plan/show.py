@@ -12,6 +12,7 @@ the table lists each block's predicted fan-out time (``ppharness.plan.fanout``),
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 from ppharness.plan import cost
@@ -22,6 +23,16 @@ from ppharness.plan.simulate import simulate
 from ppharness.plan.text import op_text
 
 SPELLED_GROUPS = 4  # a node with more expert groups than this shows them as a count (its text form has them all)
+BOX_CHARS, BOX_LINES = 22, 3  # what a node box of the PNG holds per line, and lines of ops at most
+
+
+def _boxed(text: str) -> str:
+    """``text`` as it fits a node's box: wrapped at ``BOX_CHARS`` characters, at most ``BOX_LINES`` lines, the rest
+    cut with an ellipsis (``plan text`` prints it whole)."""
+    lines = textwrap.wrap(text, BOX_CHARS, break_long_words=True) or [""]
+    if len(lines) > BOX_LINES:
+        lines = [*lines[: BOX_LINES - 1], lines[BOX_LINES - 1][: BOX_CHARS - 1] + "…"]
+    return "\n".join(lines)
 
 
 def ops_text(node: Node) -> str:
@@ -154,9 +165,11 @@ def draw_png(doc: PlanDoc, path: str | Path) -> Path:
     each a box with its device, ops and ms per token; an arrow per edge with its ms (the token edge dashed, experts
     edges dotted); the plan id and predicted tokens per second in the title."""
     # matplotlib is an optional extra (ppharness[bench]): loaded only to draw
+    from matplotlib.artist import Artist
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import FancyBboxPatch
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import FancyBboxPatch, Patch
 
     nodes = _ordered(doc)
     layers = _layers(doc)
@@ -192,7 +205,7 @@ def draw_png(doc: PlanDoc, path: str | Path) -> Path:
             )
         )
         who = node.device if node.label == node.device else f"{node.label} on {node.device}"
-        text = f"{who}\n{ops_text(node)}\n{_node_ms(doc, node, layers):.3f} ms"
+        text = f"{_boxed(who)}\n{_boxed(ops_text(node))}\n{_node_ms(doc, node, layers):.3f} ms"
         ax.text(x, y, text, ha="center", va="center", fontsize=8, family="monospace")
     for edge in doc.placement.edges:
         a, b = centres[edge.src], centres[edge.dst]
@@ -209,6 +222,18 @@ def draw_png(doc: PlanDoc, path: str | Path) -> Path:
         ax.annotate("", xy=end, xytext=start, arrowprops=style | {"connectionstyle": "arc3,rad=0.15"})
         mx, my = (start[0] + end[0]) / 2, (start[1] + end[1]) / 2
         ax.text(mx, my, label, fontsize=7, ha="center", va="center", backgroundcolor="white")
+    kinds = {e.kind for e in doc.placement.edges}
+    handles: list[Artist] = [
+        Line2D([], [], color="#335", linestyle="-", label="activation (hidden state) to the next node"),
+        Line2D([], [], color="#335", linestyle="--", label="token back to the entry"),
+    ]
+    if "experts" in kinds:
+        handles.append(Line2D([], [], color="#335", linestyle=":", label="experts: fan-out and gather"))
+    handles += [
+        Patch(facecolor="#fde8d8", edgecolor="#335", label="entry or exit (embed, head)"),
+        Patch(facecolor="#e8f0fe", edgecolor="#335", label="other nodes; each box: device, ops, ms per token"),
+    ]
+    ax.legend(handles=handles, loc="lower left", fontsize=7, frameon=False)
     prediction = simulate(doc)
     fig.suptitle(
         f"plan {doc.id or plan_id(doc)}: {prediction.tok_s:.1f} tok/s predicted ({prediction.per_token_ms:.3f} ms per "
