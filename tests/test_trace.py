@@ -151,3 +151,38 @@ def test_bench_runs_and_its_numbers_are_consistent(tmp_path):
     assert set(res["hop_p50_ms"]) == {"0->1", "1->0"}
     assert all(len(v) == 2 and min(v) > 0 for v in res["peak_rss_mib"].values())
     assert "ratio to single" in r.stdout
+
+
+def test_the_bench_png_without_a_sweep_has_one_panel_and_colours_by_kind(tmp_path):
+    """`ppharness bench --no-sweep` draws the per-token stack alone (no empty panel), its stages' compute in one
+    family of colours and its hops in another, each component its own shade."""
+    import matplotlib.image
+
+    from ppharness.benchmarks.chain import BenchResult, _component_colour, plot
+
+    parts = {f"stage {i} compute": 1.0 for i in range(5)} | {f"hop {i}->{i + 1}": 0.3 for i in range(4)}
+    res = BenchResult(
+        model="synthetic:tiny",
+        num_stages=5,
+        tokens=8,
+        repeats=1,
+        single_tok_s=[100.0],
+        chain_tok_s=[60.0],
+        raw_rtt_ms=0.1,
+        activation_bytes=512,
+        hop_p50_ms=0.3,
+        components_ms=parts,
+        per_token_ms=6.2,
+        components_share={},
+        peak_rss_mib={},
+        sweep_tok_s={},
+        mismatch=None,
+    )
+    plot(res, tmp_path / "bench.png")
+    height, width = matplotlib.image.imread(tmp_path / "bench.png").shape[:2]
+    assert width / height < 1.6, f"one panel, not two: {width}x{height}"
+    colours = [_component_colour(name, parts) for name in parts]
+    assert len(set(colours)) == len(parts), "every component its own shade"
+    blue = [c for name, c in zip(parts, colours) if "compute" in name]
+    orange = [c for name, c in zip(parts, colours) if name.startswith("hop")]
+    assert all(c[2] > c[0] for c in blue) and all(c[0] > c[2] for c in orange), "compute blue, hops orange"

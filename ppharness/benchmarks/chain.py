@@ -210,31 +210,49 @@ def report(res: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def _kind(component: str) -> str:
+    return "compute" if "compute" in component else "hop" if component.startswith("hop") else "other"
+
+
+def _component_colour(name: str, components: dict[str, float]) -> tuple[float, float, float, float]:
+    """A component's colour: its kind's colour map (compute, hop, other), its place among that kind's components."""
+    import matplotlib
+
+    same = [n for n in components if _kind(n) == _kind(name)]
+    shade = 0.35 + 0.55 * (same.index(name) / max(1, len(same) - 1))
+    cmap = {"compute": "Blues", "hop": "Oranges", "other": "Greys"}[_kind(name)]
+    rgba: tuple[float, float, float, float] = matplotlib.colormaps[cmap](shade)
+    return rgba
+
+
 def plot(res: BenchResult, path: Path) -> None:
-    """Two panels: per-token time stacked by component; tokens/s against N."""
+    """Per-token time stacked by component, coloured by kind (stages' compute in blues, hops in oranges, the rest in
+    greys, darker further along the chain); with a sweep, a second panel of tokens/s against N."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 5))
+    sweep = bool(res.sweep_tok_s)
+    fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(12 if sweep else 7, 5), squeeze=False)
+    a = axes[0][0]
     bottom = 0.0
-    cmap = plt.get_cmap("tab20")
-    for i, (name, ms) in enumerate(res.components_ms.items()):
-        a.bar(["per token"], [ms], bottom=[bottom], label=name, color=cmap(i % 20))
+    for name, ms in res.components_ms.items():
+        a.bar(["per token"], [ms], bottom=[bottom], label=name, color=_component_colour(name, res.components_ms))
         bottom += ms
     a.set_ylabel("ms (p50 per component)")
     a.set_title(f"{res.num_stages}-stage zmq chain: per-token time by component")
     a.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    if res.sweep_tok_s:
+    if sweep:
+        b = axes[0][1]
         ns = sorted(res.sweep_tok_s)
         b.plot(ns, [res.sweep_tok_s[n] for n in ns], marker="o", label="chain over zmq")
         b.set_xticks(ns)
-    b.axhline(statistics.median(res.single_tok_s), color="gray", linestyle="--", label="single process")
-    b.set_xlabel("stages (N)")
-    b.set_ylabel("decode tokens/s")
-    b.set_title(f"tokens/s vs N ({res.model})")
-    b.legend()
+        b.axhline(statistics.median(res.single_tok_s), color="gray", linestyle="--", label="single process")
+        b.set_xlabel("stages (N)")
+        b.set_ylabel("decode tokens/s")
+        b.set_title(f"tokens/s vs N ({res.model})")
+        b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
