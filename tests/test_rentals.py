@@ -183,3 +183,22 @@ def test_pp_host_without_nodes_exits_1_with_the_reason():
     env = {k: v for k, v in os.environ.items() if k != COUNT_VAR}
     proc = subprocess.run([sys.executable, "-m", "ppharness.run.host"], env=env, capture_output=True, text=True)
     assert proc.returncode == 1 and "PP_HOST_NODES must be a whole number" in proc.stderr
+
+
+def test_kept_log_folders_do_not_pile_up(tmp_path):
+    """A failed run's log folder is kept for reading; folders beyond the newest few, and older than any run can last,
+    are removed when a new run makes its own, and a recent one is never touched."""
+    from ppharness.seams.provider import prune_kept_logs
+
+    old = time.time() - 2 * 86_400
+    for i in range(6):
+        folder = tmp_path / f"pp-{i}"
+        folder.mkdir()
+        (folder / "pp-stage-0.log").write_text("x")
+        os.utime(folder, (old + i, old + i))
+    recent = tmp_path / "pp-live"
+    recent.mkdir()
+    gone = prune_kept_logs(tmp_path, keep=2)
+    assert sorted(p.name for p in gone) == ["pp-0", "pp-1", "pp-2", "pp-3", "pp-4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pp-5", "pp-live"]
+    assert prune_kept_logs(tmp_path, keep=0, stale_s=86_400) == [tmp_path / "pp-5"], "a recent folder is kept"

@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Self, TypedDict, TypeVar, Unpack, cast
 
 from ppharness.errors import ProviderError
-from ppharness.seams.settings import ProviderSettings
+from ppharness.seams.settings import MAX_SECONDS, ProviderSettings
 
 if TYPE_CHECKING:
     from ppharness.seams.transport import JsonObject
@@ -30,6 +30,29 @@ NodeAction = Literal["pause", "resume", "kill"]
 
 # the scenario's settings section for a provider kind (``provider.<kind>``), or None when the scenario has none
 SettingsT = TypeVar("SettingsT", bound=ProviderSettings | None)
+
+
+LOGS_FOLDER = "ppharness-logs"
+KEEP_LOGS = 20  # kept log folders of failed runs, newest first
+LOGS_STALE_S = MAX_SECONDS  # no run lasts longer (a budget is at most a day): an older folder is no live run's
+
+
+def prune_kept_logs(parent: Path, keep: int = KEEP_LOGS, stale_s: float = LOGS_STALE_S) -> list[Path]:
+    """Remove the folders under ``parent`` beyond the newest ``keep`` that were last changed over ``stale_s`` seconds
+    ago (the kept logs of runs long over); what was removed."""
+    try:
+        folders = sorted((p for p in parent.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return []
+    now, gone = time.time(), []
+    for folder in folders[keep:]:
+        try:
+            if now - folder.stat().st_mtime > stale_s:
+                shutil.rmtree(folder, ignore_errors=True)
+                gone.append(folder)
+        except OSError:
+            continue
+    return gone
 
 
 @dataclass(frozen=True)
@@ -117,10 +140,15 @@ class Provider(abc.ABC, Generic[SettingsT]):
         self._owns_log_dir = False
 
     def node_log_dir(self) -> Path:
-        """The folder for the nodes' output on this machine: the one given, else a temporary folder of this
-        provider's own, removed when the run ends well and kept (and named) when it does not."""
+        """The folder for the nodes' output on this machine: the one given, else a folder of this provider's own under
+        ``<temporary directory>/ppharness-logs/``, removed when the run ends well and kept (and named) when it does
+        not. Kept folders do not pile up: ``prune_kept_logs`` removes all but the newest ``KEEP_LOGS`` of those older
+        than a run's longest budget."""
         if self._log_dir is None:
-            self._log_dir = Path(tempfile.mkdtemp(prefix=f"ppharness-{self.run_label}-"))
+            parent = Path(tempfile.gettempdir()) / LOGS_FOLDER
+            parent.mkdir(exist_ok=True)
+            prune_kept_logs(parent)
+            self._log_dir = Path(tempfile.mkdtemp(prefix=f"{self.run_label}-", dir=parent))
             self._owns_log_dir = True
         return self._log_dir
 
