@@ -1,6 +1,8 @@
-"""pytest hooks and fixtures for ppharness: markers, --num-stages, --scenario, hypothesis profiles, skip-with-reason.
+"""This repository's own pytest set-up: hypothesis profiles, the worker cap, skip-with-reason, the docker tests last.
 
-Decisions (which backends can run here) live in ``tests/availability.py``; this file only acts on them.
+The markers, --num-stages, --scenario, --vastai-real and the fixtures a chain test takes come from the ``ppharness``
+plugin (``ppharness/testing/plugin.py``, the ``pytest11`` entry point), which pytest loads wherever ppharness is
+installed. Decisions (which backends can run here) live in ``tests/availability.py``; this file only acts on them.
 """
 
 from __future__ import annotations
@@ -14,18 +16,11 @@ import pytest
 import tinygrad  # noqa: F401  (raises the recursion limit on import: do it before hypothesis watches it)
 from hypothesis import HealthCheck, settings
 
-from tests.availability import must_fail, unavailable_reason, vastai_reason
+from ppharness.testing import plugin
+from tests.availability import must_fail, unavailable_reason
 
-MARKERS = {
-    "local": "chain on local pp-node processes over real sockets: pytest -m local --num-stages 5",
-    "docker": "needs a Docker daemon (one container per stage): pytest -m docker --num-stages 5",
-    "vastai": "vast.ai provider (emulator by default, real cloud with --vastai-real): pytest -m vastai --num-stages 5",
-    "gpu": "needs a GPU that tinygrad can use: pytest -m gpu",
-    "slow": "left out of the default run (5-stage chains, benchmarks, runs that wait out a failure): pytest -m slow; "
-    ".ci/run runs them",
-}
+PLUGIN = "ppharness"  # the plugin's entry-point name (pyproject.toml)
 ROOT = Path(__file__).resolve().parent
-SLOW_STAGES = 5  # chain tests with this many stages or more are marked slow unless --num-stages asks for them
 MAX_WORKERS = 4  # pytest -n auto: one worker per core, at most this many (each runs multi-process chains)
 
 # Property-test budgets; pick one with HYPOTHESIS_PROFILE (CI defaults to "ci"). tests/README.md lists them.
@@ -66,30 +61,24 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"property tests: profile {profile}, seed {seed} ({source}; HYPOTHESIS_SEED={seed} replays it)"
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("ppharness")
-    group.addoption(
-        "--num-stages",
-        type=int,
-        default=None,
-        help="stage count for chain tests (default: each chain test's own choices, e.g. 2 and 5)",
-    )
-    group.addoption("--scenario", default=None, help="also run this scenario file in tests that take one")
-    group.addoption(
-        "--vastai-real",
-        action="store_true",
-        default=False,
-        help="run the vastai tests against the real vast.ai (needs VAST_API_KEY; rents GPUs and costs "
-        "money) instead of the local emulator",
-    )
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    """The suite needs the ppharness plugin: loaded by its entry point, registered here once where the entry point
+    is missing (PYTEST_DISABLE_PLUGIN_AUTOLOAD, an install older than it: registering replays its options), and
+    refused with the reason under -p no:ppharness."""
+    if pluginmanager.has_plugin(PLUGIN) or pluginmanager.get_name(plugin) is not None:
+        return
+    if pluginmanager.is_blocked(PLUGIN):
+        raise pytest.UsageError(
+            "this repository's tests need the ppharness pytest plugin (markers, --num-stages, --scenario, fixtures): "
+            "leave out -p no:ppharness"
+        )
+    pluginmanager.register(plugin, PLUGIN)
 
 
 @pytest.hookimpl(tryfirst=True)  # before hypothesis' own pytest_configure reads its --hypothesis-seed option
 def pytest_configure(config: pytest.Config) -> None:
     if PROPERTY_SEED is not None and config.getoption("hypothesis_seed", None) is None:
         config.option.hypothesis_seed = str(PROPERTY_SEED[0])
-    for name, usage in MARKERS.items():
-        config.addinivalue_line("markers", f"{name}: {usage}")
     # Started as a background job of a non-interactive shell (`bash .ci/run &`), the suite inherits SIGINT ignored, and
     # so would every process a test starts: the Ctrl-C tests could not interrupt them. Ctrl-C behaves as usual instead.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
@@ -103,20 +92,6 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     if chosen:
         return int(chosen)
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "num_stages" in metafunc.fixturenames:
-        chosen = metafunc.config.getoption("--num-stages")
-        default = getattr(metafunc.function, "default_num_stages", (2, 5))
-        values = [chosen] if chosen else list(default)
-        metafunc.parametrize(
-            "num_stages",
-            [
-                pytest.param(n, id=f"N{n}", marks=[pytest.mark.slow] if n >= SLOW_STAGES and not chosen else [])
-                for n in values
-            ],
-        )
 
 
 # --- the node image, built in the background while other tests run ----------------------------------------------------
@@ -178,46 +153,3 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                 pytest.fail(f"{marker}: {reason} (CI=true: in CI a missing {marker} backend fails)", pytrace=False)
             if reason:
                 pytest.skip(f"{marker}: {reason}")
-
-
-@pytest.fixture(scope="session")
-def tiny_model_path() -> str:
-    """The synthetic tiny model (8 blocks), built once into the ppharness cache."""
-    from ppharness.model.files import synthetic_path
-    from ppharness.model.spec import PRESETS
-
-    return str(synthetic_path(PRESETS["tiny"]))
-
-
-@pytest.fixture(scope="session")
-def tiny_gguf(tiny_model_path: str):
-    from ppharness.model.gguf_file import GGUFFile
-
-    return GGUFFile(tiny_model_path)
-
-
-@pytest.fixture
-def vastai_api(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path):
-    """The vast.ai API a ``vastai`` test talks to, exported as VAST_URL, VAST_API_KEY and PPHARNESS_VASTAI_PACE: a
-    fresh emulator (quick timeline, scaled rate limits; stopped afterwards, destroying what it holds) by default,
-    the real service with --vastai-real (skipped, with the reason, without VAST_API_KEY)."""
-    import os
-
-    from backends.vastai.emulator.server import ApiTarget, Emulator
-
-    if request.config.getoption("--vastai-real"):
-        reason = vastai_reason(real=True)
-        if reason:
-            pytest.skip(f"vastai: {reason}")
-        yield ApiTarget(os.environ.get("VAST_URL") or "https://console.vast.ai", os.environ["VAST_API_KEY"])
-        return
-    with Emulator.for_ci(tmp_path / "vastai-emulator") as emu:
-        target = ApiTarget.of(emu)
-        for name, value in target.env().items():
-            monkeypatch.setenv(name, value)
-        yield target
-
-
-@pytest.fixture
-def scenario_option(request: pytest.FixtureRequest) -> str | None:
-    return request.config.getoption("--scenario")

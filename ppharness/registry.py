@@ -52,6 +52,12 @@ TOOLS: dict[str, str] = {
 }
 
 
+# pytest fixtures an implementation offers to the pytest plugin (``ppharness.testing.plugin``), as pytest plugin modules
+TEST_FIXTURES: dict[str, str] = {
+    "vastai": "backends.vastai.emulator.fixtures",  # ``vastai_api``: the emulator, or vast.ai with --vastai-real
+}
+
+
 _V = TypeVar("_V")
 
 

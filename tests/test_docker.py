@@ -97,7 +97,7 @@ test_chain_matches_oracle.default_num_stages = (3,)  # type: ignore[attr-defined
 
 @pytest.mark.parametrize(
     "path",
-    # 5-stage chains (the WAN ones included) are slow tests, as in conftest.py: pytest -m slow (and .ci/run) runs them
+    # 5-stage chains (the WAN ones included) are slow tests (the pytest plugin): pytest -m slow (and .ci/run) runs them
     [pytest.param(p, marks=[pytest.mark.slow] if load_scenario(p).stages.count >= 5 else []) for p in SCENARIOS],
     ids=[p.stem for p in SCENARIOS],
 )

@@ -45,7 +45,7 @@ def test_chain_matches_oracle(num_stages, transport):
 
 @pytest.mark.parametrize(
     "path",
-    # 5-stage chains (the WAN ones included) are slow tests, as in conftest.py: pytest -m slow (and .ci/run) runs them
+    # 5-stage chains (the WAN ones included) are slow tests (the pytest plugin): pytest -m slow (and .ci/run) runs them
     [pytest.param(p, marks=[pytest.mark.slow] if load_scenario(p).stages.count >= 5 else []) for p in SCENARIOS],
     ids=[p.stem for p in SCENARIOS],
 )

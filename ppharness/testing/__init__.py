@@ -1,0 +1,1 @@
+"""ppharness for pytest: the ``ppharness`` plugin (``plugin.py``), loaded wherever ppharness is installed."""
