@@ -144,7 +144,8 @@ def test_reap_command_destroys_a_crashed_runs_leftovers(tmp_path):
     ids=["SIGINT-membership", "SIGINT-joined", "SIGINT-ready", "SIGINT-request", "SIGTERM-ready", "SIGHUP-request"],
 )
 def test_an_interrupt_at_any_phase_stops_everything(tmp_path, phase, sig):
-    """Ctrl-C, SIGTERM and SIGHUP (a closed terminal) all take the clean way out: every node stopped, exit 1."""
+    """Ctrl-C, SIGTERM and SIGHUP (a closed terminal) all take the clean way out: every node stopped, exit 128 + the
+    signal (the shell's convention: 130 for Ctrl-C)."""
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
     cmd = [
         sys.executable,
@@ -159,7 +160,7 @@ def test_an_interrupt_at_any_phase_stops_everything(tmp_path, phase, sig):
         run.until(phase)
         run.proc.send_signal(sig)
         out = run.finish(timeout=60)
-    assert run.returncode == 1, out
+    assert run.returncode == 128 + sig, out
     if sig != signal.SIGHUP:  # after a hang-up the terminal is gone: the run writes nothing more
         assert "FAILED: interrupted" in out
     assert not labelled_pids(label)

@@ -28,7 +28,7 @@ from ppharness.plan.doc import (
     Op,
     Placement,
 )
-from ppharness.plan.parse import MAX_LINE_CHARS, MAX_TEXT_BYTES, parse
+from ppharness.plan.parse import MAX_LINE_CHARS, MAX_TEXT_BYTES, parse, parse_document
 from ppharness.plan.text import render, render_plan
 
 CHEAP_EXAMPLES = 8 * settings.default.max_examples  # examples here take microseconds: explore more
@@ -36,7 +36,21 @@ CHEAP_EXAMPLES = 8 * settings.default.max_examples  # examples here take microse
 # --- strategies -------------------------------------------------------------------------------------------------
 
 # words the text form gives a meaning to, used as device ids and names on purpose
-TRICKY = ["spares", "objective", "policy", "embed", "head", "blk", "latency", "x4", "0", "a-", "a_b"]
+TRICKY = [
+    "spares",
+    "objective",
+    "policy",
+    "model",
+    "cluster",
+    "embed",
+    "head",
+    "blk",
+    "latency",
+    "x4",
+    "0",
+    "a-",
+    "a_b",
+]
 ids = st.one_of(st.sampled_from(TRICKY), st.from_regex(r"[a-z0-9][a-z0-9_-]{0,62}", fullmatch=True))
 objectives = st.builds(
     Objective, kind=st.sampled_from(["latency", "throughput", "cost"]), requests=st.integers(1, 4096)
@@ -360,3 +374,29 @@ def test_a_damaged_render_reads_or_is_refused(p: Placement, data: st.DataObject)
         assert str(exc).startswith("damaged.txt: ") and " — " in str(exc)
     else:
         assert parse(render(q)) == _grouped(q)
+
+
+def test_header_lines_say_where_the_model_and_cluster_come_from_and_do_not_change_the_placement():
+    body = "a: embed, blk[0:2] -> b\nb: blk[2:4], head -> a\n"
+    placement, headers = parse_document(
+        "# hand-written\nmodel: small\ncluster: clusters/c.yaml  # two regions\n" + body
+    )
+    assert headers == {"model": ("small", 2), "cluster": ("clusters/c.yaml", 3)}
+    assert placement == parse(body)
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "words"),
+    [
+        ("model: small\nmodel: tiny\n", "line 2, column 1", ["a second model: line (the first is line 1)", "keep one"]),
+        ("cluster:   \n", "line 1, column 9", ["cluster: says nothing", "@cluster"]),
+        ("a: embed -> model: blk[0:2]\n", "line 1, column 13", ["model: after '->'", "@model"]),
+    ],
+)
+def test_bad_header_lines_name_the_line_and_the_fix(text, where, words):
+    with pytest.raises(PlanError) as info:
+        parse_document(text, "hand.txt")
+    message = str(info.value)
+    assert message.startswith(f"hand.txt: {where}:"), message
+    for word in words:
+        assert word in message, message

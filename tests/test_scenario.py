@@ -207,7 +207,9 @@ def test_scenario_from_args_and_with_stages() -> None:
 
 
 def test_stage_ranges() -> None:
-    assert Stages(count=3).ranges(8) == [(0, 2), (2, 4), (4, 8)]
+    assert Stages(count=3).ranges(8) == [(0, 3), (3, 6), (6, 8)]  # the remainder goes to the first stages
+    assert Stages(count=5).ranges(8) == [(0, 2), (2, 4), (4, 6), (6, 7), (7, 8)]
+    assert Stages(count=3, split_rule="floor").ranges(8) == [(0, 2), (2, 4), (4, 8)]  # the SPEC's k = blocks // N
     assert Stages(splits=(1, 3)).ranges(8) == [(0, 1), (1, 3), (3, 8)]
     with pytest.raises(ScenarioError):
         Stages(count=9).ranges(8)

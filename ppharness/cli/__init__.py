@@ -1,7 +1,9 @@
 """Command line: ``pp-smoke-run`` (``ppharness.cli.smoke``) and ``ppharness {run, scenario, plan, model, split-check,
 oracle, bench, reap, vastai-emulator}``, one module per group of commands.
 
-Every command exits 0 on success and 1 with a one-line reason on any failure, after destroying whatever it started.
+Every command exits 0 on success and 1 with a one-line reason on any failure, after destroying whatever it started;
+an interrupt exits 128 + the signal (130 for Ctrl-C). ``ppharness --version`` and ``pp-smoke-run --version`` print the
+package's version, tinygrad's and, from a git checkout, the commit.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import importlib
 
 import click
 
-from ppharness.cli.common import load_scenario_or_fail, run_and_report
+from ppharness.cli.common import load_scenario_or_fail, run_and_report, version_option
 from ppharness.cli.model import model, oracle, split_check, tune
 from ppharness.cli.ops import reap, vastai_emulator
 from ppharness.cli.plan import plan
@@ -40,6 +42,7 @@ class LazyGroup(click.Group):
 
 # ppharness bench imports every benchmark (the chain, the orchestrator, the transports' raw libraries)
 @click.group(cls=LazyGroup, lazy={"bench": "ppharness.cli.bench:bench"})
+@version_option("ppharness")
 def main() -> None:
     """ppharness: pipeline-parallel inference harness."""
 

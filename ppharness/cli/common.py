@@ -20,23 +20,48 @@ from ppharness.run.locks import RunLabelInUse
 from ppharness.run.orchestrator import Progress, RunResult, run_scenario
 from ppharness.scenario.schema import Scenario, load_scenario, scenario_from_args
 from ppharness.seams.provider import Reaped
+from ppharness.version import version_text
 
 SCENARIO_HELP = "Scenario YAML file (see scenarios/); flags given here override its values."
 
 
-def fail(reason: str, exc: BaseException | None = None) -> NoReturn:
+def fail(reason: str, exc: BaseException | None = None, code: int = 1) -> NoReturn:
     click.echo(f"FAILED: {reason}", err=True)
     for note in getattr(exc, "__notes__", []) or []:
         click.echo(note, err=True)
-    sys.exit(1)
+    sys.exit(code)
+
+
+def version_option(prog: str) -> Callable[[Any], Any]:
+    """``--version`` for a click command: print :func:`version_text` and exit 0."""
+
+    def show(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+        if value and not ctx.resilient_parsing:
+            click.echo(version_text(prog))
+            ctx.exit()
+
+    return click.option(
+        "--version",
+        is_flag=True,
+        expose_value=False,
+        is_eager=True,
+        callback=show,
+        help="Print the version (ppharness, tinygrad, the git commit of a checkout) and exit.",
+    )
+
+
+# the signal that interrupted the command (SIGINT unless a handler below saw another): its exit status is 128 + it
+_interrupted_by: list[int] = [signal.SIGINT]
 
 
 @contextlib.contextmanager
 def exit_1_on_failure(
     before_exit: Callable[[], object] = lambda: None, interrupted: str = "interrupted; every node was stopped"
 ) -> Iterator[None]:
-    """Around long work: SIGTERM behaves like Ctrl-C, and a HarnessError or an interrupt ends the command with exit 1
-    and one line (``interrupted`` for an interrupt), after ``before_exit`` (e.g. the run's last sweep)."""
+    """Around long work: SIGTERM behaves like Ctrl-C, and a HarnessError ends the command with exit 1 and one line,
+    an interrupt with one line (``interrupted``) and the shell's convention, 128 + the signal: 130 for Ctrl-C (SIGINT),
+    143 for SIGTERM, 129 for SIGHUP; both after ``before_exit`` (e.g. the run's last sweep)."""
+    _interrupted_by[0] = signal.SIGINT  # until a handler below sees another
     _sigterm_as_interrupt()
     try:
         yield
@@ -47,18 +72,20 @@ def exit_1_on_failure(
         fail(str(exc), exc)
     except KeyboardInterrupt:
         before_exit()
-        fail(interrupted)
+        fail(interrupted, code=128 + _interrupted_by[0])
 
 
 def _sigterm_as_interrupt() -> None:
     """SIGTERM and SIGHUP (a closed terminal, a dropped SSH session) take the same clean path as Ctrl-C: unwind,
-    destroy every node, exit 1. After a hang-up the terminal is gone, so output goes to /dev/null from then on (a
-    write to a hung-up terminal fails, and must not break the clean-up)."""
+    destroy every node, exit 128 + the signal. After a hang-up the terminal is gone, so output goes to /dev/null from
+    then on (a write to a hung-up terminal fails, and must not break the clean-up)."""
 
     def handler(signum: int, frame: FrameType | None) -> NoReturn:
+        _interrupted_by[0] = signum
         raise KeyboardInterrupt
 
     def hangup(signum: int, frame: FrameType | None) -> NoReturn:
+        _interrupted_by[0] = signum
         null = os.open(os.devnull, os.O_WRONLY)
         for fd in (1, 2):
             os.dup2(null, fd)
@@ -84,13 +111,19 @@ def ending(finish_reason: str, stop_token_id: int | None, stop_token: str) -> st
     return finish_reason if stop_token_id is None else f"{finish_reason} {stop_token!r} (id {stop_token_id})"
 
 
+def plural(n: int, noun: str) -> str:
+    """``1 stage``, ``5 stages``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def print_summary(result: RunResult) -> None:
     """The run's answer and figures on stdout."""
     r = result.response
     click.echo(f"\ntext: {r.text!r}")
     click.echo(f"tokens ({len(r.token_ids)}, {ending(r.finish_reason, r.stop_token_id, r.stop_token)}): {r.token_ids}")
+    n = len(result.plan.ranges)
     click.echo(
-        f"chain: {len(result.plan.ranges)} stages, time to first token {result.ttft_s * 1000:.0f} ms, "
+        f"chain: {plural(n, 'stage')}, time to first token {result.ttft_s * 1000:.0f} ms, "
         f"decode {result.decode_tok_s:.1f} tok/s"
     )
     if result.oracle is not None:
@@ -121,9 +154,14 @@ def print_summary(result: RunResult) -> None:
         )
     if result.matches_oracle is True and result.verdict is not None:
         v = result.verdict
+        boundaries = (
+            f"and all {v.boundaries_compared} stage-boundary hidden states byte for byte"
+            if n > 1
+            else "with no stage boundary to compare (one stage)"
+        )
         click.echo(
-            f"\nMATCH: the {len(result.plan.ranges)}-stage chain's {len(r.token_ids)} tokens equal the unsplit "
-            f"model's, token for token, and all {v.boundaries_compared} stage-boundary hidden states byte for byte"
+            f"\nMATCH: the {n}-stage chain's {len(r.token_ids)} tokens equal the unsplit model's, token for token, "
+            + boundaries
             + (
                 f" (those of stage(s) {v.unverified} went with the node a spare replaced: not compared)"
                 if v.unverified

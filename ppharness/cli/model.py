@@ -3,6 +3,7 @@ answer."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import click
@@ -79,9 +80,29 @@ def model_info(source: str) -> None:
         f = GGUFFile(resolve_model(source))
     except HarnessError as exc:
         fail(str(exc))
-    for k, v in vars(f.config).items():
-        click.echo(f"{k:>12}: {v}")
-    click.echo(f"{'path':>12}: {f.path}")
+    rows = {k: shown(v) for k, v in vars(f.config).items()}
+    rows["parameters"] = f"{sum(math.prod(shape) for shape in f.shapes().values()):,}"
+    rows["path"] = str(f.path)
+    width = max(map(len, rows))
+    for k, text in rows.items():
+        click.echo(f"{k:>{width}}: {text}")
+
+
+def shown(value: object) -> str:
+    """A configuration value in words, not as a Python repr: a set or sequence as its items (``none`` when empty, its
+    length when long), a flag as yes/no, a float in its shortest form."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (set, frozenset, tuple, list)):
+        items = sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+        if not items:
+            return "none"
+        if len(items) > 16:
+            return f"{len(items)} values: {', '.join(shown(v) for v in items[:4])}, ..."
+        return ", ".join(shown(v) for v in items)
+    return str(value)
 
 
 @click.command("split-check")

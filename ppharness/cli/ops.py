@@ -110,11 +110,16 @@ def reap(label: str | None, providers: tuple[str, ...], dry_run: bool, strict: b
         try:
             if label is not None:
                 found += [f"{kind}: {what}" for what in cls.reap(label, dry_run=dry_run)]
-            else:
-                found += [f"{kind}: {what}" for what in cls.reap(select=lambda r: state(r) == "dead", dry_run=dry_run)]
+            else:  # one listing per provider (and one message from it, e.g. a missing key), then the dead runs' go
+                listed = cls.reap(dry_run=True)
+                dead = [what for what in listed if state(what.run_label) == "dead"]
+                if dead and not dry_run:
+                    dead = cls.reap(select=lambda r: state(r) == "dead")
+                found += [f"{kind}: {what}" for what in dead]
                 kept += [
                     f"{kind}: {what}: {state(what.run_label)} run, kept"
-                    for what in cls.reap(select=lambda r: state(r) != "dead", dry_run=True)
+                    for what in listed
+                    if state(what.run_label) != "dead"
                 ]
         except HarnessError as exc:
             fail(str(exc))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -14,7 +15,7 @@ from ppharness.cli.common import exit_1_on_failure, fail
 from ppharness.document.reader import read_text_file
 from ppharness.errors import HarnessError, PlanError
 from ppharness.model.files import resolve_model
-from ppharness.model.spec import PRESETS, parse_synthetic, preset_spec, synthetic_source
+from ppharness.model.spec import PRESETS, parse_synthetic, preset_spec, short_source, synthetic_source
 from ppharness.plan import show
 from ppharness.plan.check import check_plan
 from ppharness.plan.doc import (
@@ -33,6 +34,7 @@ from ppharness.plan.engine import stale_warnings
 from ppharness.plan.expert_problem import without_routed_experts
 from ppharness.plan.experts import ExpertReport, baseline_experts, place_experts
 from ppharness.plan.graph import model_graph, simulation_only, spec_graph
+from ppharness.plan.handwritten import file_kind
 from ppharness.plan.probe import (
     ROUTING_PROMPTS,
     block_counts,
@@ -90,11 +92,23 @@ def expert_device_names(experts_on: str, devices: list[str]) -> list[str]:
     return out
 
 
-def _load(plan_file: str) -> PlanDoc:
+def _load(plan_file: str, model: str | None = None, cluster: str | None = None) -> PlanDoc:
     try:
-        return load_plan(plan_file)
+        return load_plan(plan_file, model=model, cluster=cluster)
     except HarnessError as exc:
         fail(str(exc))
+
+
+TEXT_MODEL_HELP = (
+    "A plan in the text form: its model (a preset, a synthetic: spec, a GGUF path or a URL), over its `model:` line."
+)
+TEXT_CLUSTER_HELP = "A plan in the text form: its cluster file (or `local`), over its `cluster:` line."
+
+
+def _text_options(f: Callable[..., None]) -> Callable[..., None]:
+    """``--model`` and ``--cluster``: a text plan's model and devices (``ppharness.plan.handwritten``)."""
+    f = click.option("--cluster", "cluster", help=TEXT_CLUSTER_HELP)(f)
+    return click.option("--model", "model", help=TEXT_MODEL_HELP)(f)
 
 
 BRIEF_CHARS = 200
@@ -174,17 +188,31 @@ def plan_schema_cmd() -> None:
 
 
 @plan.command("check")
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-def plan_check(files: tuple[str, ...]) -> None:
-    """Check plan files (and cluster files: names containing 'cluster') without running them; exit 1 if any is
-    bad."""
+@click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--model", "model", help=TEXT_MODEL_HELP)
+@click.option(
+    "--cluster",
+    "cluster",
+    help="A cluster file: checked as one whatever it holds, and the devices of the text plans among FILES (over "
+    "their `cluster:` lines; `local`: every device a local process).",
+)
+def plan_check(files: tuple[str, ...], model: str | None, cluster: str | None) -> None:
+    """Check plan files (documents or the text form) and cluster files without running them, each told apart by its
+    content; exit 1 if any is bad."""
+    if not files and cluster is None:
+        raise click.UsageError("name the plan or cluster files to check (or a cluster file with --cluster)")
     bad = 0
-    for f in files:
+    forced = [cluster] if cluster is not None and cluster != "local" else []
+    for f, is_cluster in [(c, True) for c in forced] + [(f, False) for f in files]:
         try:
-            if "cluster" in Path(f).name:
+            kind = "cluster" if is_cluster else file_kind(read_text_file(Path(f), "plan", "*.yaml", PlanError))
+            if kind == "cluster":
                 c = load_cluster(f)
                 click.echo(f"ok: {f} (cluster {c.name}: {len(c.devices)} devices)")
-            else:
+            elif kind == "text":
+                doc = load_plan(f, model=model, cluster=cluster)
+                click.echo(f"ok: {f} (plan {doc.id}: {len(doc.placement.nodes)} nodes)")
+            else:  # a plan document has its own model and cluster
                 doc = load_plan(f)
                 click.echo(f"ok: {f} (plan {doc.id}: {len(doc.placement.nodes)} nodes)")
         except HarnessError as exc:
@@ -209,9 +237,10 @@ def plan_fmt(plan_file: str, out: str | None) -> None:
 
 @plan.command("text")
 @click.argument("plan_file", type=click.Path(dir_okay=False))
-def plan_text(plan_file: str) -> None:
+@_text_options
+def plan_text(plan_file: str, model: str | None, cluster: str | None) -> None:
     """Print a plan's placement in the compact text form (one line per node)."""
-    click.echo(render(_load(plan_file).placement).rstrip("\n"))
+    click.echo(render(_load(plan_file, model, cluster).placement).rstrip("\n"))
 
 
 @plan.command("make")
@@ -230,7 +259,8 @@ def plan_text(plan_file: str) -> None:
     type=click.Choice(["optimal", "even", "memory"]),
     default="optimal",
     show_default=True,
-    help="optimal: the planner's search; even: k = blocks // N over every device in the file's order; memory: "
+    help="optimal: the planner's search; even: the blocks split as evenly as they go (the first devices take one more) "
+    "over every device in the file's order; memory: "
     "blocks in proportion to device memory (exo's split).",
 )
 @click.option("--max-context", type=int, default=256, show_default=True, help="KV cache length every node holds.")
@@ -334,10 +364,18 @@ def plan_make(
 @click.option("--png", "png", type=click.Path(dir_okay=False), help="Also draw the graph into this PNG file.")
 @click.option("--mermaid", "mermaid_file", type=click.Path(dir_okay=False), help="Also write a Mermaid flowchart.")
 @click.option("--dot", "dot_file", type=click.Path(dir_okay=False), help="Also write a Graphviz DOT file.")
-def plan_show(plan_file: str, png: str | None, mermaid_file: str | None, dot_file: str | None) -> None:
+@_text_options
+def plan_show(
+    plan_file: str,
+    png: str | None,
+    mermaid_file: str | None,
+    dot_file: str | None,
+    model: str | None,
+    cluster: str | None,
+) -> None:
     """A table of the plan's nodes (device, ops, weights, KV cache, predicted ms) and its text form."""
-    doc = _load(plan_file)
-    click.echo(f"plan {doc.id} ({doc.placement.policy or 'hand-written'}), model {doc.model.source}")
+    doc = _load(plan_file, model, cluster)
+    click.echo(f"plan {doc.id} ({doc.placement.policy or 'hand-written'}), model {short_source(doc.model.source)}")
     click.echo(show.table(doc))
     click.echo("")
     click.echo(_brief(render(doc.placement)))
@@ -369,9 +407,18 @@ def plan_show(plan_file: str, png: str | None, mermaid_file: str | None, dot_fil
     is_flag=True,
     help="Re-measure the plan's local and docker devices on this machine first (one probe of the model).",
 )
-def plan_simulate(plan_file: str, requests: int | None, prompt_tokens: int, batch: int, reprobe: bool) -> None:
+@_text_options
+def plan_simulate(
+    plan_file: str,
+    requests: int | None,
+    prompt_tokens: int,
+    batch: int,
+    reprobe: bool,
+    model: str | None,
+    cluster: str | None,
+) -> None:
     """Predict time to first token, per-token latency (its parts, as the trace lists them) and throughput."""
-    doc = _load(plan_file)
+    doc = _load(plan_file, model, cluster)
     if reprobe:
         with exit_1_on_failure():
             doc = with_id(msgspec.structs.replace(doc, cluster=_probed(doc.cluster, doc.model)))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from ppharness.cli.common import SCENARIO_HELP, fail, load_scenario_or_fail, run_and_report
+from ppharness.cli.common import SCENARIO_HELP, fail, load_scenario_or_fail, run_and_report, version_option
 from ppharness.model.files import cache_dir
 from ppharness.plan.doc import load_plan
 from ppharness.plan.simulate import compare, simulate
@@ -17,6 +17,7 @@ from ppharness.plan.validation import jsonl_path, read_trace
 
 
 @click.command(name="pp-smoke-run")
+@version_option("pp-smoke-run")
 @click.option("--num-stages", "-n", type=int, help="Number of pipeline stages (default: the scenario's, else 2).")
 @click.option("--scenario", "scenario_file", type=click.Path(dir_okay=False), help=SCENARIO_HELP)
 @click.option(

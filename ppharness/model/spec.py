@@ -330,3 +330,25 @@ def parse_synthetic(source: str) -> ModelSpec:
 def synthetic_source(spec: ModelSpec) -> str:
     """The inverse of ``parse_synthetic``: a spec as a ``synthetic:`` source string (every field explicit)."""
     return "synthetic:tiny," + ",".join(f"{k}={v}" for k, v in asdict(spec).items())
+
+
+def short_source(source: str) -> str:
+    """A ``synthetic:`` source as people name it: the preset it is closest to and only the fields that differ from
+    that preset (``synthetic:small``, ``synthetic:small,blocks=4``); any other source, or one that does not parse,
+    unchanged. For what is printed; plans and caches keep the full string."""
+    if not source.startswith("synthetic:"):
+        return source
+    try:
+        spec = parse_synthetic(source)
+    except (ModelError, ValueError):
+        return source
+    fields = asdict(spec)
+    named = source.removeprefix("synthetic:").split(",")[0]
+
+    def differing(preset: str) -> list[str]:
+        base = asdict(PRESETS[preset])
+        return [f"{k}={v}" for k, v in fields.items() if base[k] != v]
+
+    # the fewest overrides; on a tie the preset the source names (every full-form source names "tiny")
+    best = min(PRESETS, key=lambda p: (len(differing(p)), p != named))
+    return ",".join([f"synthetic:{best}", *differing(best)])

@@ -383,16 +383,34 @@ def _check_edges(doc: PlanDoc, source: str) -> None:
         at_node = succ[at_node]
         path.append(at_node)
     if path[-1] != exit_:
-        raise PlanError(
-            f"{source}: $.placement.edges: the activations from the entry go {' -> '.join(path)} and never reach the "
-            f"exit {exit_!r} — add an activation edge from {path[-1]!r}"
-        )
+        raise PlanError(_broken_chain(path, exit_, nodes, source))
     missed = [name for name, n in nodes.items() if name not in path and not n.expert_only]
     if missed:
         raise PlanError(
             f"{source}: $.placement.edges: node(s) {', '.join(missed)} are not on the loop {' -> '.join(path)} — "
             "link them in with activation edges or remove them"
         )
+
+
+def _broken_chain(path: list[str], exit_: str, nodes: dict[str, Node], source: str) -> str:
+    """The message for activation edges that do not lead from the entry to the exit: where the chain stops (or the
+    circle it goes round) and the edge to add."""
+    at = f"{source}: $.placement.edges"
+    fix = "or state no loop edges at all (no -> in the text form) to have them follow the order of the nodes"
+    if path[-1] in path[:-1]:
+        circle = " -> ".join(path[path.index(path[-1]) :])
+        return (
+            f"{at}: the activation edges go round in a circle ({circle}) and never reach the exit {exit_!r} — "
+            f"point the last of them at the node that runs the next blocks, {fix}"
+        )
+    stop = path[-1]
+    after = next((name for name, n in nodes.items() if name not in path and not n.expert_only), exit_)
+    chain = f" (from the entry: {' -> '.join(path)})" if len(path) > 1 else " (the entry)"
+    return (
+        f"{at}: the activations stop at node {stop!r}{chain}: no activation edge leaves it, so they never reach the "
+        f"exit {exit_!r} — add an activation edge from {stop!r} to the node that runs the next blocks, e.g. "
+        f"{{from: {stop}, to: {after}}} (in the text form `{stop}: ... -> {after}`), {fix}"
+    )
 
 
 def _check_blocks(doc: PlanDoc, source: str) -> None:

@@ -507,21 +507,13 @@ def decode_text(text: str, source: str, kind: type[PlanDoc] | type[Cluster] = Pl
         raise PlanError(f"{source}: {explain(exc, plain, kind, PLAN_VERSION)}") from None
 
 
-def load_plan(path: str | Path, check: bool = True) -> PlanDoc:
-    """Read a plan file (JSON or YAML); its id, when it has one, must be the hash of what it says; with ``check``
-    every invariant (``ppharness.plan.check``) must hold."""
-    from ppharness.plan.check import check_plan  # plan.check imports this module: a cycle
+def load_plan(path: str | Path, check: bool = True, model: str | None = None, cluster: str | None = None) -> PlanDoc:
+    """Read a plan file: a document (JSON or YAML) or the text form, told apart by content
+    (``ppharness.plan.handwritten.read_plan``, which says how; ``model`` and ``cluster`` are a text plan's)."""
+    # plan.handwritten reads model files and checks plans (plan.graph, plan.check), which import this module: a cycle
+    from ppharness.plan.handwritten import read_plan
 
-    path = Path(path)
-    doc: PlanDoc = decode_text(read_text_file(path, "plan", "*.json", PlanError), str(path))
-    if doc.id and doc.id != plan_id(doc):
-        raise PlanError(
-            f"{path}: $.id: the plan says id {doc.id!r} but its content hashes to {plan_id(doc)!r} — it was edited "
-            "after it was made; remove the id line (or run `ppharness plan fmt`) to take the edit"
-        )
-    if check:
-        check_plan(doc, str(path))
-    return with_id(doc)
+    return read_plan(path, check, model, cluster)
 
 
 def load_cluster(path: str | Path) -> Cluster:

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import os
 import platform
 import subprocess
-import tomllib
 from datetime import UTC, date, datetime
 from pathlib import Path
 
@@ -29,10 +27,10 @@ import msgspec
 from ppharness.errors import ModelError
 from ppharness.model import kernels
 from ppharness.plan.doc import Cluster, Measured
+from ppharness.version import checkout_commit, installed
 
 # the code that computes a token: the model runtime (architectures, slicing, experts, decoding, kernel choices)
 CODE: tuple[Path, ...] = (Path(__file__).resolve().parents[1] / "model",)
-PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 DIGEST_HEX = 12
 NAMES_SHOWN = 6  # devices named in one warning line before "and N more"
 _canonical = msgspec.json.Encoder(order="sorted")
@@ -43,24 +41,7 @@ def engine_id() -> str:
     code = code_digest(CODE)
     table = table_digest()
     digest = hashlib.sha256(f"{code}\n{table}".encode()).hexdigest()[:DIGEST_HEX]
-    return f"ppharness {_version('ppharness')}/tinygrad {_version('tinygrad')}/{digest}"
-
-
-def _version(package: str) -> str:
-    """The installed ``package``'s version; ppharness run from a source tree without installing it (the GPU machine
-    puts the tree on ``PYTHONPATH``): its ``pyproject.toml``'s."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    if package == "ppharness":
-        try:
-            project = tomllib.loads(PYPROJECT.read_text()).get("project", {})
-        except (OSError, tomllib.TOMLDecodeError):
-            project = {}
-        if isinstance(project.get("version"), str):
-            return str(project["version"])
-    return "unknown"
+    return f"ppharness {installed('ppharness')}/tinygrad {installed('tinygrad')}/{digest}"
 
 
 def code_digest(roots: tuple[Path, ...]) -> str:
@@ -190,36 +171,14 @@ def _names(ids: list[str]) -> str:
     return shown if len(ids) <= NAMES_SHOWN else f"{shown} and {len(ids) - NAMES_SHOWN} more"
 
 
-def git_commit() -> str:
-    """The commit of the checkout ppharness runs from (``+dirty`` with uncommitted changes), or "" outside one."""
-    root = PYPROJECT.parent
-    if not (root / ".git").exists():
-        return ""
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    if head.returncode != 0:
-        return ""
-    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
-
-
 def provenance(backend: str) -> dict[str, str]:
     """What a benchmark's JSON says it was measured with: versions, the engine, the commit, this host, the time (UTC)
     and the device (``backend``: tinygrad's, e.g. CPU or CUDA)."""
     return {
-        "ppharness": _version("ppharness"),
-        "tinygrad": _version("tinygrad"),
+        "ppharness": installed("ppharness"),
+        "tinygrad": installed("tinygrad"),
         "engine": engine_id(),
-        "commit": git_commit(),
+        "commit": checkout_commit(),
         "host": platform.node(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": backend,

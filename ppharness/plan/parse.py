@@ -15,6 +15,7 @@ from ppharness.errors import PlanError
 from ppharness.plan.doc import ID_NAME, Blocks, Edge, Embed, ExpertGroup, Head, Node, Objective, Op, Placement
 from ppharness.plan.text import (
     DEFAULT_OBJECTIVE,
+    HEADERS,
     KEYWORDS,
     MAX_EXPERT_IDS,
     MAX_INDEX_DIGITS,
@@ -56,6 +57,7 @@ class _Reader:
     objective: Objective = DEFAULT_OBJECTIVE
     policy: str = ""
     fault_tolerance: Literal["", "none", "retry", "failover"] = ""
+    headers: dict[str, tuple[str, int]] = field(default_factory=dict)  # model/cluster -> (value, line)
 
 
 class _Line:
@@ -95,7 +97,14 @@ class _Line:
 
 def parse(text: str, source: str = "<text>") -> Placement:
     """The placement that ``text`` (the text form, ``ppharness.plan.text``) describes. Every problem is a
-    PlanError naming ``source``, the line and column, what is wrong and the fix."""
+    PlanError naming ``source``, the line and column, what is wrong and the fix. Header lines (``model:``,
+    ``cluster:``) are read and dropped: ``parse_document`` returns them."""
+    return parse_document(text, source)[0]
+
+
+def parse_document(text: str, source: str = "<text>") -> tuple[Placement, dict[str, tuple[str, int]]]:
+    """``parse``, and the text's header lines: ``{"model": (value, line), "cluster": (value, line)}`` for those it
+    has (``ppharness.plan.handwritten`` resolves them)."""
     _bounded(text, source)
     reader = _Reader(source)
     for number, raw in enumerate(text.split("\n"), start=1):
@@ -130,7 +139,7 @@ def parse(text: str, source: str = "<text>") -> Placement:
                         f"a {what} is a node of this placement ({known}); define it on a line of its own",
                     )
                 edges.append(Edge(src=entry.node.label, dst=name, kind=edge_kind))
-    return Placement(
+    placement = Placement(
         nodes=tuple(entry.node for entry in reader.nodes),
         edges=tuple(edges),
         spares=reader.spares,
@@ -138,6 +147,7 @@ def parse(text: str, source: str = "<text>") -> Placement:
         policy=reader.policy,
         fault_tolerance=reader.fault_tolerance,
     )
+    return placement, reader.headers
 
 
 def _bounded(text: str, source: str) -> None:
@@ -162,6 +172,9 @@ def _read_line(line: _Line) -> None:
         at = arrow + 2
     start, end = segments[0]
     label, column, colon = _head(line, start, end)
+    if label in HEADERS:
+        _read_header(line, label, column, colon + 1)
+        return
     if label in KEYWORDS:
         if len(segments) > 1 or fan >= 0:
             arrow_at = segments[1][0] - 2 if len(segments) > 1 else fan
@@ -209,7 +222,7 @@ def _read_segments(line: _Line, previous: _Node, segments: list[tuple[int, int]]
                 )
             return
         label, column, colon = _head(line, start, end)
-        if label in KEYWORDS:
+        if label in KEYWORDS + HEADERS:
             raise line.error(
                 column, f"{label}: after '->'", f"write {label}: on a line of its own (a node on that device: @{label})"
             )
@@ -376,6 +389,20 @@ def _successors(line: _Line, start: int, end: int, what: str) -> list[tuple[str,
         _name(line, word, column, "node label")
         out.append((word, column))
     return out
+
+
+def _read_header(line: _Line, keyword: str, column: int, start: int) -> None:
+    """``model: VALUE`` or ``cluster: VALUE``: the rest of the line, once per text."""
+    reader = line.reader
+    first = reader.headers.get(keyword)
+    if first is not None:
+        raise line.error(column, f"a second {keyword}: line (the first is line {first[1]})", "keep one")
+    value, at = line.word(start, len(line.text))
+    if not value:
+        example = "model: small" if keyword == "model" else "cluster: clusters/mine.yaml"
+        fix = f"name it, e.g. `{example}` (a node on a device called {keyword} is written @{keyword})"
+        raise line.error(at, f"{keyword}: says nothing", fix)
+    reader.headers[keyword] = (value, line.number)
 
 
 def _read_extra(line: _Line, keyword: str, column: int, start: int, end: int) -> None:

@@ -40,10 +40,21 @@ def names_of(index: int, num_stages: int) -> list[str]:
     return names
 
 
-def even_splits(blocks: int, num_stages: int) -> list[int]:
-    """The even split: k = blocks // N blocks per stage, the last stage takes the remainder."""
-    k = blocks // num_stages
-    return [k * i for i in range(1, num_stages)]
+# how an even split of B blocks over N stages places the remainder B % N: "balanced" (the default) gives one more
+# block to each of the first B % N stages (8 over 5: 2/2/2/1/1); "floor" is the SPEC's first rule, k = B // N blocks
+# per stage and the last stage takes the rest (8 over 5: 1/1/1/1/4)
+SPLIT_RULES = ("balanced", "floor")
+
+
+def even_splits(blocks: int, num_stages: int, rule: str = "balanced") -> list[int]:
+    """The split points of an even split of ``blocks`` over ``num_stages`` under ``rule`` (one of ``SPLIT_RULES``)."""
+    if rule == "floor":
+        k = blocks // num_stages
+        return [k * i for i in range(1, num_stages)]
+    if rule != "balanced":
+        raise ScenarioError(f"stages.split_rule: unknown rule {rule!r} — expected one of: {', '.join(SPLIT_RULES)}")
+    k, extra = divmod(blocks, num_stages)
+    return [k * i + min(i, extra) for i in range(1, num_stages)]
 
 
 class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -173,15 +184,21 @@ class Plan:
         return StagePlan(plan_id=self.plan_id, stage=i, num_stages=self.num_stages, lo=lo, hi=hi, **settings)
 
 
-def make_plan(blocks: int, num_stages: int | None = None, splits: list[int] | None = None, model_id: str = "") -> Plan:
+def make_plan(
+    blocks: int,
+    num_stages: int | None = None,
+    splits: list[int] | None = None,
+    model_id: str = "",
+    split_rule: str = "balanced",
+) -> Plan:
     """Block ranges for each stage: explicit ``splits`` (N-1 increasing cut points), or an even split of
-    ``num_stages``."""
+    ``num_stages`` under ``split_rule`` (``SPLIT_RULES``)."""
     if splits is None:
         if num_stages is None or num_stages < 1:
             raise ScenarioError(f"stages: need a stage count of at least 1, got {num_stages}")
         if num_stages > blocks:
             raise ScenarioError(f"stages: {num_stages} stages but the model has {blocks} blocks; use at most {blocks}")
-        splits = even_splits(blocks, num_stages)
+        splits = even_splits(blocks, num_stages, split_rule)
     cuts = [0, *splits, blocks]
     if any(a >= b for a, b in zip(cuts, cuts[1:])):
         raise ScenarioError(f"stages.splits: {splits} must be strictly increasing and inside (0, {blocks})")

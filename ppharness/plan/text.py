@@ -25,10 +25,12 @@ Grammar (one line each; spaces and tabs between tokens are free; ``#`` starts a 
     objective   := "objective:" ("latency" | "throughput" | "cost") ["x" requests]
     policy line := "policy:" word
     fault line  := "fault_tolerance:" ("none" | "retry" | "failover")
+    header      := ("model:" | "cluster:") value                (a plan file's, ``ppharness.plan.handwritten``)
 
 - A node's label is its device id, or ``name@device`` when the node has a name, even one equal to its device id (the
   name is then what edges and successors use). A node without a name on a device called ``spares``, ``objective``
-  or ``policy`` is written ``@device``, so that it is not read as one of those lines.
+  or ``policy`` (or ``model``, ``cluster``: a hand-written plan's header lines) is written ``@device``, so that it is
+  not read as one of those lines.
 - ``blk[a:b]`` runs blocks ``a`` to ``b - 1``; ``b`` is more than ``a``, and each has at most 9 digits.
 - ``experts[b][ids]`` computes the routed experts ``ids`` of the mixture-of-experts block ``b`` (an ``experts`` op);
   ``render`` writes a run of three or more consecutive ids as ``first-last``. A node whose ops are all experts ops is
@@ -66,6 +68,8 @@ MAX_INDEX_DIGITS = 9
 MAX_EXPERT_IDS = 1 << 16  # experts in one experts op, at most
 MAX_REQUESTS = 4096
 KEYWORDS = ("spares", "objective", "policy", "fault_tolerance")
+# a hand-written plan's header lines (``ppharness.plan.handwritten``): where its model and its devices come from
+HEADERS = ("model", "cluster")
 Kind = Literal["latency", "throughput", "cost"]
 OBJECTIVES: tuple[Kind, ...] = ("latency", "throughput", "cost")
 DEFAULT_OBJECTIVE = Objective()
@@ -109,7 +113,7 @@ def render_plan(doc: PlanDoc) -> str:
 def _label(node: Node) -> str:
     if node.name:
         return f"{node.name}@{node.device}"
-    return f"@{node.device}" if node.device in KEYWORDS else node.device
+    return f"@{node.device}" if node.device in KEYWORDS + HEADERS else node.device
 
 
 def op_text(op: Op) -> str:

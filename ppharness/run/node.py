@@ -46,6 +46,7 @@ from ppharness.run.stage import Stage
 from ppharness.run.stage_requests import StageModel
 from ppharness.seams.transport import JsonObject, Received, Transport
 from ppharness.trace.tracer import Tracer, now_ns
+from ppharness.version import version_text
 from ppharness.wire.messages import (
     Assign,
     ClockProbe,
@@ -549,6 +550,9 @@ class Node:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--version"]:
+        print(version_text("pp-node"))
+        sys.exit(0)
     if os.environ.get("PP_STANDBY"):
         sys.exit(stand_by(dict(os.environ)))
     try:

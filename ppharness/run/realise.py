@@ -80,10 +80,14 @@ def realise_plan(scenario: Scenario, source: str, model_path: str) -> tuple[Plan
     else:
         graph = model_graph(model_path, source, scenario.model.max_context, scenario.transport.wire_dtype, digest=False)
         st = scenario.stages
+        # an even split under the default rule is the plan's "even" policy; another rule's cuts are explicit
+        splits = list(st.splits) if st.splits else None
+        if splits is None and st.split_rule != "balanced":
+            splits = [hi for _, hi in st.ranges(len(graph.blocks))[:-1]]
         doc = scenario_plan(
             graph,
             st.num_stages,
-            list(st.splits) if st.splits else None,
+            splits,
             scenario.provider.kind,
             scenario.fault_tolerance.spares,
             requests=scenario.serving.slots,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from ppharness.errors import ClusterError, HarnessError, PlanError, StageBusy, StageError, WaitTimedOut
 from ppharness.model.files import resolve_model
 from ppharness.model.kernels import table_for_nodes
+from ppharness.model.spec import short_source
 from ppharness.network.bridge import Bridge
 from ppharness.network.clock import EventClock
 from ppharness.network.nemesis import Nemesis
@@ -68,6 +69,22 @@ class StageReport:
     load_s: float = 0.0
     peak_rss_bytes: int = 0
     device_bytes: int = 0
+
+
+def member_name(index: int, num_stages: int) -> str:
+    """A member of the run as its lines name it: ``stage i`` on the loop, ``expert node k`` after it (an expert node's
+    index follows the stages')."""
+    return f"stage {index}" if index < num_stages else f"expert node {index - num_stages}"
+
+
+def fingerprinted(address: str) -> str:
+    """An address as a progress line shows it: a key it carries (``tcp://h:p?curve=<64 hex>``) cut to its first 8
+    hex digits, its fingerprint; another long address (an iroh ticket) cut short."""
+    base, sep, query = address.partition("?")
+    name, eq, key = query.partition("=")
+    if sep and eq and len(key) > 8:
+        return f"{base} ({name} key {key[:8]})"
+    return address if len(address) <= 72 else f"{address[:48]}... ({len(address)} characters)"
 
 
 @dataclass
@@ -158,13 +175,7 @@ class Session:
             else:
                 source, sha = model_source(sc)
             self.model_source = source
-            synthetic = sc.model.synthetic
-            shown = (
-                source
-                if not source.startswith("synthetic:") or synthetic is None or sc.plan is not None
-                else "synthetic " + synthetic.preset
-            )
-            progress(f"model: {shown} (building or fetching once, then cached)")
+            progress(f"model: {short_source(source)} (building or fetching once, then cached)")
             self.model_path = str(resolve_model(source, sha))
             self.plan_doc, self.compiled = realise_plan(sc, source, self.model_path)
             self.plan = plan = self.compiled.runtime
@@ -285,7 +296,7 @@ class Session:
             elif isinstance(msg, Join):
                 directory.add(msg)
                 detector.watch([msg.stage])
-                progress(f"stage {msg.stage} joined from {msg.address}")
+                progress(f"{member_name(msg.stage, self.plan.num_stages)} joined from {fingerprinted(msg.address)}")
             return directory.complete
 
         try:
@@ -318,7 +329,8 @@ class Session:
                     msg.rss_bytes,
                 )
                 progress(
-                    f"stage {msg.stage} ready: {msg.params:,} parameters, loaded and compiled in "
+                    f"{member_name(msg.stage, self.plan.num_stages)} ready: {msg.params:,} parameters, loaded and "
+                    "compiled in "
                     f"{msg.load_s:.1f} s ({len(ready)}/{n})"
                 )
             return len(ready) == n

@@ -14,6 +14,7 @@ keys) before it is decoded. When the model is known without running anything the
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, TypeVar
 
@@ -176,7 +177,8 @@ def load_scenario(path: str | Path) -> Scenario:
     try:
         scenario = msgspec.yaml.decode(text, type=Scenario)
     except msgspec.ValidationError as exc:
-        raise ScenarioError(f"{src}: {explain(exc, untyped(text), Scenario, SCENARIO_VERSION)}") from None
+        reason = _percent_hint(explain(exc, untyped(text), Scenario, SCENARIO_VERSION))
+        raise ScenarioError(f"{src}: {reason}") from None
     except msgspec.DecodeError as exc:
         raise ScenarioError(f"{src}: {explain_yaml(exc)}") from None
     if not scenario.name:
@@ -195,7 +197,39 @@ def load_scenario(path: str | Path) -> Scenario:
     return scenario
 
 
-def with_plan(scenario: Scenario, plan_file: str, source: str = "<arguments>") -> Scenario:
+# a probability written as a percentage (``loss: 2%``), as the decoder reports it
+_PERCENT = re.compile(r"\.(loss|loss_good|loss_bad|duplicate|reorder|p|r): expected float, got str '([0-9.]+) ?%'$")
+
+
+def _percent_hint(message: str) -> str:
+    """``message`` with the fix when it refuses a probability written as a percentage."""
+    m = _PERCENT.search(message)
+    if m is None:
+        return message
+    try:
+        fraction = float(m.group(2)) / 100
+    except ValueError:
+        return message
+    return f"{message} — write {fraction:g}: {m.group(1)} is a fraction 0..1"
+
+
+def scenario_warnings(scenario: Scenario) -> list[str]:
+    """What is allowed but likely not meant: a network that loses whole messages (the message layer; the packet
+    layer's QUIC resends lost packets itself) under fault tolerance ``none``, where the first lost activation or token
+    leaves the run waiting out its whole budget (``budget.total_s``) before it fails."""
+    network, policy = scenario.network, scenario.fault_tolerance.policy
+    if network is None or network.layer != "message" or policy not in (None, "none") or scenario.plan is not None:
+        return []
+    links = [network.default, *(link.impairment() for link in network.links)]
+    if not any(i.mean_loss() > 0 for i in links):
+        return []
+    return [
+        "$.network: links lose messages, but fault_tolerance.policy is none: the first lost message ends the run "
+        f"after its whole budget ({scenario.budget.total_s:g} s) — set fault_tolerance: {{policy: retry}}"
+    ]
+
+
+def with_plan(scenario: Scenario, plan_file: str, source: str = "<arguments>", provider: str | None = None) -> Scenario:
     """``scenario`` running the plan in ``plan_file``: its stages are the plan's nodes (their block ranges), its
     provider the kind of the plan's devices, its ``max_context`` the plan's. The plan is read and checked here, so
     that a bad plan is refused before anything starts; the run takes the same compiled plan."""
@@ -210,6 +244,11 @@ def with_plan(scenario: Scenario, plan_file: str, source: str = "<arguments>") -
     raw["plan"] = plan_file
     raw["stages"] = {"splits": cuts} if cuts else {"count": 1}
     raw["model"]["max_context"] = doc.model.max_context
+    if provider is not None and provider != compiled.provider_kind:  # asked for on the command line: not overridden
+        raise ScenarioError(
+            f"{source}: --provider {provider}: the plan's devices run on the {compiled.provider_kind} provider "
+            f"({plan_file}) — leave out --provider, or make the plan for a {provider} cluster"
+        )
     if scenario.provider.kind != compiled.provider_kind:
         raw["provider"]["kind"] = compiled.provider_kind
     try:
@@ -236,7 +275,7 @@ def scenario_from_args(
     a plan file the run realises (``with_plan``)."""
     s = base if base is not None else Scenario(version=SCENARIO_VERSION)
     if num_stages is not None:
-        s = _set(s, "$", stages=Stages(count=num_stages))
+        s = _set(s, "$", stages=Stages(count=num_stages, split_rule=s.stages.split_rule))
     if provider is not None:  # before the transport, whose checks name the provider
         s = _set(s, "$", provider=_set(s.provider, "$.provider", kind=provider))
     if transport is not None:  # a field of one transport kind is kept for that kind and dropped for the others
@@ -256,7 +295,7 @@ def scenario_from_args(
     if plan is not None:
         if num_stages is not None:
             raise ScenarioError("<arguments>: --plan and --num-stages both say how to split — give one of them")
-        return with_plan(checked, str(Path(plan).resolve()))
+        return with_plan(checked, str(Path(plan).resolve()), provider=provider)
     if checked.plan is not None:
         return checked
     model = known_model(checked, source="<arguments>")

@@ -80,10 +80,19 @@ class ModelSection(Settings, frozen=True):
 
 
 class Stages(Settings, frozen=True):
-    """How the blocks are split: ``count`` even stages (the last takes the remainder) or explicit split points."""
+    """How the blocks are split: ``count`` even stages or explicit split points. An even split gives the remainder
+    to the first stages (``split_rule: balanced``: 8 blocks over 5 stages are 2/2/2/1/1); ``split_rule: floor`` is
+    k = blocks // count per stage with the last stage taking the rest (1/1/1/1/4)."""
 
     count: PositiveInt | UnsetType = UNSET
     splits: tuple[Annotated[int, Meta(ge=1)], ...] | None = None
+    split_rule: Annotated[
+        Literal["balanced", "floor"],
+        Meta(
+            description="an even split's remainder: balanced (one more block to each of the first stages) or floor "
+            "(k = blocks // count per stage, the last stage takes the rest)"
+        ),
+    ] = "balanced"
 
     def __post_init__(self) -> None:
         if self.splits is None:
@@ -116,7 +125,7 @@ class Stages(Settings, frozen=True):
     def ranges(self, num_blocks: int) -> list[tuple[int, int]]:
         """Half-open block ranges ``[start, end)`` of each stage for a model with ``num_blocks`` blocks."""
         splits = list(self.splits) if self.splits else None
-        return list(make_plan(num_blocks, self.num_stages, splits).ranges)
+        return list(make_plan(num_blocks, self.num_stages, splits, split_rule=self.split_rule).ranges)
 
 
 def _transport_fields() -> dict[str, tuple[str, Any]]:
