@@ -158,3 +158,43 @@ def test_provider_with_a_plan_is_applied_when_it_agrees_and_refused_when_not(tmp
     assert refused.exit_code == 1
     assert "--provider local: the plan's devices run on the docker provider" in refused.output
     assert "leave out --provider, or make the plan for a local cluster" in refused.output
+
+
+def test_plan_simulate_and_model_info_speak_json():
+    import json
+
+    plan = str(ROOT / "scenarios" / "kimi.json")
+    out = CliRunner().invoke(main, ["plan", "simulate", plan, "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    assert doc["format"] == "ppharness-prediction/1" and doc["rows"]
+    text = CliRunner().invoke(main, ["plan", "simulate", plan]).stdout
+    assert f"{doc['per_token_ms']:.3f} ms" in text, "the JSON's figure is the one printed"
+    assert abs(sum(r["ms"] for r in doc["rows"]) + doc["quota_wait_ms"] - doc["per_token_ms"]) < 1e-3
+    info = CliRunner().invoke(main, ["model", "info", "synthetic:tiny-moe", "--json"])
+    model = json.loads(info.stdout)
+    assert model["format"] == "ppharness-model/1" and model["arch"] == "qwen3moe"
+    shown = CliRunner().invoke(main, ["model", "info", "synthetic:tiny-moe"]).stdout
+    assert f"parameters: {model['parameters']:,}" in shown
+
+
+@pytest.mark.local
+def test_a_run_prints_one_json_document_on_stdout_with_ppharness_run_as_pp_smoke_run(tmp_path):
+    """`ppharness run FILE --json` takes pp-smoke-run's options; stdout is the run's JSON alone, the summary on
+    stderr."""
+    import json
+
+    scenario = ROOT / "scenarios" / "smoke-2stage-local.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "ppharness.cli", "run", str(scenario), "--max-tokens", "6", "--json", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    assert doc["format"] == "ppharness-run/1" and doc["match"] is True
+    assert doc["token_ids"] == doc["oracle"]["token_ids"] and len(doc["token_ids"]) <= 6
+    assert [n["blocks"] for n in doc["nodes"]] == [[0, 4], [4, 8]]
+    assert doc["boundaries_compared"] > 0 and doc["trace"]["per_token_p50_ms"] > 0 and doc["trace"]["files"] == []
+    assert "MATCH" in done.stderr, "the human summary still goes to stderr"

@@ -12,11 +12,12 @@ import importlib
 
 import click
 
-from ppharness.cli.common import load_scenario_or_fail, run_and_report, version_option
+from ppharness.cli.common import version_option
 from ppharness.cli.model import model, oracle, split_check, tune
 from ppharness.cli.ops import reap, vastai_emulator
 from ppharness.cli.plan import plan
 from ppharness.cli.scenario import scenario
+from ppharness.cli.smoke import smoke_run
 
 __all__ = ["main"]
 
@@ -47,13 +48,16 @@ def main() -> None:
     """ppharness: pipeline-parallel inference harness."""
 
 
-@click.command()
-@click.argument("scenario_file", type=click.Path(dir_okay=False))
-@click.option("--num-stages", "-n", type=int, help="Override the scenario's stage count.")
-@click.option("--quiet", "-q", is_flag=True)
-def run(scenario_file: str, num_stages: int | None, quiet: bool) -> None:
-    """Run a scenario file."""
-    run_and_report(load_scenario_or_fail(scenario_file, num_stages=num_stages), quiet=quiet)
+# ``ppharness run FILE`` is ``pp-smoke-run --scenario FILE``: the same command, every option of it
+run = click.Command(
+    "run",
+    params=[
+        click.Argument(["scenario_file"], type=click.Path(dir_okay=False)),
+        *(p for p in smoke_run.params if p.name not in ("scenario_file", "version")),
+    ],
+    callback=smoke_run.callback,
+    help="Run a scenario file: pp-smoke-run --scenario FILE, with every option of pp-smoke-run.",
+)
 
 
 for command in (run, scenario, plan, model, split_check, tune, oracle, vastai_emulator, reap):

@@ -4,6 +4,8 @@ running it and printing its summary."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 import signal
 import sys
@@ -116,39 +118,74 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def print_summary(result: RunResult) -> None:
-    """The run's answer and figures on stdout."""
+RUN_FORMAT = "ppharness-run/1"
+
+
+def run_json(result: RunResult, trace_files: list[str]) -> dict[str, Any]:
+    """A run as ``--json`` prints it: stable keys, documented in docs/scenarios.md ("Machine-readable output")."""
+    r, o, v = result.response, result.oracle, result.verdict
+    parts = result.trace.p50_parts() if result.trace is not None else None
+    return {
+        "format": RUN_FORMAT,
+        "scenario": result.scenario,
+        "run_label": result.run_label,
+        "match": result.matches_oracle,
+        "text": r.text,
+        "token_ids": list(r.token_ids),
+        "finish_reason": r.finish_reason,
+        "nodes": [
+            {"index": s.index, "blocks": [s.lo, s.hi] if s.hi > s.lo else None, "load_s": s.load_s}
+            for s in result.stages
+        ],
+        "ttft_ms": round(result.ttft_s * 1000, 3),
+        "decode_tok_s": round(result.decode_tok_s, 3),
+        "oracle": None
+        if o is None
+        else {"token_ids": list(o.token_ids), "ttft_ms": round(o.ttft_s * 1000, 3), "decode_tok_s": o.decode_tok_s},
+        "boundaries_compared": None if v is None else v.boundaries_compared,
+        "policy": result.policy,
+        "resends": result.resends,
+        "failovers": [{"stage": rec.stage, "spare": rec.spare, "reload_s": rec.reload_s} for rec in result.recoveries],
+        "trace": None
+        if parts is None
+        else {"per_token_p50_ms": parts.pop("per token"), "rows_p50_ms": parts, "files": trace_files},
+    }
+
+
+def print_summary(result: RunResult, err: bool = False) -> None:
+    """The run's answer and figures on stdout (stderr with ``err``: stdout is then the JSON's)."""
+    echo = functools.partial(click.echo, err=err)
     r = result.response
-    click.echo(f"\ntext: {r.text!r}")
-    click.echo(f"tokens ({len(r.token_ids)}, {ending(r.finish_reason, r.stop_token_id, r.stop_token)}): {r.token_ids}")
+    echo(f"\ntext: {r.text!r}")
+    echo(f"tokens ({len(r.token_ids)}, {ending(r.finish_reason, r.stop_token_id, r.stop_token)}): {r.token_ids}")
     n = len(result.plan.ranges)
-    click.echo(
+    echo(
         f"chain: {plural(n, 'stage')}, time to first token {result.ttft_s * 1000:.0f} ms, "
         f"decode {result.decode_tok_s:.1f} tok/s"
     )
     if result.oracle is not None:
         o = result.oracle
-        click.echo(
+        echo(
             f"oracle (unsplit, one process): first token {o.ttft_s * 1000:.0f} ms, decode {o.decode_tok_s:.1f} "
             f"tok/s; chain/single decode ratio {result.decode_tok_s / o.decode_tok_s:.2f}"
             if o.decode_tok_s
             else ""
         )
-    click.echo(f"\n{'stage':>5} {'blocks':>9} {'params':>12} {'tied':>10} {'load+compile':>13} {'peak RSS':>9}")
+    echo(f"\n{'stage':>5} {'blocks':>9} {'params':>12} {'tied':>10} {'load+compile':>13} {'peak RSS':>9}")
     for s in result.stages:
         blocks = f"[{s.lo},{s.hi})" if s.hi > s.lo else "experts"  # an expert node runs no block range
-        click.echo(
+        echo(
             f"{s.index:>5} {blocks:>9} {s.params:>12,} {s.tied_params:>10,} {s.load_s:>12.1f}s "
             f"{human_bytes(s.peak_rss_bytes):>9}"
         )
     total = sum(s.params for s in result.stages)
     model = f"   (model: {result.oracle.n_params:,})" if result.oracle else ""
-    click.echo(f"{'sum':>5} {'':>9} {total:>12,}{model}")
+    echo(f"{'sum':>5} {'':>9} {total:>12,}{model}")
     if result.policy != "none":
-        click.echo(f"\nfault tolerance: {result.policy}; {result.resends} message(s) the orchestrator sent again")
+        echo(f"\nfault tolerance: {result.policy}; {result.resends} message(s) the orchestrator sent again")
     for rec in result.recoveries:
         replay = f"{rec.replay_s:.2f} s" if rec.replay_s is not None else "none (no token came after it)"
-        click.echo(
+        echo(
             f"failover: stage {rec.stage} ({rec.cause}) -> spare {rec.spare}, epoch {rec.epoch}: reload "
             f"{rec.reload_s:.2f} s (loading {rec.load_s:.2f} s), replay to the next token {replay}"
         )
@@ -159,7 +196,7 @@ def print_summary(result: RunResult) -> None:
             if n > 1
             else "with no stage boundary to compare (one stage)"
         )
-        click.echo(
+        echo(
             f"\nMATCH: the {n}-stage chain's {len(r.token_ids)} tokens equal the unsplit model's, token for token, "
             + boundaries
             + (
@@ -188,8 +225,10 @@ def run_and_report(
     run_label: str | None = None,
     trace_path: str | None = None,
     trace: bool | None = None,
+    json_out: bool = False,
 ) -> None:
-    """Run ``scenario``; print the summary; exit 1 on failure or mismatch."""
+    """Run ``scenario``; print the summary; exit 1 on failure or mismatch. ``json_out``: the summary goes to stderr
+    and stdout holds only the run's JSON (``run_json``), printed whether or not it matched."""
     run_label = run_label or f"pp-{uuid.uuid4().hex[:8]}"
     trace_path = trace_path or scenario.trace.path
     trace_on = bool(trace_path) or (scenario.trace.enabled if trace is None else trace)
@@ -197,12 +236,15 @@ def run_and_report(
         result = run_scenario(scenario, progress=Progress(quiet=quiet), run_label=run_label, trace=trace_on)
     if reap_own(scenario.provider.kind, run_label):
         fail(f"resources of run {run_label} outlived it and were reaped")
-    print_summary(result)
+    print_summary(result, err=json_out)
+    files: list[str] = []
     if result.trace is not None:
-        click.echo("\n" + result.trace.summary())
+        click.echo("\n" + result.trace.summary(), err=json_out)
         if trace_path:
-            written = ", ".join(result.trace.write(trace_path))
-            click.echo(f"trace written: {written} (open the .json in ui.perfetto.dev)")
+            files = result.trace.write(trace_path)
+            click.echo(f"trace written: {', '.join(files)} (open the .json in ui.perfetto.dev)", err=json_out)
+    if json_out:
+        click.echo(json.dumps(run_json(result, files), indent=1))
     if result.matches_oracle is False:
         assert result.oracle is not None and result.verdict is not None, "a verdict needs the oracle's answer"
         o, c = result.oracle.token_ids, result.response.token_ids

@@ -3,6 +3,7 @@ answer."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -74,14 +75,21 @@ def model_make(preset: str, output: str, **overrides: Any) -> None:
 
 @model.command("info")
 @click.argument("source")
-def model_info(source: str) -> None:
+@click.option("--json", "json_out", is_flag=True, help="The model's configuration as JSON: its fields as they are.")
+def model_info(source: str, json_out: bool) -> None:
     """Show a GGUF's (path, URL or synthetic:...) dimensions and parameter count."""
     try:
         f = GGUFFile(resolve_model(source))
     except HarnessError as exc:
         fail(str(exc))
+    parameters = sum(math.prod(shape) for shape in f.shapes().values())
+    if json_out:
+        fields = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in vars(f.config).items()}
+        doc = {"format": "ppharness-model/1", **fields, "parameters": parameters, "path": str(f.path)}
+        click.echo(json.dumps(doc, indent=1, default=str))
+        return
     rows = {k: shown(v) for k, v in vars(f.config).items()}
-    rows["parameters"] = f"{sum(math.prod(shape) for shape in f.shapes().values()):,}"
+    rows["parameters"] = f"{parameters:,}"
     rows["path"] = str(f.path)
     width = max(map(len, rows))
     for k, text in rows.items():

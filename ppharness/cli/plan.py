@@ -392,6 +392,7 @@ def plan_show(
 
 @plan.command("simulate")
 @click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--json", "json_out", is_flag=True, help="The prediction as JSON (keys: docs/plans.md).")
 @click.option("--requests", type=int, help="Requests in flight (default: the plan's objective's).")
 @click.option("--prompt-tokens", type=int, default=8, show_default=True, help="Prompt length for the first token.")
 @click.option(
@@ -416,6 +417,7 @@ def plan_simulate(
     reprobe: bool,
     model: str | None,
     cluster: str | None,
+    json_out: bool,
 ) -> None:
     """Predict time to first token, per-token latency (its parts, as the trace lists them) and throughput."""
     doc = _load(plan_file, model, cluster)
@@ -425,7 +427,8 @@ def plan_simulate(
     _warn_measured(doc.cluster)
     if batch < 1:
         raise click.BadParameter(f"--batch must be at least 1, got {batch}")
-    click.echo(simulate(doc, prompt_tokens=prompt_tokens, requests=requests, batch=batch).summary())
+    prediction = simulate(doc, prompt_tokens=prompt_tokens, requests=requests, batch=batch)
+    click.echo(json.dumps(prediction.as_json(), indent=1) if json_out else prediction.summary())
 
 
 @plan.command("probe")

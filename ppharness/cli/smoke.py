@@ -47,6 +47,13 @@ from ppharness.plan.validation import jsonl_path, read_trace
 )
 @click.option("--no-trace", is_flag=True, help="Record no timings (no per-token summary).")
 @click.option(
+    "--json",
+    "json_out",
+    is_flag=True,
+    help="Print the run as one JSON document on stdout (keys: docs/scenarios.md, Machine-readable output); the "
+    "human summary goes to stderr.",
+)
+@click.option(
     "--vastai",
     is_flag=True,
     help="Rent one vast.ai instance per stage (default scenario: the acceptance "
@@ -70,6 +77,7 @@ def smoke_run(
     run_label: str | None,
     trace_path: str | None,
     no_trace: bool,
+    json_out: bool,
     vastai: bool,
     api_key: str | None,
     vastai_url: str | None,
@@ -97,24 +105,26 @@ def smoke_run(
         run_label=run_label,
         trace_path=trace_path,
         trace=False if no_trace else None,
+        json_out=json_out,
     )
     if scenario.plan is not None:
-        print_prediction(scenario.plan, trace_path or scenario.trace.path, started)
+        print_prediction(scenario.plan, trace_path or scenario.trace.path, started, err=json_out)
 
 
-def print_prediction(plan_file: str, trace_path: str | None, started: float) -> None:
+def print_prediction(plan_file: str, trace_path: str | None, started: float, err: bool = False) -> None:
     """A plan run's prediction (``ppharness plan simulate``'s rows) beside what this run's trace measured, row for
     row, with the error; said plainly when the run left no trace to hold it against."""
     jsonl = jsonl_path(trace_path) if trace_path else None
     if jsonl is None or not jsonl.is_file() or jsonl.stat().st_mtime < started:
         click.echo(
             "\nthe plan's prediction is not compared with this run: it wrote no trace file (--no-trace, a scenario "
-            "tracing without a path, or a stage replaced mid-run)"
+            "tracing without a path, or a stage replaced mid-run)",
+            err=err,
         )
         return
     prediction = simulate(load_plan(plan_file))
-    click.echo("\npredicted (ppharness plan simulate) against measured (this run's trace):")
-    click.echo(compare(prediction, read_trace(jsonl, "of this run"), first_token=False))
+    click.echo("\npredicted (ppharness plan simulate) against measured (this run's trace):", err=err)
+    click.echo(compare(prediction, read_trace(jsonl, "of this run"), first_token=False), err=err)
 
 
 def _default_trace(plan_file: str) -> Path:

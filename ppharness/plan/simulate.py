@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ppharness.plan import cost
 from ppharness.plan.doc import PlanDoc, hops, loop, plan_id
@@ -78,6 +78,33 @@ class Prediction:
     throughput_tok_s: float  # with ``requests`` in flight
     usd_per_hour: float  # of the devices the nodes run on
     batch: int = 1  # rows per step (batched serving); the rows' costs are those of one step of them
+
+    def as_json(self) -> dict[str, Any]:
+        """``plan simulate --json``: stable keys (docs/plans.md, Machine-readable output)."""
+        return {
+            "format": "ppharness-prediction/1",
+            "plan": self.plan_id,
+            "per_token_ms": round(self.per_token_ms, 6),
+            "tok_s": round(self.tok_s, 6),
+            "ttft_ms": round(self.ttft_ms, 6),
+            "quota_wait_ms": round(self.quota_wait_ms, 6),
+            "requests": self.requests,
+            "batch": self.batch,
+            "throughput_tok_s": round(self.throughput_tok_s, 6),
+            "bottleneck": self.bottleneck,
+            "usd_per_hour": self.usd_per_hour,
+            "rows": [
+                {
+                    "name": r.name,
+                    "kind": r.kind,
+                    "ms": round(r.ms, 6),
+                    "prefill_ms": round(r.prefill_ms, 6),
+                    "device": r.device,
+                    "bytes": r.nbytes,
+                }
+                for r in self.rows
+            ],
+        }
 
     @property
     def tok_s(self) -> float:
