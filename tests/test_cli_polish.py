@@ -198,3 +198,42 @@ def test_a_run_prints_one_json_document_on_stdout_with_ppharness_run_as_pp_smoke
     assert [n["blocks"] for n in doc["nodes"]] == [[0, 4], [4, 8]]
     assert doc["boundaries_compared"] > 0 and doc["trace"]["per_token_p50_ms"] > 0 and doc["trace"]["files"] == []
     assert "MATCH" in done.stderr, "the human summary still goes to stderr"
+
+
+def test_a_long_wait_says_what_it_still_waits_for():
+    import time
+
+    from ppharness.run.loop import heartbeat, ticking
+
+    said: list[str] = []
+    check = heartbeat(lambda: False, lambda: "stage 1, expert node 0 to compile", said.append, every_s=0.05)
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        assert check() is False
+        time.sleep(0.01)
+    assert said and all(s.startswith("still waiting for stage 1, expert node 0 to compile (") for s in said)
+    said.clear()
+    with ticking("running the oracle", said.append, every_s=0.05):
+        time.sleep(0.3)
+    count = len(said)
+    time.sleep(0.15)
+    assert count >= 2 and len(said) == count, "it ticks while the work runs and stops with it"
+    assert said[0].startswith("still running the oracle (")
+
+
+def test_plan_make_says_what_it_is_planning(tmp_path):
+    out = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "make",
+            "--model",
+            "tiny",
+            "--cluster",
+            str(ROOT / "scenarios/clusters/strong-cluster.yaml"),
+            "-o",
+            str(tmp_path / "p.json"),
+        ],
+    )
+    assert out.exit_code == 0, out.output
+    assert "planning 8 blocks over" in out.stderr

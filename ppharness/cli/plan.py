@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +50,7 @@ from ppharness.plan.routing import load_routing, with_frequencies
 from ppharness.plan.search import policy_plan
 from ppharness.plan.simulate import simulate
 from ppharness.plan.text import render
+from ppharness.run.loop import ticking
 
 MODEL_HELP = (
     "The model: a synthetic preset (tiny, small, ...), a synthetic: spec, a GGUF path or an http(s) URL "
@@ -329,8 +331,11 @@ def plan_make(
             cluster = _probed(cluster, graph)
         _warn_measured(cluster)
         goal = Objective(kind=objective, requests=requests)  # type: ignore[arg-type]
+        say = functools.partial(click.echo, err=True)
         if experts_on is None:
-            doc = policy_plan(policy, graph, cluster, goal)
+            say(f"planning {len(graph.blocks)} blocks over {len(cluster.devices)} devices ({policy})")
+            with ticking("planning", say):
+                doc = policy_plan(policy, graph, cluster, goal)
         else:
             names = expert_device_names(experts_on, [d.id for d in cluster.devices])
             stage_devices = tuple(d for d in cluster.devices if d.id not in names)
@@ -339,15 +344,19 @@ def plan_make(
                     f"--experts-on {experts_on}: name some of the cluster's devices for the experts and leave at "
                     "least one for the stages"
                 )
-            stages = policy_plan(
-                policy, without_routed_experts(graph), msgspec.structs.replace(cluster, devices=stage_devices), goal
-            )
+            say(f"planning the stages over {len(stage_devices)} devices ({policy})")
+            with ticking("planning the stages", say):
+                stages = policy_plan(
+                    policy, without_routed_experts(graph), msgspec.structs.replace(cluster, devices=stage_devices), goal
+                )
             doc = with_id(msgspec.structs.replace(stages, model=graph, cluster=cluster))
         if routing_file is not None:
             doc = with_frequencies(doc, load_routing(routing_file), routing_file)
         if experts_on is not None:
             if expert_policy == "optimal":
-                doc, report = place_experts(doc, names, replicas=replicas, time_limit_s=expert_time_limit)
+                say(f"placing the experts on {len(names)} devices (time limit {expert_time_limit:g} s)")
+                with ticking("placing the experts", say):
+                    doc, report = place_experts(doc, names, replicas=replicas, time_limit_s=expert_time_limit)
             else:
                 doc, report = baseline_experts(doc, names, expert_policy)  # type: ignore[arg-type]
         check_plan(doc, out or "<plan>")

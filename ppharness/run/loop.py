@@ -15,9 +15,11 @@ nested in, which only records it, and no actor's work starts until the inner wai
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from ppharness.errors import CodecError, TransportTimeout, WaitTimedOut
@@ -176,3 +178,44 @@ class Loop:
             if not self._handlers and self._kept:
                 self.mail.extend(self._kept)
                 self._kept.clear()
+
+
+HEARTBEAT_S = 10.0  # a wait this long says what it still waits for
+
+
+def heartbeat(
+    done: Callable[[], bool], pending: Callable[[], str], say: Callable[[str], None], every_s: float = HEARTBEAT_S
+) -> Callable[[], bool]:
+    """``done`` (a wait's ``done``), saying ``still waiting for <pending()> (N s)`` every ``every_s`` seconds it is
+    asked: a long phase is never silent."""
+    start = last = time.monotonic()
+
+    def check() -> bool:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= every_s:
+            last = now
+            say(f"still waiting for {pending()} ({now - start:.0f} s)")
+        return done()
+
+    return check
+
+
+@contextlib.contextmanager
+def ticking(what: str, say: Callable[[str], None], every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """While the block runs (work that turns no loop: the oracle, a planner), say ``still <what> (N s)`` every
+    ``every_s`` seconds from a thread of its own; the thread ends with the block."""
+    stop = threading.Event()
+    start = time.monotonic()
+
+    def tick() -> None:
+        while not stop.wait(every_s):
+            say(f"still {what} ({time.monotonic() - start:.0f} s)")
+
+    thread = threading.Thread(target=tick, name="ticking", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

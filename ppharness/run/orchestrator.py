@@ -21,6 +21,7 @@ from ppharness.model import kernels
 from ppharness.model.oracle import oracle_decode
 from ppharness.run.client import Client, Job, Served
 from ppharness.run.failover import Failover, Recovery
+from ppharness.run.loop import ticking
 from ppharness.run.observe import Observer
 from ppharness.run.session import Session, StageReport
 
@@ -269,15 +270,16 @@ def run_scenario(
     if scenario.expect.non_empty and not response.token_ids:
         raise StageError(f"stage {n - 1} (last) reported done with no text ({response.finish_reason})")
     if scenario.expect.match_oracle:
-        progress("running the unsplit model in this process (the oracle)")
-        result.oracle = oracle_decode(
-            chain.model_path,
-            req.prompt,
-            req.max_tokens,
-            scenario.model.max_context,
-            boundaries=True,
-            batched=scenario.serving.batched,
-        )
+        progress(f"running the unsplit model in this process (the oracle): {req.max_tokens} tokens, compiled first")
+        with ticking("running the oracle", progress):
+            result.oracle = oracle_decode(
+                chain.model_path,
+                req.prompt,
+                req.max_tokens,
+                scenario.model.max_context,
+                boundaries=True,
+                batched=scenario.serving.batched,
+            )
         result.verdict = chain.observer.judge(response, result.oracle, digests)
         pinning = kernels.active()
         if pinning is not None:  # the nodes read the same table (PPHARNESS_KERNELS travels in their environment)

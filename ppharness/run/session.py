@@ -33,7 +33,7 @@ from ppharness.plan.stages import ENTRY, EXIT, stage_name
 from ppharness.registry import impaired_transport, provider_class, transport_class
 from ppharness.run.cluster import Directory
 from ppharness.run.locks import RunLock
-from ppharness.run.loop import Handler, Loop
+from ppharness.run.loop import Handler, Loop, heartbeat
 from ppharness.run.membership import HeartbeatDetector, KinshipDetector, choose_engine
 from ppharness.run.realise import (
     Endpoints,
@@ -69,6 +69,12 @@ class StageReport:
     load_s: float = 0.0
     peak_rss_bytes: int = 0
     device_bytes: int = 0
+
+
+def members(indices: list[int], num_stages: int) -> str:
+    """``stage 1, expert node 0``: the first six, then how many more."""
+    names = [member_name(i, num_stages) for i in sorted(indices)]
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
 
 def member_name(index: int, num_stages: int) -> str:
@@ -300,7 +306,8 @@ class Session:
             return directory.complete
 
         try:
-            self.wait(on_join, budget.join_s, f"all {n} nodes to join", "starting up")
+            waiting = lambda: f"{members(directory.missing(), self.plan.num_stages)} to join"  # noqa: E731
+            self.wait(on_join, budget.join_s, f"all {n} nodes to join", "starting up", pending=waiting)
         except WaitTimedOut as exc:
             raise self.with_logs(
                 ClusterError(
@@ -336,7 +343,9 @@ class Session:
             return len(ready) == n
 
         try:
-            self.wait(on_ready, budget.ready_s, "every stage to load its blocks and compile (Ready)", "starting up")
+            waiting = lambda: f"{members([i for i in range(n) if i not in ready], self.plan.num_stages)} to compile"  # noqa: E731
+            what = "every stage to load its blocks and compile (Ready)"
+            self.wait(on_ready, budget.ready_s, what, "starting up", pending=waiting)
         except WaitTimedOut as exc:
             missing = [i for i in range(n) if i not in ready]
             raise self.with_logs(
@@ -391,12 +400,15 @@ class Session:
         what: str,
         phase: str,
         done: Callable[[], bool] = lambda: False,
+        pending: Callable[[], str] | None = None,
     ) -> None:
         """Turn the loop, handing messages to ``on_message``, until it returns True or ``done()``; at most
-        ``phase_s`` seconds and what is left of the run's budget. ``phase`` names the wait in a death's report."""
+        ``phase_s`` seconds and what is left of the run's budget. ``phase`` names the wait in a death's report;
+        ``pending``, what is still awaited, said every ``loop.HEARTBEAT_S`` of waiting."""
         loop = self.loop
         assert self.provider is not None and loop is not None, "the session is not open"
         handle = self._handler(on_message)
+        done = done if pending is None else heartbeat(done, pending, self.progress)
         outermost = loop.depth == 0  # a failover waits within the request's wait
         if outermost and self.detector is not None:
             self.detector.listen()
