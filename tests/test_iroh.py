@@ -399,4 +399,5 @@ def test_bench_transport_reports_every_path_with_ratios(tmp_path: Any) -> None:
     }
     text = out.getvalue()
     assert all(p in text for p in paths) and "target: ppharness iroh 4 KiB p50" in text, text
-    assert len(json.loads((tmp_path / "bench.json").read_text())) == len(rows)
+    written = json.loads((tmp_path / "bench.json").read_text())
+    assert len(written["rows"]) == len(rows) and written["provenance"]["engine"].startswith("ppharness ")

@@ -17,7 +17,6 @@ from ppharness.cli.model import model, oracle, split_check, tune
 from ppharness.cli.ops import reap, vastai_emulator
 from ppharness.cli.plan import plan
 from ppharness.cli.scenario import scenario
-from ppharness.cli.smoke import smoke_run
 
 __all__ = ["main"]
 
@@ -41,24 +40,13 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
-# ppharness bench imports every benchmark (the chain, the orchestrator, the transports' raw libraries)
-@click.group(cls=LazyGroup, lazy={"bench": "ppharness.cli.bench:bench"})
+# ppharness bench imports every benchmark (the chain, the orchestrator, the transports' raw libraries); ppharness run is
+# pp-smoke-run's command, taken from its module when asked (imported here, `python -m ppharness.cli.smoke` would warn)
+@click.group(cls=LazyGroup, lazy={"bench": "ppharness.cli.bench:bench", "run": "ppharness.cli.smoke:run"})
 @version_option("ppharness")
 def main() -> None:
     """ppharness: pipeline-parallel inference harness."""
 
 
-# ``ppharness run FILE`` is ``pp-smoke-run --scenario FILE``: the same command, every option of it
-run = click.Command(
-    "run",
-    params=[
-        click.Argument(["scenario_file"], type=click.Path(dir_okay=False)),
-        *(p for p in smoke_run.params if p.name not in ("scenario_file", "version")),
-    ],
-    callback=smoke_run.callback,
-    help="Run a scenario file: pp-smoke-run --scenario FILE, with every option of pp-smoke-run.",
-)
-
-
-for command in (run, scenario, plan, model, split_check, tune, oracle, vastai_emulator, reap):
+for command in (scenario, plan, model, split_check, tune, oracle, vastai_emulator, reap):
     main.add_command(command)

@@ -111,6 +111,18 @@ def smoke_run(
         print_prediction(scenario.plan, trace_path or scenario.trace.path, started, err=json_out)
 
 
+# ``ppharness run FILE`` is ``pp-smoke-run --scenario FILE``: the same command, every option of it
+run = click.Command(
+    "run",
+    params=[
+        click.Argument(["scenario_file"], type=click.Path(dir_okay=False)),
+        *(p for p in smoke_run.params if p.name not in ("scenario_file", "version")),
+    ],
+    callback=smoke_run.callback,
+    help="Run a scenario file: pp-smoke-run --scenario FILE, with every option of pp-smoke-run.",
+)
+
+
 def print_prediction(plan_file: str, trace_path: str | None, started: float, err: bool = False) -> None:
     """A plan run's prediction (``ppharness plan simulate``'s rows) beside what this run's trace measured, row for
     row, with the error; said plainly when the run left no trace to hold it against."""
