@@ -136,22 +136,22 @@ def test_model_info_prints_words_and_the_parameter_count():
     assert rows["moe_blocks"] == "0, 1, 2, 3" and rows["rope_factors"] == "none" and rows["tied"] == "no"
 
 
+def _strong_plan(path: Path):
+    """``plan make`` of the tiny model on the strong cluster, written to ``path``: the click result."""
+    cluster = str(ROOT / "scenarios/clusters/strong-cluster.yaml")
+    return CliRunner().invoke(main, ["plan", "make", "--model", "tiny", "--cluster", cluster, "-o", str(path)])
+
+
+def test_plan_make_says_what_it_is_planning(tmp_path):
+    out = _strong_plan(tmp_path / "p.json")
+    assert out.exit_code == 0, out.output
+    assert "planning 8 blocks over" in out.stderr
+
+
 def test_provider_with_a_plan_is_applied_when_it_agrees_and_refused_when_not(tmp_path):
     """`pp-smoke-run --plan strong.json --provider local` used to start docker nodes silently."""
     plan = tmp_path / "strong.json"
-    made = CliRunner().invoke(
-        main,
-        [
-            "plan",
-            "make",
-            "--model",
-            "tiny",
-            "--cluster",
-            str(ROOT / "scenarios/clusters/strong-cluster.yaml"),
-            "-o",
-            str(plan),
-        ],
-    )
+    made = _strong_plan(plan)
     assert made.exit_code == 0, made.output
     assert scenario_from_args(plan=str(plan), provider="docker").provider.kind == "docker"
     refused = CliRunner().invoke(smoke_run, ["--plan", str(plan), "--provider", "local"])
@@ -219,21 +219,3 @@ def test_a_long_wait_says_what_it_still_waits_for():
     time.sleep(0.15)
     assert count >= 2 and len(said) == count, "it ticks while the work runs and stops with it"
     assert said[0].startswith("still running the oracle (")
-
-
-def test_plan_make_says_what_it_is_planning(tmp_path):
-    out = CliRunner().invoke(
-        main,
-        [
-            "plan",
-            "make",
-            "--model",
-            "tiny",
-            "--cluster",
-            str(ROOT / "scenarios/clusters/strong-cluster.yaml"),
-            "-o",
-            str(tmp_path / "p.json"),
-        ],
-    )
-    assert out.exit_code == 0, out.output
-    assert "planning 8 blocks over" in out.stderr

@@ -73,11 +73,6 @@ def instance_extras(inst: EmuInstance, emulator_id: str) -> dict[str, str]:
     }
 
 
-def client_entries(inst: EmuInstance) -> dict[str, str]:
-    """The client's environment entries."""
-    return dict(inst.env)
-
-
 def node_environment(client_env: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
     """A local process's environment: this one less anything secret-looking, the interpreter's directory first on
     PATH (for ``pp-node``), then the client's entries and ``extra``."""
@@ -110,7 +105,7 @@ class ProcessRunner:
 
     def start(self, inst: EmuInstance) -> None:
         path = self.log_dir / f"instance-{inst.id}.log"
-        env = node_environment(client_entries(inst), instance_extras(inst, self.emulator_id))
+        env = node_environment(inst.env, instance_extras(inst, self.emulator_id))
         with open(path, "ab") as log:
             try:
                 inst.handle = subprocess.Popen(
@@ -166,7 +161,7 @@ class DockerRunner:
         import docker.errors
 
         argv = container_argv(inst)
-        env = {**client_entries(inst), **instance_extras(inst, self.emulator_id)}
+        env = {**inst.env, **instance_extras(inst, self.emulator_id)}
         try:
             inst.handle = self.docker.containers.run(
                 self.image,
