@@ -3,6 +3,10 @@
 Each node runs in its own session (so a Ctrl-C at the terminal reaches only the orchestrator, which then destroys the
 nodes in order) with ``PP_RUN_LABEL`` in its environment; the reaper finds leftovers by that variable in
 ``/proc/<pid>/environ``. Output goes to one log file per node under the run directory.
+
+A node inherits only what it reads (``node_environment``): the system's basics, the interpreter's, tinygrad's and the
+GPU drivers', and the harness's own ``PP_*``/``PPHARNESS_*``; everything else this process holds (an API key, a cloud
+token) stays here. The node contract's entries come from the spec.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import signal
 import subprocess
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache
 from pathlib import Path
 from typing import Annotated
@@ -32,6 +36,30 @@ NETNS_PREFIX = ["unshare", "--user", "--map-root-user", "--net", "--"]
 
 # environment variables by which a user picks tinygrad's device; without one, tinygrad probes every backend it knows
 DEVICE_VARS = ("DEV", "CPU", "CUDA", "NV", "AMD", "METAL", "GPU", "CL", "LLVM", "CLANG", "WEBGPU", "QCOM")
+
+
+# what a node inherits from this process: these names, and names with these prefixes
+INHERITED = frozenset(
+    {
+        *("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TERM", "TZ", "TMPDIR", "TMP", "TEMP"),
+        *("VIRTUAL_ENV", "LD_LIBRARY_PATH", "LD_PRELOAD", "SSL_CERT_FILE", "SSL_CERT_DIR", "OMP_NUM_THREADS"),
+        *("XDG_CACHE_HOME", "XDG_RUNTIME_DIR", "CC", "CXX", "CACHEDB", "CACHELEVEL", "DEBUG", "JIT", "IMAGE"),
+        *("NOOPT", "HALF", "FLOAT16", "DEFAULT_FLOAT", "TC", "TC_OPT", "TRANSCENDENTAL", "THREADS", "PROFILE", "VIZ"),
+        *("ALLOW_DEVICE_USAGE", "ALLOW_TF32", "SPLIT_REDUCEOP", "PARALLEL", "IGNORE_BEAM_CACHE", "PTX", "NVCC"),
+        *DEVICE_VARS,
+    }
+)
+INHERITED_PREFIXES: tuple[str, ...] = (
+    *("LC_", "PYTHON", "PP_", "PPHARNESS_", "BEAM", "JIT_", "CUDA", "NV_", "NVIDIA_", "AMD_", "HIP_", "ROCM_", "HSA_"),
+    *("HCQ", "METAL_", "CPU_", "LLVM", "QCOM_", "WEBGPU_", "CL_", "GPU_", "OPENBLAS_"),
+)
+
+
+def node_environment(spec_env: dict[str, str], parent: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """A node's environment: what it reads of ``parent`` (this process's environment; ``INHERITED``), the device
+    picked for it, then the spec's entries."""
+    inherited = {k: v for k, v in parent.items() if k in INHERITED or k.startswith(INHERITED_PREFIXES)}
+    return {**inherited, **device_env(), **spec_env}
 
 
 @cache
@@ -76,7 +104,7 @@ class LocalProvider(Provider[LocalSettings | None]):
         started: list[Instance] = []
         for spec in specs:
             log_path = self.node_log_dir() / f"{spec.name}.log"
-            env = {**os.environ, **device_env(), **spec.env, LABEL_VAR: self.run_label, "PYTHONUNBUFFERED": "1"}
+            env = {**node_environment(spec.env), LABEL_VAR: self.run_label, "PYTHONUNBUFFERED": "1"}
             if spec.gpu is not None:  # a GPU of this host: the node sees that one only, as its device 0
                 env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
             try:

@@ -54,6 +54,7 @@ from ppharness.wire.messages import (
     TokenRows,
     TraceReport,
     TraceRequest,
+    Warm,
 )
 from transports.iroh import session as iroh_session
 
@@ -201,6 +202,7 @@ def realistic_messages() -> list[Message]:
         Assign(
             program='{"plan_id":"plan-2stage-a1b2","stage":1,"num_stages":2,"lo":4,"hi":8}', gossip_name="pp-stage-1.1"
         ),
+        Warm(programs=['{"plan_id":"plan-2stage-a1b2","stage":1,"num_stages":2,"lo":4,"hi":8}'], lengths=[6, 9]),
         ExpertRequest(
             request_id="req-0001",
             position=7,

@@ -55,7 +55,7 @@ KINDS: tuple[FaultKind, ...] = ("kill", "pause", "partition", "loss")
 TIMED_KINDS: tuple[FaultKind, ...] = ("kill", "pause", "partition")
 
 # the schedule's ranges, seconds
-AT_S = (0.3, 2.0)  # when a timed fault starts, from the start of the request
+AT_S = (0.1, 0.8)  # when a timed fault starts, from the start of the request (200 tokens take about 1 s)
 PAUSE_S = (0.5, 4.0)
 PARTITION_S = (0.5, 3.0)
 FAULTS_PER_TRIAL = (1, 2)

@@ -200,7 +200,7 @@ def bench_failover(num_stages: int, runs: int, sig: str, engine: str) -> None:
 @click.option("--trials", type=int, default=5, show_default=True, help="Requests, each under its own fault schedule.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Trial k draws its faults from seed + k.")
 @click.option("--stages", "num_stages", type=int, default=3, show_default=True)
-@click.option("--tokens", type=int, default=64, show_default=True, help="Tokens generated per request.")
+@click.option("--tokens", type=int, default=200, show_default=True, help="Tokens generated per request.")
 @click.option(
     "--overhead-requests",
     type=int,

@@ -404,6 +404,32 @@ class ModelSlice(BatchedRows):
             dst.copyin(cast("Buffer", src.uop.base.realized).as_buffer())
         return out
 
+    def warm_prefill(self, length: int) -> bool:
+        """Build, compile and capture the prefill step for prompts of ``length`` positions before one comes, in the
+        scratch slot only: no request's cache is touched. The step is the one ``prefill`` runs for that length, so a
+        warmed prefill computes the same bytes, sooner. False where there is nothing to warm (a mixture-of-experts
+        slice, whose prefill is not one captured step, or a length outside the context)."""
+        from tinygrad.engine.jit import TinyJit
+
+        if self.config.moe or not 0 < length < self.max_context:
+            return False
+        x: list[int] | NDArray[np.float16] = (
+            [0] * length if self.first else np.zeros((1, length, self.config.dim), np.float16)
+        )
+        t = self._input(x)
+        jit = self._prefills.pop(length, None)
+        if jit is None:
+            if len(self._prefills) >= PREFILL_STEPS:
+                self._prefills.popitem(last=False)
+            jit = TinyJit(self._forward)
+        self._prefills[length] = jit
+        previous = self._slot
+        self.use(self.slots)
+        while jit.cnt < 2:  # the JIT runs its first call as it comes and captures on the second
+            self._output(jit(t, 0))
+        self.use(previous)
+        return True
+
     def decode(self, x: list[int] | NDArray[np.float16], position: int, slot: int = 0) -> NDArray[np.float16] | int:
         """Run one position ``position >= 1`` of request slot ``slot`` through the compiled decode step.
 

@@ -113,9 +113,12 @@ class Client:
         self.streams: dict[str, dict[int, tuple[int, float]]] = {}  # request -> position -> (token, arrival)
         self.responses: dict[str, InferenceResponse] = {}
         self.loads: dict[str, Served] = {}  # the requests of ``serve`` in progress
+        self._sent: dict[str, InferenceRequest] = {}  # those of them sent so far, as sent
         self.active: InferenceRequest | None = None
         self.request_started = 0.0  # when the request in progress was sent, on the orchestrator's clock
         self.on_token: Callable[[], None] = lambda: None
+        # told of the prompts of a request (or of a load) before the first of them goes
+        self.on_prompts: Callable[[list[str]], None] = lambda prompts: None
         self._again = _Again()
         self._refused: set[str] = set()  # ids of requests stage 0 refused as busy (each sent again under a new id)
         self._streamed_said = time.monotonic()
@@ -169,6 +172,7 @@ class Client:
         """Send the request in progress, under a new id; returns it and when it went."""
         s = self.session
         assert s.transport is not None, "the chain is not started"
+        self.on_prompts([prompt])
         self.request_started = time.monotonic()  # what the network's event times count from, on this clock
         if s.nemesis is not None:  # the network's events count from here, in every process of the run
             t0_unix_ns = time.time_ns()
@@ -197,6 +201,7 @@ class Client:
         s = self.session
         assert s.loop is not None, "the chain is not started"
         served = [Served(job, uuid.uuid4().hex[:12]) for job in jobs]
+        self.on_prompts([job.prompt for job in jobs])
         self.loads = {x.request_id: x for x in served}
 
         def send(x: Served) -> None:
@@ -208,6 +213,7 @@ class Client:
                 request_id=x.request_id,
                 stream=True,
             )
+            self._sent[request.request_id] = request
             self._send(request)
 
         def settled() -> bool:
@@ -231,16 +237,17 @@ class Client:
             s.loop.remove_timer(arrivals)
             for x in served:
                 self.streams.pop(x.request_id, None)
-            self.loads = {}
+            self.loads, self._sent = {}, {}
             if s.outbox is not None:
                 ids = {x.request_id for x in served}
                 s.outbox.drop(lambda key, role: key[1] not in ids)
         return served
 
     def refusal(self, sender: str, msg: Message) -> bool:
-        """Stage 0's busy refusal of a request of ours (True: taken out). A load's request ends refused; the request
+        """Stage 0's busy refusal of a request of ours (True: taken out), from the address pp-entry holds (anyone
+        else's is left to the session's check of roles, which drops it). A load's request ends refused; the request
         in progress is sent again after a growing delay, within the run's budget."""
-        if not isinstance(msg, Error) or not msg.busy:
+        if not isinstance(msg, Error) or not msg.busy or sender != self.session.directory.names.get(ENTRY):
             return False
         if msg.request_id in self.loads:
             self.loads[msg.request_id].refused = msg.reason  # a refusal ends that request, not the run
@@ -285,12 +292,16 @@ class Client:
                 s.progress(f"warning: acknowledging {kind} {position} to {to[:60]} failed: {exc}")
 
     def resume(self, epoch: int) -> None:
-        """A spare took over stage 0: hand it the request in progress with the tokens streamed so far."""
-        s, active = self.session, self.active
-        if active is None or active.request_id in self.responses:
-            return
-        got = self.streams.get(active.request_id, {})
-        tokens = [got[p][0] for p in sorted(got)]
-        resume = Resume(request=active, tokens=tokens, plan_id=s.plan.plan_id, epoch=epoch)
+        """A spare took over stage 0: hand it every request in progress (the one ``request`` waits for and those of
+        ``serve`` that were sent), each with the tokens streamed so far."""
+        s = self.session
         assert s.outbox is not None  # failover is a reliable policy
-        s.outbox.put(("resume", active.request_id, -1), "entry", resume)
+        in_flight = [self.active] if self.active is not None else []
+        in_flight += [r for rid, r in self._sent.items() if rid in self.loads and not self.loads[rid].done]
+        for request in in_flight:
+            if request.request_id in self.responses:
+                continue
+            got = self.streams.get(request.request_id, {})
+            tokens = [got[p][0] for p in sorted(got)]
+            resume = Resume(request=request, tokens=tokens, plan_id=s.plan.plan_id, epoch=epoch)
+            s.outbox.put(("resume", request.request_id, -1), "entry", resume)

@@ -2,13 +2,16 @@
 
 The seed collects one ``Join`` per stage; once all N stages joined (bounded wait) it sends every node ``Members``, the
 directory of names (``pp-stage-{i}``, ``pp-entry``, ``pp-exit``) to addresses. A node resolves names from that
-directory. Failure detection of a member that dies is the provider's ``exited()`` here; heartbeats come later.
+directory, and only from the seed (``ppharness.run.roles``). Failure detection is ``ppharness.run.membership``'s.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ppharness.errors import ClusterError
 from ppharness.run.loop import Loop
+from ppharness.run.roles import DropLog, members_refusal
 from ppharness.seams.transport import Received
 from ppharness.wire.messages import Join, Members, Message
 
@@ -23,7 +26,8 @@ class Directory:
         self.names: dict[str, str] = {}
 
     def add(self, msg: Join) -> None:
-        """Record a Join; a stage outside the plan or a name already taken is a ClusterError."""
+        """Record a Join; a stage outside the plan, a stage that joined from another address, or an address that joined
+        as another stage (one key, one member) is a ClusterError."""
         if msg.num_stages != self.num_stages or not 0 <= msg.stage < self.members:
             raise ClusterError(
                 f"stage {msg.stage} of {msg.num_stages} from {msg.address} does not belong to this "
@@ -31,13 +35,21 @@ class Directory:
             )
         if msg.stage in self.joins and self.joins[msg.stage].address != msg.address:
             raise ClusterError(f"stage {msg.stage} joined twice: {self.joins[msg.stage].address} and {msg.address}")
+        self._one_stage_per_address(msg)
         self.joins[msg.stage] = msg
         for name in msg.names:
             self.names[name] = msg.address
 
+    def _one_stage_per_address(self, msg: Join) -> None:
+        """One key, one member: a Join from the address another stage holds is a ClusterError."""
+        other = next((s for s, j in self.joins.items() if j.address == msg.address and s != msg.stage), None)
+        if other is not None:
+            raise ClusterError(f"stage {msg.stage} joined from {msg.address}, the address stage {other} joined from")
+
     def replace(self, msg: Join) -> str:
         """Record the Join of a spare that took over ``msg.stage``: its names now point at the spare. Returns the
-        address the stage had."""
+        address the stage had. A spare joining from the address another stage holds is a ClusterError."""
+        self._one_stage_per_address(msg)
         old = self.joins[msg.stage].address
         self.joins[msg.stage] = msg
         for name, address in list(self.names.items()):
@@ -61,14 +73,22 @@ class Directory:
             raise ClusterError(f"name {name!r} is not registered; known: {', '.join(sorted(self.names))}") from None
 
 
-def resolve_members(loop: Loop, timeout: float) -> dict[str, str]:
-    """Node side: wait (bounded) for the seed's Members; what else comes meanwhile is kept, in order, for the
-    node's next wait."""
+def resolve_members(
+    loop: Loop, timeout: float, seed: str, needed: list[str], log: Callable[[str], None]
+) -> dict[str, str]:
+    """Node side: wait (bounded) for the seed's Members naming every one of ``needed``; a Members from anyone else,
+    or one that lacks a needed name, is refused with a log line (bounded). What else comes meanwhile is kept, in
+    order, for the node's next wait."""
     found: dict[str, str] = {}
     early: list[tuple[str, Message, Received | None]] = []
+    refused = DropLog(log)
 
     def on_message(sender: str, msg: Message, rx: Received | None) -> bool:
         if isinstance(msg, Members):
+            refusal = members_refusal(sender, msg, seed, needed)
+            if refusal:
+                refused(refusal)
+                return False
             found.update(msg.names)
             return True
         early.append((sender, msg, rx))

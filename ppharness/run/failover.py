@@ -14,12 +14,16 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ppharness.errors import ClusterError
+from ppharness.errors import ClusterError, HarnessError, WaitTimedOut
+from ppharness.model.gguf_file import GGUFFile
 from ppharness.plan.stages import stage_name
 from ppharness.run.realise import gossip_name, replacement
-from ppharness.wire.messages import Assign, Join, Members, Message, Ready
+from ppharness.wire.messages import Ack, Assign, InferenceResponse, Join, Members, Message, Ready, StreamedToken, Warm
 
 if TYPE_CHECKING:
+    from ppharness.model.tokenizer import Tokenizer
+    from ppharness.plan.doc import Device, PlanDoc
+    from ppharness.plan.stages import StagePlan
     from ppharness.run.client import Client
     from ppharness.run.session import Death, Session
 
@@ -66,6 +70,25 @@ def no_spare(err: ClusterError, used: int) -> ClusterError:
     return err
 
 
+def stage_bytes(doc: PlanDoc, program: StagePlan) -> int:
+    """The weights a stage's program loads: its blocks, the embedding on the first stage, the head on the last."""
+    model = doc.model
+    total = sum(b.weight_bytes for b in model.blocks[program.lo : program.hi])
+    return total + (model.embed_bytes if program.first else 0) + (model.head_bytes if program.last else 0)
+
+
+def holdable(doc: PlanDoc, spare: Device, programs: list[StagePlan]) -> list[StagePlan]:
+    """The stages a warm standby on ``spare`` holds: in stage order, each whose weights still fit in the device's
+    memory (less its reserve) beside the ones before it."""
+    room, held = spare.memory - spare.reserve, []
+    for program in programs:
+        need = stage_bytes(doc, program)
+        if program.role == "stage" and program.experts is None and need <= room:
+            held.append(program)
+            room -= need
+    return held
+
+
 class Failover:
     """Replaces dead stages by the session's spares; the membership epoch, the fenced-off addresses and the
     recoveries so far. ``on_deaths`` is the session's death policy, ``fence`` one of its screens."""
@@ -75,18 +98,104 @@ class Failover:
         self.epoch = 0
         self.recoveries: list[Recovery] = []
         self.fenced: set[str] = set()  # addresses of replaced nodes
+        # addresses that held pp-exit before a spare replaced them: their answers still count (``fence``; the
+        # session's check of roles shares the set)
+        self.former_exits: set[str] = session.roles.former_exits
         self._replacing = ""  # the instance id of the spare coming up, while one does
+        self._tokenizer: Tokenizer | None = None
+        self._bos: int | None = None
+        self._warm_lengths: set[int] = set()  # prompt lengths the standbys have their prefill compiled for
         self._fenced_seen: set[str] = set()
 
     def fence(self, sender: str, msg: Message) -> bool:
-        """A replaced node that came back: nothing it says counts (True: the message is taken out)."""
+        """A replaced node that came back: nothing it says counts (True: the message is taken out), but for the
+        answer of a former exit stage. A last stage declared dead that was only slow can finish the request before
+        its spare is ready; the stages before it then hold nothing to replay, so its answer (exact: the stages fed
+        it the request's own activations) is the only one that will come."""
         if sender not in self.fenced:
+            return False
+        if sender in self.former_exits and isinstance(msg, InferenceResponse | StreamedToken):
             return False
         key = f"{sender}|{type(msg).__name__}"
         if key not in self._fenced_seen:
             self._fenced_seen.add(key)
             self.session.progress(f"fenced off a {type(msg).__name__} from a replaced node ({sender[:60]})")
         return True
+
+    def warm(self, prompts: list[str] | None = None) -> None:
+        """Warm every standby (``ppharness.run.standby``) and wait until each says it is: once the run is ready,
+        with the programs of the stages its device can hold; before each request whose prompt length is new to
+        them, with that length. The wait is part of being ready: a failover then loads nothing and its replay
+        compiles nothing. A standby that does not answer within the ready budget is left cold, with a warning."""
+        s = self.session
+        if s.policy != "failover" or s.transport is None:
+            return
+        lengths: list[int] = []
+        if prompts is not None:
+            lengths = sorted({self._prompt_length(p) for p in prompts} - self._warm_lengths - {0})
+            if not lengths:
+                return
+            self._warm_lengths.update(lengths)
+        waiting: set[str] = set()
+        at_stages = [j.address for j in s.directory.joins.values() if j.stage < s.plan.num_stages] if lengths else []
+        for address in at_stages:  # the stages compile that length's prefill too: a fault never waits on it
+            try:
+                s.transport.send(address, Warm(lengths=lengths))
+                waiting.add(address)
+            except HarnessError as exc:
+                s.progress(f"warning: could not warm {address[:60]}: {exc}")
+        for device, sb in s.standbys.items():
+            if not sb.address:
+                continue
+            programs: list[str] = []
+            if prompts is None:
+                spare = s.plan_doc.cluster.device(device)
+                stages = [self._program(k, spare) for k in range(s.plan.num_stages)]
+                programs = [msgspec.json.encode(p).decode() for p in holdable(s.plan_doc, spare, stages)]
+            try:
+                s.transport.send(sb.address, Warm(programs=programs, lengths=lengths))
+                waiting.add(sb.address)
+            except HarnessError as exc:  # a standby that cannot be reached is found out when it is needed
+                s.progress(f"warning: could not warm the standby on {device}: {exc}")
+
+        def warm() -> bool:  # a node replaced meanwhile is no longer waited for
+            waiting.intersection_update(
+                [sb.address for sb in s.standbys.values()] + [j.address for j in s.directory.joins.values()]
+            )
+            return not waiting
+
+        def on_ack(sender: str, msg: Message) -> bool:
+            if isinstance(msg, Ack) and msg.kind == "warm":
+                waiting.discard(sender)
+            return warm()
+
+        if waiting:
+            t0 = time.monotonic()
+            suffix = f" for prompts of {', '.join(map(str, lengths))} tokens" if lengths else ""
+            what = ("the stages and " if lengths else "the ") + "standby spares to warm up" + suffix
+            try:
+                s.wait(on_ack, s.scenario.budget.ready_s, what, "warming the standbys", done=warm)
+            except WaitTimedOut:
+                s.progress(f"warning: {len(waiting)} node(s) did not warm up in time; they stay cold")
+                return
+            s.progress(
+                f"{'stages and ' if lengths else ''}standby spare(s) warm{suffix} in {time.monotonic() - t0:.2f} s"
+            )
+
+    def _program(self, stage: int, spare: Device) -> StagePlan:
+        s = self.session
+        node = replacement(s.scenario, s.compiled, s.endpoints, stage, spare, self.epoch + 1, {}, s.trace_on)
+        assert node.program is not None
+        return node.program
+
+    def _prompt_length(self, prompt: str) -> int:
+        """The prompt's length in tokens as stage 0 counts it (its beginning-of-sequence token included); 0 when the
+        model file has no tokenizer here."""
+        s = self.session
+        if self._tokenizer is None:
+            gguf = GGUFFile(s.model_path)
+            self._tokenizer, self._bos = gguf.tokenizer, gguf.config.bos_id
+        return len(self._tokenizer.encode(prompt)) + (self._bos is not None)
 
     def token_arrived(self) -> None:
         """A new token reached the client: the first after a spare's Ready ends that recovery's replay."""
@@ -147,6 +256,8 @@ class Failover:
         epoch = self.epoch
         old = s.directory.joins[stage].address
         self.fenced.add(old)
+        if stage == s.plan.num_stages - 1:
+            self.former_exits.add(old)
         if death.instance is not None:
             s.retired.add(death.instance.id)
         s.detector.forget(stage)  # declared dead once; the spare is watched from its Join

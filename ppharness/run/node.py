@@ -42,12 +42,15 @@ from ppharness.run.loop import DRAIN, Loop
 from ppharness.run.membership import NodeMembership
 from ppharness.run.node_address import SOCKET_OPTIONS, describe, published
 from ppharness.run.reliable import RetryPolicy, ack_of
+from ppharness.run.roles import members_refusal, needed_names
 from ppharness.run.stage import Stage
 from ppharness.run.stage_requests import StageModel
+from ppharness.run.standby import MAX_HELD_LENGTHS, Held, assignment_waits
 from ppharness.seams.transport import JsonObject, Received, Transport
 from ppharness.trace.tracer import Tracer, now_ns
 from ppharness.version import version_text
 from ppharness.wire.messages import (
+    Ack,
     Assign,
     ClockProbe,
     ClockReply,
@@ -64,6 +67,7 @@ from ppharness.wire.messages import (
     Stopped,
     TraceReport,
     TraceRequest,
+    Warm,
 )
 
 if TYPE_CHECKING:
@@ -212,7 +216,7 @@ def node_loop(transport: Transport, log: Callable[[str], None], parent: int) -> 
 
 
 # what only the orchestrator may send a node; replies go to the orchestrator, never to an address a frame names
-CONTROL = (Shutdown, ClockProbe, TraceRequest, DigestRequest, NetworkStart, Members)
+CONTROL = (Shutdown, ClockProbe, TraceRequest, DigestRequest, NetworkStart, Members, Warm)
 
 
 def _reply(transport: Transport, seed: str, msg: Message, log: Callable[[str], None]) -> None:
@@ -233,6 +237,7 @@ class Standing:
     clock: EventClock
     gguf_file: GGUFFile | None
     bridge: Bridge | None = None
+    held: Held | None = None  # a warm standby's slices
 
 
 def stand_by(env: dict[str, str]) -> int:
@@ -268,7 +273,9 @@ def stand_by(env: dict[str, str]) -> int:
         transport.send(seed, join)
         gguf_file = _prepare(env["MODEL"], int(env.get("PP_MAX_CONTEXT") or 256), log)
         log("standing by")
-        assigned = _await_assignment(node_loop(transport, log, parent), seed, clock, log)
+        held = Held(gguf_file, log)
+        loop = node_loop(transport, log, parent)
+        assigned = _await_assignment(loop, seed, clock, log, held, transport)
     except (HarnessError, msgspec.DecodeError) as exc:
         log(f"failed: {exc}")
         transport.close()
@@ -284,14 +291,14 @@ def stand_by(env: dict[str, str]) -> int:
     env = env | {"STAGE": str(plan.stage), "NUM_STAGES": str(plan.num_stages)}
     if gossip:
         env["PP_GOSSIP_NAME"] = gossip
-    return serve(plan, env, Standing(transport, address, clock, gguf_file))
+    return serve(plan, env, Standing(transport, address, clock, gguf_file, held=held))
 
 
 def _await_assignment(
-    loop: Loop, seed: str, clock: EventClock, log: Callable[[str], None]
+    loop: Loop, seed: str, clock: EventClock, log: Callable[[str], None], held: Held, transport: Transport
 ) -> tuple[StagePlan, str] | None:
-    """Wait for the orchestrator's Assign: (the program, the gossip name); None on Shutdown. Anything else, and
-    anything from another member, is dropped."""
+    """Wait for the orchestrator's Assign: (the program, the gossip name); None on Shutdown. A Warm is carried out
+    meanwhile (``ppharness.run.standby``). Anything else, and anything from another member, is dropped."""
     assigned: list[tuple[StagePlan, str] | None] = []
 
     def on_message(sender: str, msg: Message, rx: Received | None) -> bool:
@@ -306,6 +313,9 @@ def _await_assignment(
                 assigned.append((decode_program(program), gossip))
             case NetworkStart(t0_unix_ns=t0):
                 clock.start(t0)
+            case Warm():
+                held.warm(msg, lambda: assignment_waits(loop))
+                _reply(transport, seed, Ack(kind="warm", request_id="", position=0, plan_id=""), log)
             case other:
                 log(f"dropped {type(other).__name__}: a standby waits for an Assign")
         return bool(assigned)
@@ -377,7 +387,7 @@ class Node:
     def __init__(self, plan: StagePlan, env: dict[str, str], started: Standing, log: Callable[[str], None]):
         self.plan, self.env, self.log, self.seed = plan, env, log, env["SEED_ADDR"]
         self.transport, self.address, self.clock = started.transport, started.address, started.clock
-        self.gguf_file, self.bridge = started.gguf_file, started.bridge
+        self.gguf_file, self.bridge, self.held = started.gguf_file, started.bridge, started.held
         self.fault = env.get("PP_FAULT", "")
         self.parent = os.getppid()
         self.loop = node_loop(self.transport, log, self.parent)
@@ -399,7 +409,7 @@ class Node:
             if self.fault == "stall-before-ready":
                 self.log("fault stall-before-ready: never reporting Ready")
                 return _idle_until_orphaned(self.parent)
-            directory = resolve_members(self.loop, plan.resolve_s)
+            directory = resolve_members(self.loop, plan.resolve_s, self.seed, needed_names(plan), self.log)
             self._reply(ack_of("members", self.address, plan.epoch, plan.plan_id))  # resent till then
             served = self.served = self._build(loaded, tokenizer, directory)
             ready = Ready(
@@ -460,6 +470,12 @@ class Node:
                 bank, load_s = load_expert_bank(self.env["MODEL"], self.plan)
                 return bank, None, bank.n_params, 0, load_s
             source = "/nonexistent/bad-model.gguf" if self.fault == "bad-model" else self.env["MODEL"]
+            t0 = time.monotonic()
+            warm = self.held.take(self.plan) if self.held is not None and self.fault != "bad-model" else None
+            if warm is not None and self.gguf_file is not None:  # a warm standby held this very stage
+                tokenizer = self.gguf_file.tokenizer if self.plan.first or self.plan.last else None
+                self.log("took over the blocks this standby held, loaded and compiled")
+                return warm, tokenizer, warm.n_params, warm.tied_params, time.monotonic() - t0
             model, tokenizer, load_s = load_stage_model(source, self.plan, self.gguf_file)
             return model, tokenizer, model.n_params, model.tied_params, load_s
         except Exception as exc:
@@ -525,11 +541,19 @@ class Node:
                 return True
             case NetworkStart():
                 self.clock.start(msg.t0_unix_ns)
+            case Members() if refusal := members_refusal(sender, msg, self.seed, needed_names(self.plan)):
+                self.log(refusal)
             case Members():
                 served.rejoin(msg.names, msg.epoch)
                 if self.fanout is not None:
                     self.fanout.set_directory(msg.names, msg.epoch)
                 self._reply(ack_of("members", self.address, msg.epoch, self.plan.plan_id))
+            case Warm():  # the prefill of a prompt length compiled before a request of that length comes
+                warm: Callable[[int], bool] | None = getattr(getattr(served, "model", None), "warm_prefill", None)
+                if warm is not None:
+                    for length in msg.lengths[:MAX_HELD_LENGTHS]:
+                        warm(length)
+                self._reply(Ack(kind="warm", request_id="", position=0, plan_id=self.plan.plan_id))
             case ExpertResult():  # a copy of an answer whose step is done
                 if self.fanout is not None:
                     self.fanout.late += 1

@@ -124,6 +124,7 @@ class Chain:
         session.keepers.append(client.take)
         session.on_deaths = failover.on_deaths
         client.on_token = failover.token_arrived
+        client.on_prompts = failover.warm
 
     def __enter__(self) -> Chain:
         self.session.open()  # whatever fails in it is torn down before it propagates
@@ -134,6 +135,7 @@ class Chain:
             self.session.close(type(exc), exc, exc.__traceback__)
             raise
         self.session.ready = True
+        self.failover.warm()
         return self
 
     def __exit__(

@@ -3,10 +3,11 @@ the death checks, and teardown.
 
 The session is the cluster's seed. Every wait runs on its ``Loop``: the timers (the outbox's resends, the network's
 timed events, a load's arrivals) and the death check run between messages, and every message passes one handler
-before the wait's own: what the run's parts screen off (a replaced node, a refusal the client deals with), a stage's
-Error (raised), the membership's heartbeats, then what is kept whatever the wait is for (acknowledgements, a standby's
-Join, the client's tokens and responses). Every wait is bounded by its phase's timeout and by the run's total budget;
-the provider is a context manager, so every path out destroys every node.
+before the wait's own: what the run's parts screen off (a replaced node, a refusal the client deals with), what the
+sender's role does not send (``ppharness.run.roles``: dropped), a stage's Error (raised), the membership's heartbeats,
+then what is kept whatever the wait is for (acknowledgements, a standby's Join, the client's tokens and responses).
+Every wait is bounded by its phase's timeout and by the run's total budget; the provider is a context manager, so
+every path out destroys every node.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ppharness.run.realise import (
     transport_settings,
 )
 from ppharness.run.reliable import Outbox, RetryPolicy
+from ppharness.run.roles import Roles, join_refusal, member_name
 from ppharness.wire.messages import Ack, Error, Join, Members, Message, Ready, Shutdown, Stopped
 
 if TYPE_CHECKING:
@@ -75,12 +77,6 @@ def members(indices: list[int], num_stages: int) -> str:
     """``stage 1, expert node 0``: the first six, then how many more."""
     names = [member_name(i, num_stages) for i in sorted(indices)]
     return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-
-
-def member_name(index: int, num_stages: int) -> str:
-    """A member of the run as its lines name it: ``stage i`` on the loop, ``expert node k`` after it (an expert node's
-    index follows the stages')."""
-    return f"stage {index}" if index < num_stages else f"expert node {index - num_stages}"
 
 
 def fingerprinted(address: str) -> str:
@@ -164,6 +160,7 @@ class Session:
         self.retired: set[str] = set()  # instance ids of replaced or lost nodes
         self.ready = False
         self.screens: list[Callable[[str, Message], bool]] = []
+        self.roles = Roles(lambda: getattr(self, "directory", None), progress)  # after the screens, in every wait
         self.keepers: list[Callable[[str, Message], None]] = []
         self.on_deaths: Callable[[list[Death], str], list[Death]] = stage_deaths
         self._waits: list[tuple[str, Handler]] = []  # the running waits' phases and handlers, the innermost last
@@ -208,11 +205,6 @@ class Session:
                 )
             placement = self.plan_doc.placement
             if self.policy == "failover":
-                if sc.serving.slots > 1:
-                    raise PlanError(
-                        f"fault_tolerance failover replays one request at a time; this run serves {sc.serving.slots} "
-                        "at once (serving.slots) — use policy retry, or serving.slots: 1"
-                    )
                 self.spares = [self.plan_doc.cluster.device(d) for d in placement.spares]
             transport_cls = transport_class(sc.transport.kind)
             # the spares are members from the start: their keys are among those every endpoint admits
@@ -294,11 +286,8 @@ class Session:
         def on_join(sender: str, msg: Message) -> bool:
             if isinstance(msg, Join) and msg.stage < 0:  # a standby spare (_take)
                 pass
-            elif isinstance(msg, Join) and msg.address != sender:
-                progress(
-                    f"warning: ignored a Join of stage {msg.stage} from {sender[:120]} naming another address "
-                    f"({msg.address[:120]})"
-                )
+            elif isinstance(msg, Join) and join_refusal(sender, msg):
+                progress(join_refusal(sender, msg))
             elif isinstance(msg, Join):
                 directory.add(msg)
                 detector.watch([msg.stage])
@@ -362,7 +351,7 @@ class Session:
             return self.directory.names[name]
 
         def on_join(sender: str, msg: Message) -> bool:
-            if isinstance(msg, Join) and msg.stage >= 0:
+            if isinstance(msg, Join) and msg.stage >= 0 and not join_refusal(sender, msg):
                 self.directory.add(msg)
             return name in self.directory.names
 
@@ -422,7 +411,7 @@ class Session:
 
     def _handler(self, on_message: OnMessage) -> Handler:
         def handle(sender: str, msg: Message, rx: Received | None = None) -> bool:
-            if any(screen(sender, msg) for screen in self.screens):
+            if any(screen(sender, msg) for screen in self.screens) or not self.roles.admits(sender, msg):
                 return False
             raise_on_error(msg)
             if self.detector is not None and self.detector.on_message(msg):
@@ -547,7 +536,7 @@ class Session:
         stopped: set[int] = set()
 
         def on_stopped(sender: str, msg: Message, rx: Received | None = None) -> bool:
-            if isinstance(msg, Stopped):
+            if isinstance(msg, Stopped) and self.roles.admits(sender, msg):
                 stopped.add(msg.stage)
                 reports[msg.stage].peak_rss_bytes = msg.peak_rss_bytes
                 reports[msg.stage].device_bytes = msg.device_bytes

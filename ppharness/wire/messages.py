@@ -292,6 +292,15 @@ class Assign(_Msg, frozen=True):
     gossip_name: str = ""
 
 
+class Warm(_Msg, frozen=True):
+    """Seed -> a standby spare: keep the slices of these stages loaded and compiled (``programs``: JSON StagePlans, as
+    an Assign's; empty: the ones it holds) and their prefill compiled for these prompt ``lengths``, so that taking one
+    of those stages over loads nothing and its replay compiles nothing."""
+
+    programs: list[str] = []
+    lengths: list[int] = []
+
+
 class ExpertRequest(_Msg, frozen=True):
     """A MoE block's owner -> an expert node: rows of the block's normed hidden state (``hidden``: raw little-endian
     (R, D), wire dtype ``dtype``) and which expert each (row, expert) pair of ``pairs`` needs. Keyed like an
@@ -357,6 +366,7 @@ Message: TypeAlias = (
     | Replay
     | Resume
     | Assign
+    | Warm
     | ExpertRequest
     | ExpertResult
     | Error
