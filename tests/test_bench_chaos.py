@@ -31,14 +31,12 @@ from ppharness.benchmarks.chaos import (
     first_divergence,
     lay_recoveries,
     next_token_after,
-    report,
     schedule_network,
     slowdown_ratio,
     spares_for,
-    summarise,
-    to_json,
     with_policy,
 )
+from ppharness.benchmarks.chaos_report import report, summarise, to_json
 from ppharness.run.failover import Recovery
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,8 +150,17 @@ def _trial(
     outcome: Literal["exact", "diverged", "failed"] = "exact",
 ) -> Trial:
     faults = [Fault("kill", 0, 0.5)] * len(next_s)
+    divergent = int(outcome == "diverged")
     return Trial(
-        index, index, faults, len(faults), outcome=outcome, tokens=[1, 2], next_token_s=next_s, recoveries=recoveries
+        index,
+        index,
+        faults,
+        len(faults),
+        outcome=outcome,
+        tokens=[1, 2],
+        next_token_s=next_s,
+        recoveries=recoveries,
+        divergent=divergent,
     )
 
 
@@ -195,7 +202,7 @@ def test_the_summary_takes_percentiles_over_every_fault_and_failover() -> None:
 
 
 def test_nothing_measured_is_shown_as_a_dash_and_written_as_null(tmp_path: Path) -> None:
-    from ppharness.benchmarks.chaos import write_json
+    from ppharness.benchmarks.chaos_report import write_json
 
     res = ChaosResult(num_stages=3, tokens=2, seed=0, trials=[_trial(0, [None], [])])
     s = summarise(res)
@@ -219,13 +226,13 @@ def test_bench_chaos_recovers_from_killed_stages_token_exact(tmp_path: Path) -> 
     # seeds 1 and 2 kill stage 1 and stage 0 (see test_seeds_of_the_slow_test_kill_a_stage)
     out = tmp_path / "chaos.json"
     cmd = [sys.executable, "-m", "ppharness.cli", "bench", "chaos", "--trials", "2", "--seed", "1"]
-    cmd += ["--stages", "3", "--tokens", "24", "--overhead-requests", "1", "--json", str(out)]
+    cmd += ["--stages", "3", "--tokens", "200", "--overhead-requests", "1", "--json", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     summary = res["summary"]
     assert (summary["trials"], summary["diverged"], summary["failed"]) == (2, 0, 0), r.stdout + r.stderr
-    assert all(t["outcome"] == "exact" and len(t["tokens"]) == 24 for t in res["trials"])
+    assert all(t["outcome"] == "exact" and len(t["tokens"]) == 200 for t in res["trials"])
     recoveries = [rec for t in res["trials"] for rec in t["recoveries"]]
     assert len(recoveries) >= 2, "each trial's kill is answered by a failover"
     for rec in recoveries:
@@ -235,6 +242,19 @@ def test_bench_chaos_recovers_from_killed_stages_token_exact(tmp_path: Path) -> 
     overhead = res["overhead"]
     assert len(overhead["none_tok_s"]) == len(overhead["failover_tok_s"]) == 1 and overhead["ratio"] > 0
     assert "divergent outputs: 0 (target 0)  met" in r.stdout and "failed runs:       0" in r.stdout
+
+
+@pytest.mark.slow  # a chain serving four requests at once through a failover: .ci/run runs it with -m slow
+def test_bench_chaos_replays_every_request_in_flight_token_exact(tmp_path: Path) -> None:
+    out = tmp_path / "chaos.json"
+    cmd = [sys.executable, "-m", "ppharness.cli", "bench", "chaos", "--trials", "1", "--seed", "1", "--in-flight"]
+    cmd += ["4", "--stages", "3", "--tokens", "200", "--overhead-requests", "0", "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (trial,) = json.loads(out.read_text())["trials"]
+    assert trial["in_flight"] == 4 and trial["outcome"] == "exact" and trial["divergent"] == 0, r.stdout + r.stderr
+    assert trial["recoveries"], "the kill mid-request was not answered by a failover"
+    assert "4 request(s) in flight" in r.stdout
 
 
 def test_seeds_of_the_slow_test_kill_a_stage() -> None:

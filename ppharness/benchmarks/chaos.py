@@ -28,27 +28,23 @@ with the unsplit model's (the oracle, computed once). Reported:
 
 from __future__ import annotations
 
-import json
-import math
 import random
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
 
-from ppharness.benchmarks.provenance import stamped
 from ppharness.model.oracle import oracle_decode
 from ppharness.network.spec import Bursty, Event, Impairment, Network, stage_node
+from ppharness.run.client import Job
 from ppharness.run.failover import Recovery
 from ppharness.run.orchestrator import Chain, decode_tok_s
 from ppharness.scenario.schema import Scenario, scenario_from_args
-from ppharness.trace.report import percentile
 
 FaultKind = Literal["kill", "pause", "partition", "loss"]
 KINDS: tuple[FaultKind, ...] = ("kill", "pause", "partition", "loss")
@@ -70,6 +66,8 @@ RECOVERY_TARGET_S = 5.0  # detection + reload + replay, median
 SLOWDOWN_TARGET = 0.05  # a fault-free failover run at most this much slower than one without fault tolerance
 
 PROMPT = "The quick brown fox"
+# the prompts of requests in flight together (``--in-flight``): of different lengths, so that each is its own request
+PROMPTS = (PROMPT, "Once upon a time there was", "A B C", "It was a bright cold day in April, and")
 
 
 @dataclass(frozen=True)
@@ -135,10 +133,12 @@ def schedule_network(faults: list[Fault], seed: int) -> Network:
 # --- scenarios ------------------------------------------------------------------------------------------------------
 
 
-def base_scenario(num_stages: int, tokens: int) -> Scenario:
-    """The built-in scenario with ``num_stages`` stages and ``tokens`` tokens, membership on fast heartbeats."""
+def base_scenario(num_stages: int, tokens: int, in_flight: int = 1) -> Scenario:
+    """The built-in scenario with ``num_stages`` stages and ``tokens`` tokens, membership on fast heartbeats, and a
+    request slot for each of ``in_flight`` requests."""
 
     sc = scenario_from_args(num_stages=num_stages, max_tokens=tokens, prompt=PROMPT, name="bench-chaos")
+    sc = msgspec.structs.replace(sc, serving=msgspec.structs.replace(sc.serving, slots=in_flight))
     cluster = msgspec.structs.replace(
         sc.cluster, engine="heartbeat", heartbeat_s=HEARTBEAT_S, dead_after_s=DEAD_AFTER_S
     )
@@ -206,6 +206,8 @@ class Trial:
     recoveries: list[RecoveryFigures] = field(default_factory=list)
     resends: int = 0
     elapsed_s: float = 0.0
+    in_flight: int = 1  # requests served at once
+    divergent: int = 0  # of them, answers that differ from the unsplit model's
 
 
 def first_divergence(got: list[int], want: list[int]) -> int | None:
@@ -267,11 +269,11 @@ def fault_times(faults: list[Fault], done: list[tuple[float, str, str]]) -> list
     return out
 
 
-def _read_chain(trial: Trial, chain: Chain, request_id: str) -> None:
-    """What the chain kept of the request: the faults carried out, the token arrivals, the recoveries, the resends."""
+def _read_chain(trial: Trial, chain: Chain, request_ids: list[str]) -> None:
+    """What the chain kept of the requests: the faults carried out, the token arrivals (of every request in flight,
+    in time order), the recoveries, the resends."""
     started = chain.request_started
-    got = chain.streams.get(request_id, {})
-    arrivals = [got[position][1] for position in sorted(got)]
+    arrivals = sorted(at for rid in request_ids for _, at in chain.streams.get(rid, {}).values())
     trial.arrivals_s = [round(at - started, 4) for at in arrivals]
     trial.carried_out = [(round(t, 3), str(a), n) for t, a, n in (chain.nemesis.done if chain.nemesis else [])]
     trial.struck_s = fault_times(trial.faults, trial.carried_out)
@@ -280,22 +282,38 @@ def _read_chain(trial: Trial, chain: Chain, request_id: str) -> None:
     trial.resends = chain.outbox.resends if chain.outbox is not None else 0
 
 
-def run_trial(
-    base: Scenario, index: int, seed: int, oracle: Callable[[str], list[int]], log: Callable[[str], None]
-) -> Trial:
-    """One request under the schedule drawn from ``seed``; any exception ends the trial as failed, not the bench."""
+Oracle = Callable[[str, str], list[int]]  # (model path, prompt) -> the unsplit model's tokens
+
+
+def run_trial(base: Scenario, index: int, seed: int, oracle: Oracle, log: Callable[[str], None]) -> Trial:
+    """One request (or ``serving.slots`` requests in flight together) under the schedule drawn from ``seed``; any
+    exception ends the trial as failed, not the bench."""
 
     faults = draw_schedule(random.Random(seed), base.stages.num_stages)
-    trial = Trial(index=index, seed=seed, faults=faults, spares=spares_for(faults))
+    trial = Trial(index=index, seed=seed, faults=faults, spares=spares_for(faults), in_flight=base.serving.slots)
     scenario = with_policy(base, "failover", trial.spares, schedule_network(faults, seed))
+    prompts = [PROMPTS[k % len(PROMPTS)] for k in range(trial.in_flight)]
     t0 = time.monotonic()
     try:
         with Chain(scenario, progress=_chain_lines(log), trace=False) as chain:
-            response, trial.request_s = chain.request(base.request.prompt, base.request.max_tokens)
-            _read_chain(trial, chain, response.request_id)
-        trial.tokens = list(response.token_ids)
-        trial.first_divergence = first_divergence(trial.tokens, oracle(chain.model_path))
-        trial.outcome = "exact" if trial.first_divergence is None else "diverged"
+            if trial.in_flight == 1:
+                response, trial.request_s = chain.request(base.request.prompt, base.request.max_tokens)
+                _read_chain(trial, chain, [response.request_id])
+                answers = [response]
+            else:
+                served = chain.serve([Job(p, base.request.max_tokens) for p in prompts])
+                trial.request_s = max(x.token_at[-1] - x.sent_at for x in served if x.token_at)
+                _read_chain(trial, chain, [x.request_id for x in served])
+                answers = [x.response for x in served if x.response is not None]
+                if len(answers) < len(served):
+                    raise RuntimeError(f"{len(served) - len(answers)} request(s) refused: {served[0].refused}")
+        trial.tokens = list(answers[0].token_ids)
+        for prompt, answer in zip(prompts, answers, strict=True):
+            diverged = first_divergence(list(answer.token_ids), oracle(chain.model_path, prompt))
+            if diverged is not None:
+                trial.divergent += 1
+                trial.first_divergence = diverged if trial.first_divergence is None else trial.first_divergence
+        trial.outcome = "exact" if trial.divergent == 0 else "diverged"
     except Exception as exc:  # a failed run is a finding of the bench, not the end of it
         trial.error = f"{type(exc).__name__}: {exc}" + "".join(f"\n{n}" for n in getattr(exc, "__notes__", []))
         log("".join(traceback.format_exception_only(exc)).rstrip())
@@ -343,9 +361,7 @@ def slowdown_ratio(baseline: list[float], contender: list[float]) -> float:
     return statistics.median(contender) / statistics.median(baseline)
 
 
-def measure_overhead(
-    base: Scenario, requests: int, oracle: Callable[[str], list[int]], log: Callable[[str], None]
-) -> Overhead:
+def measure_overhead(base: Scenario, requests: int, oracle: Oracle, log: Callable[[str], None]) -> Overhead:
     """Two chains on the same model, policy none and failover, no faults: a warm-up request each, then ``requests``
     each, interleaved (in turns, neither always first)."""
 
@@ -358,7 +374,7 @@ def measure_overhead(
             scenario = with_policy(base, policy, spares, None, DEAD_AFTER_S)
             chains.append(stack.enter_context(Chain(scenario, progress=_chain_lines(log))))
         plain, guarded = chains
-        want = oracle(plain.model_path)
+        want = oracle(plain.model_path, prompt)
         for chain in (plain, guarded):
             chain.request(prompt, tokens)
         for i in range(requests):
@@ -386,215 +402,28 @@ class ChaosResult:
     overhead: Overhead | None = None
     oracle_tokens: list[int] = field(default_factory=list)
     elapsed_s: float = 0.0
+    in_flight: int = 1  # requests served at once in each trial
 
     @property
     def diverged(self) -> int:
         fault_free = self.overhead.diverged if self.overhead is not None else 0
-        return sum(t.outcome == "diverged" for t in self.trials) + fault_free
+        return sum(t.divergent for t in self.trials) + fault_free  # answers, every request in flight counted
 
     @property
     def failed(self) -> int:
         return sum(t.outcome == "failed" for t in self.trials)
 
 
-class _Oracle:
-    """The unsplit model's tokens for the bench's request, computed once (the model path comes from the first chain
-    to resolve it)."""
+class UnsplitAnswers:
+    """The unsplit model's tokens for each of the bench's prompts, computed once each (the model path comes from the
+    first chain to resolve it)."""
 
-    def __init__(self, prompt: str, tokens: int, max_context: int, log: Callable[[str], None]):
-        self.prompt, self.tokens, self.max_context, self.log = prompt, tokens, max_context, log
-        self.token_ids: list[int] | None = None
+    def __init__(self, tokens: int, max_context: int, log: Callable[[str], None]):
+        self.tokens, self.max_context, self.log = tokens, max_context, log
+        self.token_ids: dict[str, list[int]] = {}
 
-    def __call__(self, model_path: str) -> list[int]:
-        if self.token_ids is None:
-            self.log("running the unsplit model in this process (the oracle, once)")
-            self.token_ids = list(oracle_decode(model_path, self.prompt, self.tokens, self.max_context).token_ids)
-        return self.token_ids
-
-
-def run_chaos_bench(
-    trials: int,
-    seed: int,
-    num_stages: int,
-    tokens: int,
-    overhead_requests: int,
-    progress: Callable[[str], None],
-) -> ChaosResult:
-    """``trials`` requests under random fault schedules (seeds ``seed`` .. ``seed + trials - 1``), then the fault-free
-    overhead of the policy."""
-    t0 = time.monotonic()
-    base = base_scenario(num_stages, tokens)
-    oracle = _Oracle(base.request.prompt, tokens, base.model.max_context, progress)
-    res = ChaosResult(num_stages=num_stages, tokens=tokens, seed=seed)
-    for k in range(trials):
-        faults = draw_schedule(random.Random(seed + k), num_stages)
-        progress(f"trial {k + 1}/{trials} (seed {seed + k}): " + "; ".join(f.describe() for f in faults))
-        trial = run_trial(base, k, seed + k, oracle, progress)
-        res.trials.append(trial)
-        progress(f"trial {k + 1}/{trials}: {trial_line(trial)}")
-    if overhead_requests > 0:
-        progress(f"overhead: {overhead_requests} fault-free requests each, policy none and failover, interleaved")
-        res.overhead = measure_overhead(base, overhead_requests, oracle, progress)
-    res.oracle_tokens = oracle.token_ids or []
-    res.elapsed_s = time.monotonic() - t0
-    return res
-
-
-def trial_line(t: Trial) -> str:
-    """One trial's outcome in a line."""
-    if t.outcome == "failed":
-        return f"FAILED after {t.elapsed_s:.1f} s: {t.error.splitlines()[0] if t.error else '?'}"
-    verdict = "exact" if t.outcome == "exact" else f"DIVERGED at token {t.first_divergence}"
-    nxt = ", ".join(_s(s) for s, f in zip(t.next_token_s, t.faults) if f.kind != "loss") or "-"
-    return (
-        f"{verdict}, {len(t.tokens)} tokens in {t.request_s:.2f} s; {len(t.recoveries)} failover(s); "
-        f"fault -> next token {nxt}; {t.resends} resend(s)"
-    )
-
-
-# --- figures --------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Summary:
-    """The bench's headline figures (seconds), NaN where nothing was measured."""
-
-    trials: int
-    exact: int
-    diverged: int  # the fault-free overhead requests included
-    failed: int
-    faults: int
-    faults_after_last_token: int  # timed faults with no token after them: the request had ended (or was ending)
-    next_token_p50_s: float
-    next_token_p99_s: float
-    failovers: int
-    failovers_overtaken: int  # the request finished before the spare was ready (on a paused node, resumed)
-    detection_p50_s: float
-    reload_p50_s: float
-    replay_p50_s: float
-    recovery_p50_s: float  # detection + reload + replay, over the failovers with all three
-    slowdown: float | None
-    recovery_met: bool | None
-    slowdown_met: bool | None
-
-
-def summarise(res: ChaosResult) -> Summary:
-    """The headline figures from the trials' raw ones (the failed trials' figures left out)."""
-    done = [t for t in res.trials if t.outcome != "failed"]
-    timed = [s for t in done for f, s in zip(t.faults, t.next_token_s) if f.kind != "loss"]
-    recoveries = [r for t in done for r in t.recoveries]
-    totals = [r.total_s for r in recoveries if r.total_s is not None]
-    recovery_p50 = percentile(totals, 50)
-    slowdown = res.overhead.slowdown if res.overhead is not None else None
-    return Summary(
-        trials=len(res.trials),
-        exact=sum(t.outcome == "exact" for t in res.trials),
-        diverged=res.diverged,
-        failed=res.failed,
-        faults=sum(len(t.faults) for t in res.trials),
-        faults_after_last_token=sum(s is None for s in timed),
-        next_token_p50_s=percentile([s for s in timed if s is not None], 50),
-        next_token_p99_s=percentile([s for s in timed if s is not None], 99),
-        failovers=len(recoveries),
-        failovers_overtaken=sum(r.replay_s is None for r in recoveries),
-        detection_p50_s=percentile([r.detection_s for r in recoveries if r.detection_s is not None], 50),
-        reload_p50_s=percentile([r.reload_s for r in recoveries], 50),
-        replay_p50_s=percentile([r.replay_s for r in recoveries if r.replay_s is not None], 50),
-        recovery_p50_s=recovery_p50,
-        slowdown=slowdown,
-        recovery_met=recovery_p50 < RECOVERY_TARGET_S if totals else None,
-        slowdown_met=slowdown <= SLOWDOWN_TARGET if slowdown is not None and not math.isnan(slowdown) else None,
-    )
-
-
-def _s(v: float | None) -> str:
-    return "-" if v is None or math.isnan(v) else f"{v:.2f} s"
-
-
-def _met(ok: bool | None) -> str:
-    return "" if ok is None else ("  met" if ok else "  NOT MET")
-
-
-def _rows(res: ChaosResult) -> Iterator[str]:
-    """The per-trial table."""
-    yield f"{'trial':>5}  {'seed':>5}  {'outcome':<9} {'failovers':>9}  {'fault -> next token':<22}  faults"
-    for t in res.trials:
-        outcome = t.outcome.upper() if t.outcome != "exact" else t.outcome
-        nxt = ", ".join(_s(s) for s, f in zip(t.next_token_s, t.faults) if f.kind != "loss") or "-"
-        faults = "; ".join(f.describe() for f in t.faults)
-        yield f"{t.index + 1:>5}  {t.seed:>5}  {outcome:<9} {len(t.recoveries):>9}  {nxt:<22}  {faults}"
-        if t.outcome == "failed":
-            yield f"{'':>7}{t.error.splitlines()[0] if t.error else ''}"
-
-
-def report(res: ChaosResult) -> str:
-    """The plain-text table and the headline figures against their targets."""
-    s = summarise(res)
-    lines = [
-        f"chaos: {s.trials} trial(s), {res.num_stages} stages, {res.tokens} tokens, seeds {res.seed}.."
-        f"{res.seed + max(0, s.trials - 1)}, policy failover, heartbeats every {HEARTBEAT_S:g} s "
-        f"(dead after {DEAD_AFTER_S:g} s)",
-        "",
-        *_rows(res),
-        "",
-        f"divergent outputs: {s.diverged} (target 0){_met(s.diverged == 0)}",
-        f"failed runs:       {s.failed} (target 0 while spares remain){_met(s.failed == 0)}",
-        f"fault -> next token at the client: p50 {_s(s.next_token_p50_s)}, p99 {_s(s.next_token_p99_s)} "
-        f"({s.faults} fault(s); {s.faults_after_last_token} timed one(s) after the last token)",
-        f"failovers: {s.failovers} ({s.failovers_overtaken} overtaken: the request finished before the spare was "
-        f"ready); parts, p50: detection {_s(s.detection_p50_s)} (timeout {DEAD_AFTER_S:g} s), "
-        f"reload {_s(s.reload_p50_s)}, replay {_s(s.replay_p50_s)}",
-        f"fault -> first token after the failover (detection + reload + replay): p50 {_s(s.recovery_p50_s)} "
-        f"(target < {RECOVERY_TARGET_S:g} s){_met(s.recovery_met)}",
-    ]
-    o = res.overhead
-    if o is not None and s.slowdown is not None:
-        lines.append(
-            f"fault-free decode, {o.requests} interleaved request(s) each: none "
-            f"{_median(o.none_tok_s):.1f} tok/s, failover {_median(o.failover_tok_s):.1f} tok/s: "
-            f"{abs(s.slowdown) * 100:.1f} % {'slower' if s.slowdown >= 0 else 'faster'} "
-            f"(target <= {SLOWDOWN_TARGET * 100:g} % slower){_met(s.slowdown_met)}"
-        )
-    return "\n".join(lines)
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def to_json(res: ChaosResult) -> dict[str, object]:
-    """Every raw figure, and the summary."""
-    out = asdict(res)
-    for t, raw in zip(res.trials, out["trials"]):
-        for r, raw_r in zip(t.recoveries, raw["recoveries"]):
-            raw_r["total_s"] = r.total_s
-    if res.overhead is not None:
-        out["overhead"] |= {"ratio": res.overhead.ratio, "slowdown": res.overhead.slowdown}
-    out["summary"] = asdict(summarise(res))
-    out["settings"] = {
-        "at_s": AT_S,
-        "pause_s": PAUSE_S,
-        "partition_s": PARTITION_S,
-        "faults_per_trial": FAULTS_PER_TRIAL,
-        "loss_bursts": {"p": LOSS_BURSTS.p, "r": LOSS_BURSTS.r, "loss_bad": LOSS_BURSTS.loss_bad},
-        "heartbeat_s": HEARTBEAT_S,
-        "dead_after_s": DEAD_AFTER_S,
-        "recovery_target_s": RECOVERY_TARGET_S,
-        "slowdown_target": SLOWDOWN_TARGET,
-    }
-    return out
-
-
-def write_json(res: ChaosResult, path: str) -> None:
-    """The report and its provenance as JSON; NaN is not JSON: a figure nothing measured is null."""
-    Path(path).write_text(json.dumps(_nan_to_none(stamped(to_json(res))), indent=1) + "\n")
-
-
-def _nan_to_none(v: object) -> object:
-    if isinstance(v, float) and math.isnan(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _nan_to_none(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_nan_to_none(x) for x in v]
-    return v
+    def __call__(self, model_path: str, prompt: str) -> list[int]:
+        if prompt not in self.token_ids:
+            self.log(f"running the unsplit model in this process (the oracle, once for {prompt!r})")
+            self.token_ids[prompt] = list(oracle_decode(model_path, prompt, self.tokens, self.max_context).token_ids)
+        return self.token_ids[prompt]

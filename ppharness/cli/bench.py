@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from ppharness.benchmarks import chain as chain_bench
-from ppharness.benchmarks import chaos as chaos_bench
+from ppharness.benchmarks import chaos_report
 from ppharness.benchmarks import failover as failover_bench
 from ppharness.benchmarks import floor as floor_bench
 from ppharness.benchmarks import gpu as gpu_bench
@@ -204,23 +204,34 @@ def bench_failover(num_stages: int, runs: int, sig: str, engine: str) -> None:
 @click.option(
     "--overhead-requests",
     type=int,
-    default=5,
+    default=20,
     show_default=True,
     help="Fault-free requests per policy (none, failover) for the slowdown; 0 leaves it out.",
 )
+@click.option(
+    "--in-flight", type=click.IntRange(1, 4), default=1, show_default=True, help="Requests served at once per trial."
+)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write every raw figure here.")
 def bench_chaos(
-    trials: int, seed: int, num_stages: int, tokens: int, overhead_requests: int, json_out: str | None
+    trials: int,
+    seed: int,
+    num_stages: int,
+    tokens: int,
+    overhead_requests: int,
+    in_flight: int,
+    json_out: str | None,
 ) -> None:
     """Random kills, pauses, partitions and loss bursts mid-request under policy failover: answers against the
     oracle, time from each fault to the next token, the parts of each failover, and the policy's fault-free cost."""
     if trials < 1 or num_stages < 2 or tokens < 1 or overhead_requests < 0:
         raise click.BadParameter("--trials and --tokens must be at least 1, --stages at least 2")
     with exit_1_on_failure():
-        res = chaos_bench.run_chaos_bench(trials, seed, num_stages, tokens, overhead_requests, Progress())
-    click.echo(chaos_bench.report(res))
+        res = chaos_report.run_chaos_bench(
+            trials, seed, num_stages, tokens, overhead_requests, Progress(), in_flight=in_flight
+        )
+    click.echo(chaos_report.report(res))
     if json_out:
-        chaos_bench.write_json(res, json_out)
+        chaos_report.write_json(res, json_out)
         click.echo(f"\nwritten: {json_out}")
     if res.diverged:
         fail(f"{res.diverged} answer(s) differ from the unsplit model's (DIVERGED above)")

@@ -173,18 +173,25 @@ class Client:
         s = self.session
         assert s.transport is not None, "the chain is not started"
         self.on_prompts([prompt])
-        self.request_started = time.monotonic()  # what the network's event times count from, on this clock
-        if s.nemesis is not None:  # the network's events count from here, in every process of the run
-            t0_unix_ns = time.time_ns()
-            s.clock.start(t0_unix_ns)
-            for j in s.directory.joins.values():
-                s.transport.send(j.address, NetworkStart(t0_unix_ns=t0_unix_ns))
+        self._start_network()
         t0 = time.monotonic()
         request_id = uuid.uuid4().hex[:12]
         request = InferenceRequest(reply_to=s.seed, prompt=prompt, max_tokens=max_tokens, request_id=request_id)
         self.active = request
         self._send(request)
         return request, t0
+
+    def _start_network(self) -> None:
+        """The network's timed events count from now, in every process of the run (``request_started``, on this
+        process's monotonic clock)."""
+        s = self.session
+        assert s.transport is not None, "the chain is not started"
+        self.request_started = time.monotonic()
+        if s.nemesis is not None:
+            t0_unix_ns = time.time_ns()
+            s.clock.start(t0_unix_ns)
+            for j in s.directory.joins.values():
+                s.transport.send(j.address, NetworkStart(t0_unix_ns=t0_unix_ns))
 
     def _send(self, request: InferenceRequest) -> None:
         """To stage 0: through the outbox, resent until stage 0 acknowledges it, when the policy resends."""
@@ -203,6 +210,7 @@ class Client:
         served = [Served(job, uuid.uuid4().hex[:12]) for job in jobs]
         self.on_prompts([job.prompt for job in jobs])
         self.loads = {x.request_id: x for x in served}
+        self._start_network()
 
         def send(x: Served) -> None:
             x.sent_at = time.monotonic()
