@@ -7,9 +7,10 @@ encryption, RFC 26); its address carries its public key (``tcp://host:port?curve
 address also authenticates the endpoint behind it. The PULL socket is a CURVE server whose ZAP handler (RFC 27, a
 thread of this transport) admits only client keys on the ``allowed`` list (``plan_endpoints`` makes one key pair per
 run member and gives every member the run's list); any other key is refused during the handshake, logged on stderr
-with its key and address, and counted in ``refused``: nothing it sends is delivered. A member's messages are stamped
-by ZeroMQ with the key it authenticated with, and the sender address a message names must carry that same key, so a
-member cannot pose as another: a message that does is dropped and logged. Without ``allowed`` (a transport built by
+with its key and address (``transports.bounds.RefusalLog``: the first few distinct keys, then counts), and kept in
+``refused``: nothing it sends is delivered. A member's messages are stamped by ZeroMQ with the key it authenticated
+with, and the sender address a message names must carry that same key, so a member cannot pose as another: a message
+that does is dropped and logged. Without ``allowed`` (a transport built by
 hand, e.g. in a benchmark) any key may connect, and the sender check still holds. Guarantees:
 
 - delivery is reliable and in order per sender -> receiver pair while both stay up (zmq's TCP PUSH/PULL);
@@ -25,15 +26,24 @@ hand, e.g. in a benchmark) any key may connect, and the sender check still holds
 - ``close()`` gives queued outgoing frames up to ``LINGER_MS`` to flush, closes every socket and terminates the
   context; it is idempotent, and any later use raises ``TransportClosed``;
 - every ``zmq.ZMQError`` surfaces as a ``ppharness.errors`` type (``raise ... from``), never as a pyzmq type.
+
+What a peer can make an endpoint spend is bounded: a connection that has not finished the CURVE handshake within
+``HANDSHAKE_IVL_MS`` is closed; accepted connections are capped in total and per remote host (a quarter of the
+process's file limit, at most ``MAX_CONNECTIONS``; ``MAX_CONNECTIONS_PER_HOST``): the socket monitor sees each one
+accepted and one over a cap is shut down at once, counted in ``shed`` and logged with the refusals; at most
+``MAX_PUSH_SOCKETS`` destinations keep a PUSH socket (the least recently used one is closed, its queue given
+``LINGER_MS`` to flush); ``start()`` raises the process's soft limit on open files to the hard limit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import sys
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 
 try:
@@ -46,6 +56,7 @@ except ImportError as exc:  # pragma: no cover - pyzmq is a declared dependency
 from ppharness.errors import CodecError, ConnectFailed, TransportClosed, TransportError, TransportTimeout
 from ppharness.seams.transport import JsonObject, Transport
 from ppharness.wire import codec
+from transports.bounds import ConnectionCaps, RefusalLog, raise_open_file_limit
 
 SNDHWM = 1000
 LINGER_MS = 2000
@@ -54,7 +65,11 @@ MAX_MESSAGE_BYTES = codec.HEADER.size + codec.MAX_FRAME_BYTES
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's authentication handler (RFC 27)
 KEY_PARAM = "?curve="
-MAX_REFUSAL_LOGS = 32  # distinct refused keys logged one line each; later ones are counted
+HANDSHAKE_IVL_MS = 2000  # a connection that has not finished the CURVE handshake by then is closed
+MAX_CONNECTIONS = 512  # accepted connections open at once (and at most a quarter of the process's file limit)
+MAX_CONNECTIONS_PER_HOST = 128  # accepted connections open at once from one remote host
+MAX_PUSH_SOCKETS = 256  # destinations with an open PUSH socket
+RECOUNT_EVERY_S = 1.0  # how often a full cap rechecks the connections it counts (a monitor event may be lost)
 
 _WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
 _CLOSED_ERRNOS = frozenset({zmq.ETERM, zmq.ENOTSOCK})
@@ -87,6 +102,29 @@ def _log(text: str) -> None:
 
 def _z85_to_hex(key: str | bytes) -> str:
     return z85.decode(key).hex()
+
+
+def _remote_host(fd: int, port: int) -> str | None:
+    """The remote host of the TCP connection on ``fd`` when it is one accepted on local ``port``, else None."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None  # closed, or no descriptor left to look at it with
+    with sock:
+        try:
+            if sock.getsockname()[1] != port:
+                return None
+            return str(sock.getpeername()[0])
+        except (OSError, IndexError):
+            return None
+
+
+def _shut_down(fd: int) -> None:
+    """End the connection on ``fd`` (libzmq's I/O thread then sees it end and closes the descriptor itself)."""
+    with contextlib.suppress(OSError):
+        sock = socket.socket(fileno=os.dup(fd))
+        with sock:
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 class ZmqTransport(Transport):
@@ -145,9 +183,13 @@ class ZmqTransport(Transport):
         self._public, self._secret = public, secret
         self.public_key = _z85_to_hex(public)
         self._allowed = None if allowed is None else frozenset(k.lower() for k in allowed)
-        self.refused: deque[str] = deque(maxlen=256)  # hex keys refused at the handshake, most recent last
+        self._refusals = RefusalLog(_log, lambda: self._address or self._host)
         self.forged = 0  # messages dropped because the sender they named was not the key they came with
-        self._refusals_logged: set[str] = set()
+        self._caps = ConnectionCaps(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_HOST)
+        self._accepted: dict[int, str] = {}  # file descriptor of an accepted connection -> its remote host
+        self._bound_port = 0
+        self._recounted = 0.0
+        self._accept_errors: set[int] = set()
         self._zap: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         self._zap_thread: threading.Thread | None = None
@@ -160,7 +202,7 @@ class ZmqTransport(Transport):
         self._address_bytes = b""
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._pull: zmq.Socket[bytes] | None = None
-        self._pushes: dict[str, zmq.Socket[bytes]] = {}
+        self._pushes: OrderedDict[str, zmq.Socket[bytes]] = OrderedDict()  # least recently used first
         self._state_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
@@ -177,6 +219,8 @@ class ZmqTransport(Transport):
                 return self._address
             port = "*" if self._port == 0 else str(self._port)
             endpoint = f"tcp://{_host_part(self._host)}:{port}"
+            total = max(16, min(MAX_CONNECTIONS, raise_open_file_limit() // 4))
+            self._caps = ConnectionCaps(total, min(MAX_CONNECTIONS_PER_HOST, total))
             ctx = pull = None
             try:
                 with self._map_errors("bind", endpoint):
@@ -187,11 +231,13 @@ class ZmqTransport(Transport):
                     pull.curve_server = True
                     pull.curve_secretkey = self._secret
                     pull.curve_publickey = self._public
-                    self._watch_handshakes(pull)
+                    pull.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
                     pull.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
                     pull.setsockopt(zmq.IPV6, int(":" in self._host or ":" in self._advertise_host))
+                    self._watch_handshakes(pull)
                     pull.bind(endpoint)
                     bound = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+                    self._bound_port = int(bound.rsplit(":", 1)[1])
             except BaseException:
                 if pull is not None:
                     pull.close(linger=0)
@@ -210,6 +256,22 @@ class ZmqTransport(Transport):
             raise TransportError("zmq transport is not started: call start() first")
         return self._address
 
+    @property
+    def refused(self) -> deque[str]:
+        """What was refused, most recent last (bounded): a stranger's hex key, '' for a failed handshake, ``host <ip>``
+        for a connection over the caps."""
+        return self._refusals.recent
+
+    @property
+    def refused_total(self) -> int:
+        """How many connections were refused since start."""
+        return self._refusals.total
+
+    @property
+    def shed(self) -> int:
+        """How many accepted connections were shut down because a connection cap was reached."""
+        return self._caps.shed
+
     def close(self) -> None:
         with self._state_lock:
             if self._closed:
@@ -223,13 +285,18 @@ class ZmqTransport(Transport):
                 self._pull.close(linger=0)
             if self._ctx is not None:
                 self._stop_zap(self._ctx)
+        self._refusals.flush()
 
     # --- frames ---------------------------------------------------------------------------------------------------
 
     def send_frame(self, address: str, frame: bytes) -> None:
         with self._send_lock:
             self._check_ready()
-            push = self._pushes.get(address) or self._connect(address)
+            push = self._pushes.get(address)
+            if push is None:
+                push = self._connect(address)
+            else:
+                self._pushes.move_to_end(address)
             with self._map_errors("send to", address):
                 push.send_multipart([self._address_bytes, frame], copy=False)
 
@@ -291,7 +358,11 @@ class ZmqTransport(Transport):
         """Start the ZAP thread, also watching ``pull`` for handshakes that fail before ZAP is asked (a peer without
         CURVE, or one that dialled with another server key)."""
         self._monitor = pull.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_ACCEPTED
+            | zmq.EVENT_ACCEPT_FAILED
+            | zmq.EVENT_DISCONNECTED
         )
         assert self._zap_thread is not None
         self._zap_thread.start()
@@ -314,12 +385,7 @@ class ZmqTransport(Transport):
                     sock.send_multipart(self._zap_reply(sock.recv_multipart()))
                 if monitor in ready:
                     event = zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart())
-                    self._refuse(
-                        "",
-                        "",
-                        f"the security handshake failed ({zmq.Event(event['event']).name}: no "
-                        "CURVE, or another server key)",
-                    )
+                    self._on_event(event["event"], int(event["value"]))
         except zmq.ZMQError:
             pass  # the context was terminated: the transport is closing
         finally:
@@ -341,18 +407,62 @@ class ZmqTransport(Transport):
         return [b"1.0", request_id, b"200", b"OK", key.encode("ascii"), b""]
 
     def _refuse(self, peer: str, key: str, why: str) -> None:
-        self.refused.append(key)
-        if key in self._refusals_logged:
-            return
-        if len(self._refusals_logged) < MAX_REFUSAL_LOGS:
-            self._refusals_logged.add(key)
-            _log(
-                f"{self._address or self._host}: refused a connection from {peer or 'an unknown address'} "
-                f"(key {key or '-'}): {why}"
+        self._refusals.refuse(
+            key, f"refused a connection from {peer or 'an unknown address'} (key {key or '-'}): {why}"
+        )
+
+    # --- connection caps (on the ZAP thread) ----------------------------------------------------------------------
+
+    def _on_event(self, event: int, value: int) -> None:
+        """One socket monitor event of the PULL socket: ``value`` is the connection's file descriptor for accepted and
+        disconnected connections, an errno for a failed accept."""
+        if event == zmq.EVENT_ACCEPTED:
+            self._admit(value)
+        elif event == zmq.EVENT_DISCONNECTED:
+            host = self._accepted.pop(value, None)
+            if host is not None:
+                self._caps.release(host)
+        elif event == zmq.EVENT_ACCEPT_FAILED:
+            if value not in self._accept_errors and len(self._accept_errors) < 16:
+                self._accept_errors.add(value)
+                _log(f"{self._address or self._host}: could not accept a connection: {os.strerror(value)}")
+        else:
+            self._refuse(
+                "",
+                "",
+                f"the security handshake failed ({zmq.Event(event).name}: no CURVE, or another server key)",
             )
-        elif len(self._refusals_logged) == MAX_REFUSAL_LOGS:
-            self._refusals_logged.add("")
-            _log(f"{self._address or self._host}: refusing more strangers; no longer logging each one")
+
+    def _admit(self, fd: int) -> None:
+        """Count a connection just accepted on ``fd`` against the caps; shut it down when one is reached."""
+        host = _remote_host(fd, self._bound_port)
+        if host is None:
+            return  # already closed (its descriptor may now be another socket's)
+        stale = self._accepted.pop(fd, None)
+        if stale is not None:
+            self._caps.release(stale)
+        why = self._caps.refusal(host)
+        if why is not None and self._recount():
+            why = self._caps.refusal(host)
+        if why is None:
+            self._caps.add(host)
+            self._accepted[fd] = host
+            return
+        self._caps.shed += 1
+        _shut_down(fd)
+        self._refuse(host, f"host {host}", f"over the connection caps ({why})")
+
+    def _recount(self) -> bool:
+        """Forget counted connections whose descriptor no longer holds the connection counted (at most once per
+        ``RECOUNT_EVERY_S``); whether any was forgotten."""
+        now = time.monotonic()
+        if now - self._recounted < RECOUNT_EVERY_S:
+            return False
+        self._recounted = now
+        gone = [fd for fd, host in self._accepted.items() if _remote_host(fd, self._bound_port) != host]
+        for fd in gone:
+            self._caps.release(self._accepted.pop(fd))
+        return bool(gone)
 
     # --- internals ------------------------------------------------------------------------------------------------
 
@@ -368,6 +478,9 @@ class ZmqTransport(Transport):
                 f"cannot connect to {address}: not a ppharness zmq address (it carries no CURVE key: "
                 f"expected tcp://host:port{KEY_PARAM}<64 hex digits>)"
             )
+        while len(self._pushes) >= MAX_PUSH_SOCKETS:
+            _, oldest = self._pushes.popitem(last=False)
+            oldest.close(linger=LINGER_MS)
         with self._map_errors("connect to", address):
             push = self._ctx.socket(zmq.PUSH)
             try:

@@ -11,6 +11,13 @@ passed on as it came so the codec judges it. The ticket's endpoint id must be th
 id, so a peer cannot claim another's address; a stream that breaks the protocol (a bad first record, a record over
 the size limit, an end inside a record) is logged and no longer read, and the other streams are unaffected.
 
+What a peer can make an endpoint spend is bounded: at most ``MAX_HANDSHAKES`` incoming handshakes run at once (more
+are refused before any crypto); connections are capped at ``MAX_CONNECTIONS`` in all and ``MAX_CONNECTIONS_PER_PEER``
+per endpoint id, both ways (a send to another address of an endpoint already connected reuses that connection); a
+connection carries at most ``MAX_STREAMS_PER_CONNECTION`` incoming streams at once (one reader thread each); at most
+``MAX_PEERS`` outgoing streams are kept (failed ones are forgotten first). Refused connections are kept in a bounded
+deque and logged through ``transports.bounds.RefusalLog`` (the first few distinct endpoint ids, then counts).
+
 The path of each connection is logged on stderr: one line once a path is selected (direct, with the peer's socket
 address, or through a relay) and one whenever the selected path changes kind or address, each naming both endpoint
 ids and the round-trip time. The binding's snapshot (``Connection.paths()``) is read every ``PATH_POLL_S`` on the
@@ -25,6 +32,7 @@ import queue
 import struct
 import sys
 import threading
+from collections import deque
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -32,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ppharness.errors import ConnectFailed, PeerClosed, TransportError
 from ppharness.wire import codec
+from transports.bounds import ConnectionCaps, RefusalLog
 
 if TYPE_CHECKING:  # the binding is imported when the first transport is made (transports.iroh.transport.load_iroh)
     from iroh import Connection, Endpoint, EndpointAddr, EndpointTicket, Incoming, RecvStream, SendStream
@@ -42,6 +51,12 @@ MAX_HELLO = 4096
 READ_CHUNK = 64 * 1024
 CLOSE_CODE, CLOSE_REASON = 0, b"ppharness transport closed"
 REFUSE_CODE, REFUSE_REASON = 403, b"ppharness: endpoint not invited to this run"
+BUSY_CODE, BUSY_REASON = 429, b"ppharness: too many connections"
+MAX_HANDSHAKES = 64  # incoming handshakes in progress at once
+MAX_CONNECTIONS = 256  # connections open at once, both ways
+MAX_CONNECTIONS_PER_PEER = 4  # connections open at once with one endpoint id
+MAX_STREAMS_PER_CONNECTION = 4  # incoming streams open at once on one connection
+MAX_PEERS = 512  # outgoing streams kept (one per address sent to)
 HANDSHAKE_TIMEOUT_S = 10.0
 PATH_POLL_S = 1.0
 
@@ -119,9 +134,12 @@ class Session:
         self.allowed, self.incoming, self.run = allowed, incoming, run
         self.endpoint_id = str(endpoint.id())
         self.peers: dict[str, Peer] = {}
-        self.inbound: dict[str, Connection] = {}
+        self.inbound: dict[str, Connection] = {}  # sender address -> its connection, one address per connection
         self.conns: dict[int, Connection] = {}
-        self.refused: list[str] = []
+        self.remotes: dict[int, str] = {}  # connection's stable id -> its remote endpoint id
+        self.refusals = RefusalLog(log, lambda: f"endpoint {self.endpoint_id}")
+        self.caps = ConnectionCaps(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_PEER)
+        self.handshaking = 0
         self.tasks: set[asyncio.Task[None]] = set()
         self.closing = False
 
@@ -142,28 +160,48 @@ class Session:
                 return
             self.spawn(self._accept_one(incoming))
 
+    @property
+    def refused(self) -> deque[str]:
+        """Endpoint ids refused ('' for a handshake refused before the id was known), most recent last (bounded)."""
+        return self.refusals.recent
+
     async def _accept_one(self, incoming: Incoming) -> None:
+        if self.handshaking >= MAX_HANDSHAKES:
+            await _quietly(incoming.refuse())
+            self.refusals.refuse("", f"refused a connection: {MAX_HANDSHAKES} handshakes already in progress")
+            return
+        self.handshaking += 1
         try:
             accepting = await incoming.accept()
             conn = await asyncio.wait_for(accepting.connect(), HANDSHAKE_TIMEOUT_S)
         except (TimeoutError, self.iroh.IrohError) as exc:
             if not self.closing:
-                log(f"endpoint {self.endpoint_id}: an incoming handshake failed: {iroh_reason(exc)}")
+                self.refusals.refuse("", f"an incoming handshake failed: {iroh_reason(exc)}")
             return
+        finally:
+            self.handshaking -= 1
         remote = str(conn.remote_id())
         if self.allowed is not None and remote not in self.allowed:
-            self.refused.append(remote)
-            log(
+            self.refusals.refuse(
+                remote,
                 f"refused a connection from endpoint {remote}: not in this run's allow-list "
-                f"of {len(self.allowed)} endpoint(s)"
+                f"of {len(self.allowed)} endpoint(s)",
             )
             conn.close(REFUSE_CODE, REFUSE_REASON)
+            return
+        why = self.caps.admit(remote)
+        if why is not None:
+            self.refusals.refuse(remote, f"refused a connection from endpoint {remote}: {why}")
+            conn.close(BUSY_CODE, BUSY_REASON)
             return
         self.adopt(conn, remote)
 
     def adopt(self, conn: Connection, remote: str) -> None:
-        """Serve a new connection: accept the peer's streams and notice when it closes."""
+        """Serve a new connection (counted in ``caps`` by the caller): accept the peer's streams and notice when it
+        closes."""
+        conn.set_max_concurrent_uni_streams(MAX_STREAMS_PER_CONNECTION)
         self.conns[conn.stable_id()] = conn
+        self.remotes[conn.stable_id()] = remote
         self.spawn(self._accept_streams(conn, remote))
         self.spawn(self._watch(conn, remote))
         self.spawn(self._watch_path(conn, remote))
@@ -202,7 +240,10 @@ class Session:
             if hello is None:
                 return
             sender = self._check_hello(hello, remote)
-            self.inbound.setdefault(sender, conn)
+            if sender not in self.inbound:  # one address per connection: a new one replaces the old
+                for address in [a for a, c in list(self.inbound.items()) if c is conn]:
+                    self.inbound.pop(address, None)
+                self.inbound[sender] = conn
             put = self.incoming.put
             while (record := reader.next(MAX_RECORD)) is not None:
                 put((sender, record))
@@ -231,9 +272,11 @@ class Session:
         except self.iroh.IrohError as exc:
             reason = iroh_reason(exc)
         self.conns.pop(conn.stable_id(), None)
+        if self.remotes.pop(conn.stable_id(), None) is not None:
+            self.caps.release(remote)
         for address, c in list(self.inbound.items()):
             if c is conn:
-                del self.inbound[address]
+                self.inbound.pop(address, None)
         for peer in self.peers.values():
             if peer.conn is conn and peer.error is None:
                 self.fail(
@@ -249,11 +292,22 @@ class Session:
         peer = self.peers.get(address)
         if peer is not None:
             return peer
-        conn = self.inbound.get(address)
+        self._make_room_for_a_peer(address)
+        conn = self.inbound.get(address) or next(
+            (self.conns[i] for i, r in self.remotes.items() if r == remote and i in self.conns), None
+        )
         try:
             if conn is None:
-                conn = await asyncio.wait_for(self.endpoint.connect(target, ALPN), timeout)
+                why = self.caps.admit(remote)
+                if why is not None:
+                    raise ConnectFailed(f"cannot connect to {address} (endpoint {remote}): {why}")
+                try:
+                    conn = await asyncio.wait_for(self.endpoint.connect(target, ALPN), timeout)
+                except BaseException:
+                    self.caps.release(remote)
+                    raise
                 if str(conn.remote_id()) != remote:
+                    self.caps.release(remote)
                     conn.close(REFUSE_CODE, REFUSE_REASON)
                     raise ConnectFailed(f"cannot connect to {address}: it answered as another endpoint")
                 self.adopt(conn, remote)
@@ -268,6 +322,17 @@ class Session:
         except self.iroh.IrohError as exc:
             raise ConnectFailed(f"cannot connect to {address} (endpoint {remote}): {iroh_reason(exc)}") from exc
         return self.peers.setdefault(address, Peer(address, remote, conn, stream))
+
+    def _make_room_for_a_peer(self, address: str) -> None:
+        """Forget failed peers when ``MAX_PEERS`` are kept; refuse a new one when all of them are live."""
+        if len(self.peers) < MAX_PEERS:
+            return
+        for key in [k for k, p in self.peers.items() if p.error is not None]:
+            del self.peers[key]
+        if len(self.peers) >= MAX_PEERS:
+            raise ConnectFailed(
+                f"cannot connect to {address}: this endpoint already sends to {MAX_PEERS} addresses, the most it keeps"
+            )
 
     def fail(self, peer: Peer, error: TransportError, quiet: bool = False) -> None:
         peer.error = error
@@ -290,6 +355,7 @@ class Session:
         for conn in list(self.conns.values()):
             conn.close(CLOSE_CODE, CLOSE_REASON)
         await _quietly(asyncio.wait_for(self.endpoint.close(), 2.0))
+        self.refusals.flush()
         leftover = [t for t in (*self.tasks, *stopped) if not t.done()]
         for task in leftover:
             task.cancel()

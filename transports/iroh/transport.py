@@ -26,7 +26,10 @@ protocol); this class is the synchronous ``Transport`` face of it. Guarantees:
 - ``close()`` finishes every outgoing stream, waits up to ``LINGER_S`` for the peers to acknowledge what was sent,
   closes every connection and the endpoint and stops the loop thread; it is idempotent and every later call raises
   ``TransportClosed``;
-- iroh exceptions surface as ``ppharness.errors`` types (``raise ... from``), never as iroh types.
+- iroh exceptions surface as ``ppharness.errors`` types (``raise ... from``), never as iroh types;
+- what a peer can make it spend is bounded (handshakes, connections per endpoint id and in all, streams per connection,
+  kept peers, refusals remembered and logged: ``transports.iroh.session``); a send to another address of an endpoint
+  already connected reuses that connection.
 
 Importing this module does not import iroh; the first transport (or ``plan_endpoints``) does, and applies the
 bulk-copy fix of ``transports.iroh.fastcopy`` (version-guarded) before any byte is sent. Sends run the binding's
@@ -63,6 +66,7 @@ if TYPE_CHECKING:  # the binding itself is imported by load_iroh()
 LINGER_S = 2.0
 INLINE_BYTES = 64 * 1024
 ONLINE_TIMEOUT_S = 15.0
+CONNECT_LOCKS = 64  # dials to one address are serialised by one of these (a fixed number, whatever peers name)
 _T = TypeVar("_T")
 _iroh: ModuleType | None = None
 _direct_calls = False
@@ -189,7 +193,7 @@ class IrohTransport(Transport):
         # (sender address, frame) as the session reads them; None marks the transport closed
         self._incoming: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
         self._state_lock = threading.Lock()
-        self._connect_locks: dict[str, threading.Lock] = {}
+        self._connect_locks = [threading.Lock() for _ in range(CONNECT_LOCKS)]  # an address's is hash(address) % n
         self._closed = False
 
     # --- lifecycle ------------------------------------------------------------------------------------------------
@@ -274,8 +278,15 @@ class IrohTransport(Transport):
 
     @property
     def refused(self) -> list[str]:
-        """Endpoint ids whose connections were refused (not in the allow-list), oldest first."""
+        """Endpoint ids whose connections were refused (not in the allow-list, or over a connection cap; '' for a
+        handshake refused or failed before the id was known), oldest first: the most recent
+        ``transports.bounds.RECENT_REFUSALS``."""
         return list(self._session.refused) if self._session is not None else []
+
+    @property
+    def refused_total(self) -> int:
+        """How many connections were refused since start."""
+        return self._session.refusals.total if self._session is not None else 0
 
     def close(self) -> None:
         with self._state_lock:
@@ -367,9 +378,7 @@ class IrohTransport(Transport):
 
     def _connect(self, address: str) -> Peer:
         assert self._session is not None  # started: send_frame checked
-        with self._state_lock:
-            lock = self._connect_locks.setdefault(address, threading.Lock())
-        with lock:
+        with self._connect_locks[hash(address) % CONNECT_LOCKS]:
             peer = self._session.peers.get(address)
             if peer is not None:
                 return peer
