@@ -18,6 +18,7 @@ from ppharness.errors import HarnessError, PlanError
 from ppharness.model.files import resolve_model
 from ppharness.model.spec import PRESETS, parse_synthetic, preset_spec, short_source, synthetic_source
 from ppharness.plan import show
+from ppharness.plan.budget import DEFAULT_SECONDS, MAX_SECONDS, Budget
 from ppharness.plan.check import check_plan
 from ppharness.plan.doc import (
     Cluster,
@@ -36,6 +37,7 @@ from ppharness.plan.expert_problem import without_routed_experts
 from ppharness.plan.experts import ExpertReport, baseline_experts, place_experts
 from ppharness.plan.graph import model_graph, simulation_only, spec_graph
 from ppharness.plan.handwritten import file_kind
+from ppharness.plan.limits import MAX_CONTEXT
 from ppharness.plan.probe import (
     ROUTING_PROMPTS,
     block_counts,
@@ -255,7 +257,7 @@ def plan_text(plan_file: str, model: str | None, cluster: str | None) -> None:
     show_default=True,
     help="Per-token latency of one request, throughput with --requests in flight, or $ per token.",
 )
-@click.option("--requests", type=int, default=1, show_default=True, help="Requests in flight.")
+@click.option("--requests", type=click.IntRange(1, 4096), default=1, show_default=True, help="Requests in flight.")
 @click.option(
     "--policy",
     type=click.Choice(["optimal", "even", "memory"]),
@@ -265,7 +267,13 @@ def plan_text(plan_file: str, model: str | None, cluster: str | None) -> None:
     "over every device in the file's order; memory: "
     "blocks in proportion to device memory (exo's split).",
 )
-@click.option("--max-context", type=int, default=256, show_default=True, help="KV cache length every node holds.")
+@click.option(
+    "--max-context",
+    type=click.IntRange(1, MAX_CONTEXT),
+    default=256,
+    show_default=True,
+    help="KV cache length every node holds.",
+)
 @click.option(
     "--experts-on",
     "experts_on",
@@ -283,7 +291,18 @@ def plan_text(plan_file: str, model: str | None, cluster: str | None) -> None:
 )
 @click.option("--replicas/--no-replicas", default=True, show_default=True, help="Let the planner copy hot experts.")
 @click.option(
-    "--expert-time-limit", type=float, default=10.0, show_default=True, help="Seconds for the expert planner."
+    "--expert-time-limit",
+    type=click.FloatRange(0, MAX_SECONDS, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Seconds for the expert planner (within --time-limit).",
+)
+@click.option(
+    "--time-limit",
+    type=click.FloatRange(0, MAX_SECONDS, min_open=True),
+    default=DEFAULT_SECONDS,
+    show_default=True,
+    help="Seconds for the whole search: when they run out, the best plan found so far (and what was cut short).",
 )
 @click.option(
     "--routing",
@@ -316,6 +335,7 @@ def plan_make(
     expert_policy: str,
     replicas: bool,
     expert_time_limit: float,
+    time_limit: float,
     routing_file: str | None,
     weights: str,
     reprobe: bool,
@@ -332,10 +352,11 @@ def plan_make(
         _warn_measured(cluster)
         goal = Objective(kind=objective, requests=requests)  # type: ignore[arg-type]
         say = functools.partial(click.echo, err=True)
+        budget = Budget(time_limit)
         if experts_on is None:
             say(f"planning {len(graph.blocks)} blocks over {len(cluster.devices)} devices ({policy})")
             with ticking("planning", say):
-                doc = policy_plan(policy, graph, cluster, goal)
+                doc = policy_plan(policy, graph, cluster, goal, budget=budget)
         else:
             names = expert_device_names(experts_on, [d.id for d in cluster.devices])
             stage_devices = tuple(d for d in cluster.devices if d.id not in names)
@@ -347,16 +368,27 @@ def plan_make(
             say(f"planning the stages over {len(stage_devices)} devices ({policy})")
             with ticking("planning the stages", say):
                 stages = policy_plan(
-                    policy, without_routed_experts(graph), msgspec.structs.replace(cluster, devices=stage_devices), goal
+                    policy,
+                    without_routed_experts(graph),
+                    msgspec.structs.replace(cluster, devices=stage_devices),
+                    goal,
+                    budget=budget,
                 )
             doc = with_id(msgspec.structs.replace(stages, model=graph, cluster=cluster))
+        if budget.ran_out is not None:
+            say(
+                f"time limit of {time_limit:g} s reached during {budget.ran_out} (after {budget.elapsed():.1f} s): "
+                "the plan below is the best found so far, not searched to the end — raise --time-limit to search on"
+            )
         if routing_file is not None:
             doc = with_frequencies(doc, load_routing(routing_file), routing_file)
         if experts_on is not None:
             if expert_policy == "optimal":
-                say(f"placing the experts on {len(names)} devices (time limit {expert_time_limit:g} s)")
+                # what is left of --time-limit, with a second at least: the stages are placed, the experts must be
+                seconds = max(1.0, min(expert_time_limit, budget.left() or 0.0))
+                say(f"placing the experts on {len(names)} devices (time limit {seconds:g} s)")
                 with ticking("placing the experts", say):
-                    doc, report = place_experts(doc, names, replicas=replicas, time_limit_s=expert_time_limit)
+                    doc, report = place_experts(doc, names, replicas=replicas, time_limit_s=seconds)
             else:
                 doc, report = baseline_experts(doc, names, expert_policy)  # type: ignore[arg-type]
         check_plan(doc, out or "<plan>")

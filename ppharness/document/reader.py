@@ -11,6 +11,8 @@ from pathlib import Path
 import msgspec
 
 from ppharness.document.explain import explain_yaml
+from ppharness.document.json_fast import read_json
+from ppharness.document.keys import Keys
 from ppharness.document.yaml_limits import MAX_FILE_BYTES, PLAN_LIMITS, SCENARIO_LIMITS, Limits, YamlLimit, screen
 from ppharness.errors import HarnessError
 
@@ -51,18 +53,23 @@ def read_text_file(path: Path, what: str, pattern: str, error: type[HarnessError
         raise error(f"{path}: cannot read: {exc.strerror}") from None
 
 
-def screen_text(text: str, source: str, limits: Limits, error: type[HarnessError]) -> None:
-    """Refuse ``text`` that breaks ``limits`` or is not YAML, as ``error`` naming ``source`` and the ``$.path``."""
+def screen_text(text: str, source: str, limits: Limits, error: type[HarnessError], keys: Keys | None = None) -> None:
+    """Refuse ``text`` that breaks ``limits`` or is not YAML, or holds a key or more list items than ``keys`` allows
+    (``ppharness.document.keys``), as ``error`` naming ``source`` and the ``$.path``."""
     try:
-        screen(text, limits)
+        screen(text, limits, keys)
     except YamlLimit as exc:
-        raise error(f"{source}: {exc.path}: {exc}") from None
+        raise error(f"{source}: {exc}" if exc.located else f"{source}: {exc.path}: {exc}") from None
 
 
-def parse_text(text: str, source: str, limits: Limits, error: type[HarnessError]) -> object:
-    """``text`` screened, then decoded as plain YAML (JSON is YAML): mappings, lists and scalars, ``None`` for an
-    empty document."""
-    screen_text(text, source, limits, error)
+def parse_text(text: str, source: str, limits: Limits, error: type[HarnessError], keys: Keys | None = None) -> object:
+    """``text`` screened (``keys``: as ``screen_text`` takes them), then decoded as plain YAML (JSON is YAML):
+    mappings, lists and scalars, ``None`` for an empty document. A JSON object within the limits is read the
+    faster JSON way (``ppharness.document.json_fast``), to the same data."""
+    fast = read_json(text, limits, keys)
+    if fast is not None:
+        return fast
+    screen_text(text, source, limits, error, keys)
     try:
         return msgspec.yaml.decode(text)
     except msgspec.DecodeError as exc:

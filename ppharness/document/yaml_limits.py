@@ -14,16 +14,23 @@ A scenario is a few dozen values; a file that is not is refused here, before ``m
 A plan (or cluster) file is screened the same way within ``PLAN_LIMITS``: a program writes it, and a large
 mixture-of-experts model's placement names tens of thousands of experts.
 
+Given the keys its document's type allows (``ppharness.document.keys``, as plans and clusters are read), the screen
+also refuses an unknown key without walking far into its value, and a list as soon as it grows past its field's
+maximum length.
+
 Aliases are never expanded: each anchor's expanded size and height are added up as its node closes, and an alias adds
 them. ``screen`` raises ``YamlLimit`` naming the ``$.path``, the line and the fix.
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import yaml
+
+from ppharness.document.keys import Keys
 
 MAX_FILE_BYTES = 1 << 20  # 1 MiB
 MAX_DEPTH = 32
@@ -31,6 +38,7 @@ MAX_SCALAR_BYTES = 256 << 10  # 256 KiB
 MAX_NODES = 10_000
 MAX_EXPANDED_BYTES = MAX_FILE_BYTES
 MAX_NUMBER_CHARS = 64
+UNKNOWN_EVENTS = 1_000  # parser events read after an unknown key before it is refused
 
 
 @dataclass(frozen=True)
@@ -67,9 +75,10 @@ _NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 class YamlLimit(ValueError):
     """The document breaks a limit: ``path`` is where (``$.request.prompt``), the message says what and the fix."""
 
-    def __init__(self, path: str, message: str) -> None:
+    def __init__(self, path: str, message: str, located: bool = False) -> None:
         super().__init__(message)
         self.path = path
+        self.located = located  # the message names the path itself
 
 
 def short(text: str, limit: int = 60) -> str:
@@ -103,16 +112,24 @@ class _Frame:
     want_key: bool = True  # mapping: the next node is a key
     index: int = 0  # sequence: the next item's index
     keys: dict[tuple[str, str], int] = field(default_factory=dict)  # mapping: (tag, value) -> 1-based line
+    allowed: Keys | None = None  # its keys and list length, when the document's type says them
+    value: Keys | None = None  # mapping: what the current key's value may be
 
 
 class _Screen:
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, keys: Keys | None = None) -> None:
         self.limits = limits
+        self.root = keys
         self.stack: list[_Frame] = []
         self.anchors: dict[str, _Size | None] = {}  # None while the anchored node is still open
         self.nodes = 0
         self.text = 0
         self.documents = 0
+        self.line = 0
+        self.events = 0
+        # the first unknown key: its error and the events read before it; raised at the document's end, or once
+        # UNKNOWN_EVENTS more have been read (a problem in a short document is said first, a long one not walked)
+        self.unknown: tuple[YamlLimit, int] | None = None
 
     def path(self) -> str:
         """Where the parser is: ``$.request.prompt``, ``$.faults[1]``."""
@@ -126,7 +143,10 @@ class _Screen:
         return "".join(parts)
 
     def feed(self, event: yaml.Event) -> None:
-        line = event.start_mark.line + 1 if event.start_mark is not None else 0
+        line = self.line = event.start_mark.line + 1 if event.start_mark is not None else 0
+        self.events += 1
+        if self.unknown is not None and self.events - self.unknown[1] > UNKNOWN_EVENTS:
+            raise self.unknown[0]
         if isinstance(event, yaml.DocumentStartEvent):
             self.documents += 1
             if self.documents > 1:
@@ -143,7 +163,7 @@ class _Screen:
                     f"nested more than {MAX_DEPTH} levels deep at line {line} — "
                     f"a scenario needs a few levels; at most {MAX_DEPTH} are read",
                 )
-            frame = _Frame(isinstance(event, yaml.MappingStartEvent), event.anchor)
+            frame = _Frame(isinstance(event, yaml.MappingStartEvent), event.anchor, allowed=self._allowed())
             if event.anchor is not None:
                 self.anchors[event.anchor] = None
             self.stack.append(frame)
@@ -215,6 +235,7 @@ class _Screen:
                     )
                 parent.keys[(tag, value)] = line
             parent.key = _segment(value)
+            self._key(parent, tag, value, line)
         self._done(size)
 
     def _tag(self, event: yaml.ScalarEvent) -> str:
@@ -237,6 +258,7 @@ class _Screen:
         parent = self.stack[-1] if self.stack else None
         if parent is not None and parent.mapping and parent.want_key and not isinstance(event, yaml.ScalarEvent):
             parent.key = "[?]"  # a list, a mapping or an alias used as a key: no field name
+            parent.value = None
         self.nodes += size.nodes
         self.text += size.text
         if self.nodes > self.limits.nodes:
@@ -271,15 +293,51 @@ class _Screen:
                 parent.want_key = True
         else:
             parent.index += 1
+            most = parent.allowed.max_items if parent.allowed is not None else None
+            if most is not None and parent.index > most:
+                raise YamlLimit(
+                    self.path(),
+                    f"the list grows past its {most:,} items at line {self.line} — this field holds at most {most:,}; "
+                    "remove the surplus items",
+                )
+
+    def _allowed(self) -> Keys | None:
+        """What the collection starting now may hold (None: not checked)."""
+        if not self.stack:
+            return self.root
+        parent = self.stack[-1]
+        if parent.allowed is None:
+            return None
+        if parent.mapping:
+            return None if parent.want_key else parent.value
+        return parent.allowed.items
+
+    def _key(self, parent: _Frame, tag: str, value: str, line: int) -> None:
+        """Refuse a key the document's type does not have, before its value is read; note what its value may be."""
+        allowed = parent.allowed
+        if allowed is None or tag == _MERGE:
+            parent.value = None
+            return
+        parent.value = allowed.value_of(value)
+        if allowed.fields is not None and value not in allowed.fields and self.unknown is None:
+            known = list(allowed.fields)
+            close = difflib.get_close_matches(value, known, n=1) if len(value) <= 64 else []
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            where = self.path()
+            message = f"unknown field {short(value, 40)} at {where} — expected one of: {', '.join(known)}{hint}"
+            self.unknown = (YamlLimit(where, message, located=True), self.events)
 
 
-def screen(text: str, limits: Limits = SCENARIO_LIMITS) -> None:
-    """Raise ``YamlLimit`` if ``text`` breaks a limit or is not YAML (then naming the line, column and problem)."""
-    s = _Screen(limits)
+def screen(text: str, limits: Limits = SCENARIO_LIMITS, keys: Keys | None = None) -> None:
+    """Raise ``YamlLimit`` if ``text`` breaks a limit or is not YAML (then naming the line, column and problem);
+    ``keys``: the keys and list lengths the document's type allows, refused as the parser reaches them."""
+    s = _Screen(limits, keys)
     loader = _Loader(text)
     try:
         while loader.check_event():
             s.feed(loader.get_event())
+        if s.unknown is not None:
+            raise s.unknown[0]
     except yaml.YAMLError as exc:
         raise YamlLimit(s.path(), not_yaml(exc)) from None
     finally:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable
 
 from ppharness.document.explain import FieldError
 from ppharness.errors import PlanError
@@ -43,6 +44,7 @@ from ppharness.plan.doc import (
 )
 from ppharness.registry import provider_settings_type
 
+MAX_HOST_GPUS = 64  # GPUs of one machine (``doc.Source.gpu``: 0 to 63)
 FREQUENCY_TOLERANCE = 1e-3  # how far (relative to ``active``) a block's frequencies may add up from ``active``
 
 
@@ -61,11 +63,12 @@ def routed_bytes(model: ModelGraph, lo: int, hi: int) -> int:
     return sum(b.experts.count * b.experts.bytes_per_expert for b in model.blocks[lo:hi])
 
 
-def node_weights(doc: PlanDoc, node: Node) -> int:
+def node_weights(doc: PlanDoc, node: Node, placed: bool | None = None) -> int:
     """Bytes of weights ``node`` loads: its blocks, plus the embedding on the entry and the head on the exit; where
-    the plan places the experts, its blocks without their routed experts and each expert its ``experts`` ops list."""
+    the plan places the experts, its blocks without their routed experts and each expert its ``experts`` ops list.
+    ``placed``: ``places_experts(doc)`` when the caller knows it (it reads every node)."""
     model, total = doc.model, 0
-    placed = places_experts(doc)
+    placed = places_experts(doc) if placed is None else placed
     for op in node.ops:
         if isinstance(op, Embed):
             total += model.embed_bytes
@@ -88,10 +91,11 @@ def node_kv(doc: PlanDoc, node: Node, requests: int = 1) -> int:
     return requests * doc.model.max_context * sum(b.kv_bytes for b in doc.model.blocks[r[0] : r[1]])
 
 
-def node_memory(doc: PlanDoc, node: Node) -> int:
-    """What ``node`` needs of its device's memory: weights, KV cache and the device's runtime reserve."""
+def node_memory(doc: PlanDoc, node: Node, placed: bool | None = None) -> int:
+    """What ``node`` needs of its device's memory: weights, KV cache and the device's runtime reserve (``placed``:
+    as ``node_weights`` takes it)."""
     device = doc.cluster.device(node.device)
-    return node_weights(doc, node) + node_kv(doc, node, doc.placement.objective.requests) + device.reserve
+    return node_weights(doc, node, placed) + node_kv(doc, node, doc.placement.objective.requests) + device.reserve
 
 
 def check_cluster(cluster: Cluster, source: str, at: str = "$.cluster") -> None:
@@ -154,6 +158,12 @@ def _check_offer(kind: str, offer: dict[str, str], source: str, at: str) -> None
         settings().for_device(offer)
     except FieldError as exc:
         raise PlanError(f"{source}: {at}.{exc.field}: {exc}") from None
+    gpus = offer.get("num_gpus", "1").strip()
+    if gpus.isdigit() and (len(gpus) > 4 or int(gpus) > MAX_HOST_GPUS):
+        raise PlanError(
+            f"{source}: {at}.num_gpus: {gpus[:20]!r} GPUs in one machine — an offer has 1 to {MAX_HOST_GPUS} GPUs "
+            "(a device's source.gpu is 0 to 63); ask for fewer"
+        )
 
 
 def _check_hosts(cluster: Cluster, source: str, at: str) -> None:
@@ -230,14 +240,15 @@ def _check_nodes(doc: PlanDoc, source: str) -> None:
     devices = {d.id for d in doc.cluster.devices}
     nodes = doc.placement.nodes
     labels = [n.label for n in nodes]
+    times = Counter(labels)
     used: dict[str, int] = {}
     for i, node in enumerate(nodes):
         at = f"{source}: $.placement.nodes[{i}]"
         if node.device not in devices:
             raise PlanError(
-                f"{at}.device: unknown device {node.device!r} — the cluster's devices are: {', '.join(sorted(devices))}"
+                f"{at}.device: unknown device {node.device!r} — the cluster's devices are: {_some(devices)}"
             )
-        if labels.count(node.label) > 1:
+        if times[node.label] > 1:
             raise PlanError(f"{at}: the node name {node.label!r} is used twice — give the node a name of its own")
         if node.device in used:
             raise PlanError(
@@ -344,7 +355,7 @@ def _check_edges(doc: PlanDoc, source: str) -> None:
         at = f"{source}: $.placement.edges[{i}]"
         for end, name in (("from", e.src), ("to", e.dst)):
             if name not in nodes:
-                raise PlanError(f"{at}.{end}: {name!r} is not a node of the placement — nodes: {', '.join(nodes)}")
+                raise PlanError(f"{at}.{end}: {name!r} is not a node of the placement — nodes: {_some(nodes, False)}")
         if e.kind == "experts":
             continue
         for end, name in (("from", e.src), ("to", e.dst)):
@@ -384,12 +395,31 @@ def _check_edges(doc: PlanDoc, source: str) -> None:
         path.append(at_node)
     if path[-1] != exit_:
         raise PlanError(_broken_chain(path, exit_, nodes, source))
-    missed = [name for name, n in nodes.items() if name not in path and not n.expert_only]
+    on_loop = set(path)
+    missed = [name for name, n in nodes.items() if name not in on_loop and not n.expert_only]
     if missed:
         raise PlanError(
-            f"{source}: $.placement.edges: node(s) {', '.join(missed)} are not on the loop {' -> '.join(path)} — "
+            f"{source}: $.placement.edges: node(s) {_some(missed, False)} are not on the loop {_chain_text(path)} — "
             "link them in with activation edges or remove them"
         )
+
+
+SHOWN = 12  # names (or loop nodes) an error lists before saying how many more there are
+
+
+def _some(names: Iterable[str], order: bool = True) -> str:
+    """Up to SHOWN of ``names`` (sorted when ``order``), with how many more there are."""
+    listed = sorted(names) if order else list(names)
+    more = f" and {len(listed) - SHOWN:,} more" if len(listed) > SHOWN else ""
+    return ", ".join(listed[:SHOWN]) + more
+
+
+def _chain_text(path: list[str]) -> str:
+    """``a -> b -> c``, its middle left out for a long loop."""
+    if len(path) <= SHOWN:
+        return " -> ".join(path)
+    half = SHOWN // 2
+    return f"{' -> '.join(path[:half])} -> ({len(path) - SHOWN:,} more) -> {' -> '.join(path[-half:])}"
 
 
 def _broken_chain(path: list[str], exit_: str, nodes: dict[str, Node], source: str) -> str:
@@ -398,14 +428,15 @@ def _broken_chain(path: list[str], exit_: str, nodes: dict[str, Node], source: s
     at = f"{source}: $.placement.edges"
     fix = "or state no loop edges at all (no -> in the text form) to have them follow the order of the nodes"
     if path[-1] in path[:-1]:
-        circle = " -> ".join(path[path.index(path[-1]) :])
+        circle = _chain_text(path[path.index(path[-1]) :])
         return (
             f"{at}: the activation edges go round in a circle ({circle}) and never reach the exit {exit_!r} — "
             f"point the last of them at the node that runs the next blocks, {fix}"
         )
     stop = path[-1]
-    after = next((name for name, n in nodes.items() if name not in path and not n.expert_only), exit_)
-    chain = f" (from the entry: {' -> '.join(path)})" if len(path) > 1 else " (the entry)"
+    on_loop = set(path)
+    after = next((name for name, n in nodes.items() if name not in on_loop and not n.expert_only), exit_)
+    chain = f" (from the entry: {_chain_text(path)})" if len(path) > 1 else " (the entry)"
     return (
         f"{at}: the activations stop at node {stop!r}{chain}: no activation edge leaves it, so they never reach the "
         f"exit {exit_!r} — add an activation edge from {stop!r} to the node that runs the next blocks, e.g. "
@@ -513,14 +544,16 @@ def _check_experts(doc: PlanDoc, source: str) -> None:
 
 
 def _check_memory(doc: PlanDoc, source: str) -> None:
+    placed = places_experts(doc)
     for i, node in enumerate(doc.placement.nodes):
         device = doc.cluster.device(node.device)
-        need = node_memory(doc, node)
+        need = node_memory(doc, node, placed)
         if need > device.memory:
             what = "experts" if node.expert_only else "blocks or experts" if node.experts else "blocks"
+            kv = node_kv(doc, node, doc.placement.objective.requests)
             raise PlanError(
                 f"{source}: $.placement.nodes[{i}]: node {node.label!r} needs {gib(need)} (weights "
-                f"{gib(node_weights(doc, node))}, KV cache {gib(node_kv(doc, node, doc.placement.objective.requests))}"
+                f"{gib(node_weights(doc, node, placed))}, KV cache {gib(kv)}"
                 f" for {doc.model.max_context} tokens, runtime {gib(device.reserve)}) but device {device.id!r} has "
                 f"{gib(device.memory)} — {gib(need - device.memory)} short; move {what} to another node or use a "
                 "larger device"

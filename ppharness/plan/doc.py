@@ -24,6 +24,7 @@ ranges as ``0..6`` or ``blk[0:6]``, and the ops ``embed`` and ``head`` as bare w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -35,17 +36,19 @@ import msgspec
 from msgspec import Meta
 
 from ppharness.document.explain import FieldError, explain
+from ppharness.document.keys import keys_of
 from ppharness.document.reader import parse_text, read_text_file
 from ppharness.document.yaml_limits import PLAN_LIMITS
 from ppharness.errors import PlanError
 from ppharness.network.spec import Impairment
+from ppharness.plan import limits
+from ppharness.plan.limits import BlockIndex, Bytes, Context, Dim, ExpertCount, ExpertId, Flops, Vocab, at_most
+from ppharness.plan.lookup import by_key
 
 PLAN_VERSION = 1
 # (?!\n): Python's $ also matches before a final newline, which an id must not end in
 ID_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$(?!\n)")
 Name = Annotated[str, Meta(pattern=ID_NAME.pattern, description="lower-case letters, digits, - and _, 1 to 63")]
-Bytes = Annotated[int, Meta(ge=0, description="bytes (a YAML file may write 512m, 2g, 24GiB)")]
-Count = Annotated[int, Meta(ge=0)]
 # what the node runtime keeps besides weights and KV cache: Python, tinygrad and their buffers (measured: a node
 # serving the tiny model peaks at about 300 MB of RSS); a device entry may set its own
 DEFAULT_RESERVE = 512 << 20
@@ -62,15 +65,17 @@ class _Doc(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
 class Experts(_Doc, frozen=True):
     """A mixture-of-experts block's experts (all zero for a dense block)."""
 
-    count: Count = 0  # routed experts in the block
-    active: Count = 0  # experts each token is routed to
-    shared: Count = 0  # experts every token goes through
+    count: ExpertCount = 0  # routed experts in the block
+    active: ExpertCount = 0  # experts each token is routed to
+    shared: ExpertCount = 0  # experts every token goes through
     bytes_per_expert: Bytes = 0  # one routed expert's weights (gate, up and down), as the runtime holds them
     # one routed expert's FLOPs per token; 0: as many as its bytes (float16 weights: two of each per parameter)
-    flops_per_expert: Count = 0
+    flops_per_expert: Flops = 0
     # how often each routed expert is among a token's chosen ones (a probe run's measure, summing to ``active``);
     # empty: uniform, ``active / count`` each
-    frequencies: tuple[Annotated[float, Meta(ge=0, le=1)], ...] = ()
+    frequencies: Annotated[
+        tuple[Annotated[float, Meta(ge=0, le=1)], ...], at_most(limits.MAX_EXPERTS, "frequencies")
+    ] = ()
 
     @property
     def expert_flops(self) -> int:
@@ -87,7 +92,7 @@ class Block(_Doc, frozen=True):
     """One transformer block: what it weighs and what one token costs in it."""
 
     weight_bytes: Bytes
-    flops: Count  # per token, decode (two per multiply-add)
+    flops: Flops  # per token, decode (two per multiply-add)
     kv_bytes: Bytes  # KV cache per token of context
     experts: Experts = Experts()
 
@@ -98,15 +103,15 @@ class ModelGraph(_Doc, frozen=True):
     source: str  # what resolve_model takes: a path, a URL or a synthetic: spec
     sha256: str  # of the GGUF file; a plan runs only on the model it was made for
     arch: str
-    dim: Annotated[int, Meta(ge=1)]
-    vocab: Annotated[int, Meta(ge=1)]
-    max_context: Annotated[int, Meta(ge=1)]
+    dim: Dim
+    vocab: Vocab
+    max_context: Context
     embed_bytes: Bytes
     head_bytes: Bytes  # final norm and output matrix (the embedding again when tied)
-    head_flops: Count
+    head_flops: Flops
     activation_bytes: Bytes  # one token's hidden state on an activation edge
     token_bytes: Bytes  # one token on the feedback edge
-    blocks: Annotated[tuple[Block, ...], Meta(min_length=1)]
+    blocks: Annotated[tuple[Block, ...], at_most(limits.MAX_BLOCKS, "blocks", 1)]
     # how the weight bytes are counted: "" as the node runtime holds them (float16); a quantised GGUF type (q4_k, ...)
     # or bits per weight: for the simulator only (ppharness.plan.graph), a run refuses the plan
     weights: str = ""
@@ -186,20 +191,17 @@ class Cluster(_Doc, frozen=True):
     """Devices and links. A pair's link is its own entry in ``links``, else ``host_link`` when both are GPUs of one
     host, else its regions' entry in ``region_links``, else ``default``."""
 
-    devices: Annotated[tuple[Device, ...], Meta(min_length=1)]
+    devices: Annotated[tuple[Device, ...], at_most(limits.MAX_DEVICES, "devices", 1)]
     default: Impaired = Impaired()
-    region_links: tuple[Link, ...] = ()
-    links: tuple[Link, ...] = ()
+    region_links: Annotated[tuple[Link, ...], at_most(limits.MAX_LINKS, "links")] = ()
+    links: Annotated[tuple[Link, ...], at_most(limits.MAX_LINKS, "links")] = ()
     # fixed cost of one message hop (transport), as traces measure it
     hop_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0
     name: str = ""
     host_link: Impaired = Impaired()  # between two GPUs of one host (devices with the same source.host)
 
     def device(self, device_id: str) -> Device:
-        for d in self.devices:
-            if d.id == device_id:
-                return d
-        raise KeyError(device_id)
+        return by_key(self.devices, _device_id)[device_id]  # KeyError for an unknown id
 
     def link(self, src: str, dst: str) -> Impairment:
         """What the link from device ``src`` to device ``dst`` does."""
@@ -219,6 +221,10 @@ class Cluster(_Doc, frozen=True):
         """Whether devices ``a`` and ``b`` are GPUs of one host."""
         host = self.device(a).source.host
         return host is not None and host == self.device(b).source.host
+
+
+def _device_id(device: Device) -> str:
+    return device.id
 
 
 def _impairment(value: Impairment) -> Impairment:
@@ -248,8 +254,8 @@ class Embed(_Doc, frozen=True, tag="embed", tag_field="op"):
 class Blocks(_Doc, frozen=True, tag="blocks", tag_field="op"):
     """Blocks ``lo`` to ``hi - 1``."""
 
-    lo: Count
-    hi: Count
+    lo: BlockIndex
+    hi: BlockIndex
 
     def __post_init__(self) -> None:
         if self.hi <= self.lo:
@@ -264,8 +270,8 @@ class ExpertGroup(_Doc, frozen=True, tag="experts", tag_field="op"):
     """Routed experts ``ids`` of the mixture-of-experts block ``layer``, computed on this node for whichever node
     runs the block (a fan-out edge joins the two)."""
 
-    layer: Count
-    ids: Annotated[tuple[Count, ...], Meta(min_length=1)]
+    layer: BlockIndex
+    ids: Annotated[tuple[ExpertId, ...], at_most(limits.MAX_EXPERTS, "expert ids", 1)]
 
     def __post_init__(self) -> None:
         if any(a >= b for a, b in zip(self.ids, self.ids[1:])):
@@ -279,7 +285,7 @@ class Node(_Doc, frozen=True):
     """A device running an ordered list of ops. ``name`` defaults to the device's id."""
 
     device: Name
-    ops: Annotated[tuple[Op, ...], Meta(min_length=1)]
+    ops: Annotated[tuple[Op, ...], at_most(limits.MAX_OPS, "ops", 1)]
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -337,9 +343,9 @@ class Objective(_Doc, frozen=True):
 
 
 class Placement(_Doc, frozen=True):
-    nodes: Annotated[tuple[Node, ...], Meta(min_length=1)]
-    edges: tuple[Edge, ...] = ()
-    spares: tuple[Name, ...] = ()
+    nodes: Annotated[tuple[Node, ...], at_most(limits.MAX_DEVICES, "nodes", 1)]
+    edges: Annotated[tuple[Edge, ...], at_most(limits.MAX_EDGES, "edges")] = ()
+    spares: Annotated[tuple[Name, ...], at_most(limits.MAX_DEVICES, "spares")] = ()
     objective: Objective = Objective()
     policy: str = ""  # what made it: optimal, even, memory, or "" for a hand-written plan
     # what a run of it does when a message is lost or a node dies (ppharness.run.reliable); "" leaves it to the
@@ -362,6 +368,17 @@ class PlanDoc(_Doc, frozen=True):
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
+@functools.cache
+def _defaults(kind: type[msgspec.Struct]) -> tuple[tuple[str, str, object], ...]:
+    """Each field of the struct type ``kind``: its name, its name in the document and its default value (NODEFAULT
+    for a required field), worked out once per type (``msgspec.structs.fields`` resolves the annotations each call)."""
+    out = []
+    for f in msgspec.structs.fields(kind):
+        default = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+        out.append((f.name, f.encode_name, default))
+    return tuple(out)
+
+
 def _plain(value: object) -> object:
     """``value`` as JSON data with every struct field that equals its default left out (by value: msgspec's own
     ``omit_defaults`` compares a struct-valued default by identity), tags kept."""
@@ -370,13 +387,11 @@ def _plain(value: object) -> object:
         config = value.__struct_config__
         if isinstance(config.tag_field, str) and config.tag is not None:
             out[config.tag_field] = config.tag
-        for f in msgspec.structs.fields(value):
-            v = getattr(value, f.name)
-            if f.default is not msgspec.NODEFAULT and v == f.default:
+        for name, encode_name, default in _defaults(type(value)):
+            v = getattr(value, name)
+            if default is not msgspec.NODEFAULT and v == default:
                 continue
-            if f.default_factory is not msgspec.NODEFAULT and v == f.default_factory():
-                continue
-            out[f.encode_name] = _plain(v)
+            out[encode_name] = _plain(v)
         return out
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
@@ -441,18 +456,22 @@ def _pretty(value: object, level: int) -> str:
 
 # --- reading ----------------------------------------------------------------------------------------------------
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
-_RANGE = re.compile(r"^\s*(?:blk\s*\[\s*(\d+)\s*:\s*(\d+)\s*\]|(\d+)\s*\.\.\s*(\d+))\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.I)
+_RANGE = re.compile(r"^\s*(?:blk\s*\[\s*(\d{1,30})\s*:\s*(\d{1,30})\s*\]|(\d{1,30})\s*\.\.\s*(\d{1,30}))\s*$")
 _SIZE_KEYS = {"memory", "memory_limit", "reserve"}
+_CONVENIENCES = (("Blocks", "blocks"),)  # keys a file may write that ``_op`` turns into the struct's own
+_SIZE_DIGITS = 4000  # Python converts at most 4300 digits to an int: a longer number is left as text
 
 
 def parse_size(text: str) -> int | None:
-    """``2g``, ``512MiB``, ``1.5GB``, ``4096`` -> bytes (powers of 1024); None if it is not a size."""
+    """``2g``, ``512MiB``, ``1.5GB``, ``4096`` -> bytes (powers of 1024), computed exactly whatever its digits (a
+    size over ``limits.MAX_BYTES`` is refused by the field's bound); None if it is not a size."""
     m = _SIZE.match(text)
-    if m is None:
+    if m is None or len(m[1]) > _SIZE_DIGITS:
         return None
-    unit = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m[2].lower()]
-    return int(float(m[1]) * unit)
+    unit = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}[m[2].lower()]
+    whole, _, fraction = str(m[1]).partition(".")
+    return int(whole + fraction) * unit // int(10 ** len(fraction))
 
 
 def parse_range(text: str) -> tuple[int, int] | None:
@@ -496,7 +515,7 @@ def _op(item: object) -> object:
 def decode_text(text: str, source: str, kind: type[PlanDoc] | type[Cluster] = PlanDoc) -> Any:
     """A plan (or cluster) from YAML or JSON text: screened for hostile YAML, conveniences applied, typed, checked
     field by field. Every problem is a PlanError naming ``source``, the ``$.path`` and the fix."""
-    raw = parse_text(text, source, PLAN_LIMITS, PlanError)
+    raw = parse_text(text, source, PLAN_LIMITS, PlanError, keys_of(kind, _CONVENIENCES))
     if raw is None:
         what = "a plan needs version, model, cluster and placement" if kind is PlanDoc else "a cluster needs devices"
         raise PlanError(f"{source}: $: the file is empty — {what}")

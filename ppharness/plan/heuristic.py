@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ppharness.plan.budget import Budget
 from ppharness.plan.doc import Objective
 from ppharness.plan.exact import MAX_EXACT, reconstruct, scores, set_usd, subset_dp
 from ppharness.plan.instance import INF, FloatArray, Instance, IntArray, Plan, Windows, window_min
@@ -27,6 +28,8 @@ from ppharness.plan.objective import evaluate
 COST_PROBES = 40  # the bounds T tried for ``cost``, at most
 COST_RESOLUTION = 0.005  # ... and an interval of bounds narrower than this (relative) is not split
 UNFIT = 1e30  # the score of a list that does not fit, per block short (above any plan's score)
+SEED_CHUNK = 64  # starting lists scored between looks at the time limit
+NEAR_CHUNK = 20_000  # ... and neighbouring lists
 
 
 # --- the programme along a fixed order --------------------------------------------------------------------------
@@ -188,8 +191,9 @@ def _compound(seq: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
 class _Heuristic:
     """Local search over ordered device lists, each scored by its exact cuts (see the module's docstring)."""
 
-    def __init__(self, inst: Instance, pool: int) -> None:
+    def __init__(self, inst: Instance, pool: int, budget: Budget | None = None) -> None:
         self.inst, self.pool = inst, max(0, min(pool, MAX_EXACT, inst.n))
+        self.budget = budget or Budget()
         self.kept: dict[tuple[int, ...], float] = {}  # the best lists found, with the bound they were found at
         self.plans: list[tuple[tuple[int, ...], float]] = []  # every local optimum: order, bound
         self._pools: dict[tuple[int, ...], Instance] = {}
@@ -271,7 +275,15 @@ class _Heuristic:
         seeds: list[tuple[int, ...]] = [tuple(self.fastest[:k]) for k in range(1, n + 1)]
         seeds += [tuple(self.roomiest[:k]) for k in range(1, n + 1)]
         seeds += list(self.kept)
-        values = self.score(seeds, bound, kind)
+        scored = []
+        for s in range(0, len(seeds), SEED_CHUNK):
+            if self.budget.expired():
+                break
+            scored.append(self.score(seeds[s : s + SEED_CHUNK], bound, kind))
+        if not scored:
+            return None, INF
+        values = np.concatenate(scored)
+        seeds = seeds[: len(values)]
         order = np.argsort(values, kind="stable")
         top = seeds[int(order[0])] if values[order[0]] < UNFIT else None
         pooled = self._pool_seed(top, bound, kind)
@@ -287,6 +299,8 @@ class _Heuristic:
         best: tuple[int, ...] | None = None
         best_value = INF
         for seq in picks:
+            if best is not None and self.budget.expired():
+                break
             seq, value = self._descend(seq, bound, kind)
             if value >= UNFIT:
                 continue
@@ -297,14 +311,25 @@ class _Heuristic:
             self.kept[best] = bound
         return best, best_value
 
+    def _score_near(self, near: list[tuple[int, ...]], bound: float, kind: str, base: tuple[int, ...]) -> FloatArray:
+        """``score`` of a neighbourhood in chunks of NEAR_CHUNK lists, stopping early when the time limit passes (the
+        lists scored so far)."""
+        parts = [np.zeros(0)]
+        for s in range(0, len(near), NEAR_CHUNK):
+            if s and self.budget.expired():
+                break
+            parts.append(self.score(near[s : s + NEAR_CHUNK], bound, kind, base=base))
+        return np.concatenate(parts)
+
     def _descend(self, seq: tuple[int, ...], bound: float, kind: str) -> tuple[tuple[int, ...], float]:
         """Best improvement over ``_neighbours``; at a local optimum, once over ``_compound`` (variable
         neighbourhood descent)."""
         value = float(self.score([seq], bound, kind)[0])
         wide = False
-        while True:
+        while not self.budget.expired():
             near = (_compound if wide else _neighbours)(seq, self.inst.n)
-            values = self.score(near, bound, kind, base=seq)
+            values = self._score_near(near, bound, kind, seq)
+            near = near[: len(values)]
             i = int(np.argmin(values)) if len(near) else -1
             if i >= 0 and values[i] < value - 1e-12 * abs(value):
                 seq, value, wide = near[i], float(values[i]), False
@@ -312,12 +337,17 @@ class _Heuristic:
                 return seq, value
             else:
                 wide = True
+        return seq, value
 
 
-def heuristic_plan(inst: Instance, objective: Objective, pool: int) -> Plan | None:
-    """The heuristic's plan (see the module's docstring), or None when it found none that fits."""
-    h = _Heuristic(inst, pool)
+def heuristic_plan(inst: Instance, objective: Objective, pool: int, budget: Budget | None = None) -> Plan | None:
+    """The heuristic's plan (see the module's docstring), or None when it found none that fits. ``budget``: its time
+    limit; when it passes, each search stops where it is and the best plan met so far is the answer (the budget says
+    which phase was cut short)."""
+    h = _Heuristic(inst, pool, budget)
+    budget = h.budget
     kind, r = objective.kind, inst.flight
+    budget.phase = f"the local search over {inst.n} devices without a bound"
     base_seq, base = h.solve(INF, "cost" if kind == "cost" else "latency", starts=3)
     if base_seq is None:
         return None
@@ -334,15 +364,16 @@ def heuristic_plan(inst: Instance, objective: Objective, pool: int) -> Plan | No
                 seen[i] = min([lat / r if seq is not None else INF, *(v for k, v in seen.items() if k < i)])
             return seen[i]
 
+        budget.phase = f"the throughput search over {nc} bottleneck bounds"
         lo, hi = int(np.searchsorted(cand, base / r, side="left")), nc
-        while lo < hi:
+        while lo < hi and not budget.expired():
             mid = (lo + hi) // 2
             if f(mid) <= cand[mid]:
                 hi = mid
             else:
                 lo = mid + 1
         for i in (lo, lo - 1):
-            if 0 <= i < nc:
+            if 0 <= i < nc and not budget.expired():
                 f(i)
     elif kind == "cost" and nc:
         # the exact search's branch and bound over T (``ppharness.plan.exact``), on what the local search met: its bound
@@ -357,10 +388,11 @@ def heuristic_plan(inst: Instance, objective: Objective, pool: int) -> Plan | No
             usd = np.array([sum(prices[d] for d in range(inst.n) if m >> d & 1) for m in h.seen])
             return usd, np.array(list(h.seen.values())) / r, score
 
+        budget.phase = f"the cost search over {nc} bottleneck bounds"
         top = run(nc - 1)
         incumbent = top[2]
         heap = [(0.0, 0, nc - 1, top[0], top[1])]
-        while heap and probes < COST_PROBES:
+        while heap and probes < COST_PROBES and not budget.expired():
             bound, a, b, usd_b, f_b = heapq.heappop(heap)
             if bound >= incumbent:
                 break
@@ -385,7 +417,7 @@ def heuristic_plan(inst: Instance, objective: Objective, pool: int) -> Plan | No
     if kind == "cost" and found[seq][0] == 0:  # free plans: the best throughput among the free devices
         free = [inst.ids[d] for d in range(inst.n) if inst.usd[d] == 0]
         sub = Instance(inst.model, inst.cluster, free, inst.requests, r)
-        plan = heuristic_plan(sub, Objective(kind="throughput", requests=r), pool)
+        plan = heuristic_plan(sub, Objective(kind="throughput", requests=r), pool, budget)
         if plan is not None:
             return plan
     return tuple(inst.ids[d] for d in seq), found[seq][1]

@@ -12,8 +12,9 @@ import numpy as np
 import numpy.typing as npt
 
 from ppharness.errors import PlanError
-from ppharness.plan.cost import block_seconds, cpu_share, edge_ms, head_ms, serialization_ms
-from ppharness.plan.doc import Cluster, ModelGraph
+from ppharness.network.spec import Impairment
+from ppharness.plan.cost import block_seconds, cpu_share, head_ms
+from ppharness.plan.doc import Cluster, Link, ModelGraph
 from ppharness.plan.objective import block_bytes
 
 FloatArray = npt.NDArray[np.float64]
@@ -54,7 +55,11 @@ class Instance:
         total = sums[-1] + model.embed_bytes + model.head_bytes
         big = max([total, *(d.memory for d in devices)])
         if big >= 1 << 62:
-            raise PlanError(f"sizes of {big} bytes are beyond what the planner counts (2^62)")
+            raise PlanError(
+                f"the model's weights and KV cache for {model.max_context} tokens x {requests} request(s) come to "
+                f"{big:,} bytes, beyond what the planner counts (2^62) — lower max_context or requests, or check the "
+                "model's sizes"
+            )
         self.need = need
         self.pm: IntArray = np.array(sums, dtype=np.int64)
         self.free: IntArray = np.array([d.memory - d.reserve for d in devices], dtype=np.int64)
@@ -76,18 +81,51 @@ class Instance:
         self.quota = bool((self.share < 1).any())
         self.tb: FloatArray = self.tm / self.share[:, None, None]
         self.before: BoolArray = j[:, None] < j[None, :]  # [j, j']: j < j'
+        self._pairs: tuple[IntArray, list[Impairment]] | None = None
         self.e_act, self.s_act = self._links(model.activation_bytes)
         self.e_tok, self.s_tok = self._links(model.token_bytes)
         self._windows: dict[float, Windows] = {}
 
     def _links(self, nbytes: int) -> tuple[FloatArray, FloatArray]:
-        n = self.n
-        e, s = np.zeros((n, n)), np.zeros((n, n))
-        for a, src in enumerate(self.ids):
-            for b, dst in enumerate(self.ids):
-                e[a, b] = edge_ms(self.cluster, src, dst, nbytes)
-                s[a, b] = serialization_ms(self.cluster, src, dst, nbytes)
-        return e, s
+        """``cost.edge_ms`` and ``cost.serialization_ms`` of every pair of the devices, by ``Cluster.link``'s rule
+        (a pair's own link, else the host link, else its regions' link, else the default) worked out as arrays, so
+        that a cluster of thousands of devices costs no per-pair lookups."""
+        which, links = self._link_index()
+        rate = np.array([x.rate_mbit if x.rate_mbit is not None else INF for x in links])
+        delay = np.array([x.delay_ms for x in links])
+        wire = np.where(np.isfinite(rate), nbytes * 8 / (rate * 1e6) * 1e3, 0.0)[which]
+        e = delay[which] + wire + self.cluster.hop_ms
+        np.fill_diagonal(e, 0.0)
+        np.fill_diagonal(wire, 0.0)
+        return e, wire
+
+    def _link_index(self) -> tuple[IntArray, list[Impairment]]:
+        """For each pair of the devices, which of the returned impairments its link is."""
+        if self._pairs is not None:
+            return self._pairs
+        cluster, n = self.cluster, self.n
+        devices = [cluster.device(i) for i in self.ids]
+        links: list[Impairment] = [cluster.default, cluster.host_link]
+        which = np.zeros((n, n), dtype=np.int64)
+        code = {r: k for k, r in enumerate(sorted({d.region for d in devices if d.region is not None}))}
+        if code:
+            reg = np.array([code[d.region] if d.region is not None else -1 for d in devices])
+            table = np.zeros((len(code), len(code)), dtype=np.int64)
+            for a, b, k in _directed(cluster.region_links, code, len(links)):
+                table[a, b] = k
+            links += cluster.region_links
+            apart = (reg[:, None] >= 0) & (reg[None, :] >= 0) & (reg[:, None] != reg[None, :])
+            safe = np.maximum(reg, 0)
+            which = np.where(apart, table[safe[:, None], safe[None, :]], which)
+        hosts = {h: k for k, h in enumerate(dict.fromkeys(d.source.host for d in devices if d.source.host))}
+        if hosts:
+            host = np.array([hosts[d.source.host] if d.source.host else -1 for d in devices])
+            which = np.where((host[:, None] >= 0) & (host[:, None] == host[None, :]), 1, which)
+        for a, b, k in _directed(cluster.links, {d: k for k, d in enumerate(self.ids)}, len(links)):
+            which[a, b] = k
+        links += cluster.links
+        self._pairs = (which, links)
+        return self._pairs
 
     def windows(self, bound: float) -> Windows:
         found = self._windows.get(bound)
@@ -105,6 +143,21 @@ class Instance:
         off = ~np.eye(self.n, dtype=np.bool_)
         values = np.concatenate([self.tb[fit], exit_t[exit_fit], self.s_act[off], self.s_tok[off]])
         return np.unique(values)
+
+
+def _directed(links: Sequence[Link], code: dict[str, int], first: int) -> list[tuple[int, int, int]]:
+    """(from, to, first + k) for each of ``links`` (k: its index) whose ends ``code`` numbers, both ways, a link given
+    one way only holding the other way too: a pair's own direction first, so that it wins when written after."""
+    given = {(link.src, link.dst) for link in links}
+    back, ahead = [], []
+    for k, link in enumerate(links, start=first):
+        a, b = code.get(link.src), code.get(link.dst)
+        if a is None or b is None:
+            continue
+        ahead.append((a, b, k))
+        if (link.dst, link.src) not in given:
+            back.append((b, a, k))
+    return back + ahead
 
 
 class Windows:

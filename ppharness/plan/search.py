@@ -21,6 +21,7 @@ import bisect
 from collections.abc import Callable
 
 from ppharness.errors import PlanError
+from ppharness.plan.budget import Budget
 from ppharness.plan.build import LATENCY, chain, memory_cuts
 from ppharness.plan.check import gib
 from ppharness.plan.doc import Cluster, ModelGraph, Objective, PlanDoc
@@ -29,6 +30,10 @@ from ppharness.plan.heuristic import heuristic_plan
 from ppharness.plan.instance import INF, Instance, Plan
 from ppharness.plan.objective import evaluate
 from ppharness.plan.stages import even_splits
+
+# devices the optimal search takes: its widest neighbourhood grows as the cube of them (at 256 devices one step of
+# the local search takes seconds; the shipped clusters have up to 63)
+MAX_PLAN_DEVICES = 256
 
 # --- what no plan can fix ---------------------------------------------------------------------------------------
 
@@ -153,11 +158,20 @@ def _instance(model: ModelGraph, cluster: Cluster, objective: Objective) -> tupl
     return inst, objective
 
 
-def _search(model: ModelGraph, cluster: Cluster, objective: Objective, exact_limit: int) -> Plan:
+def _search(
+    model: ModelGraph, cluster: Cluster, objective: Objective, exact_limit: int, budget: Budget | None = None
+) -> Plan:
     if not 0 <= exact_limit <= MAX_EXACT:
         raise ValueError(
             f"exact_limit must be 0 to {MAX_EXACT} (the exact search's tables grow as 2^n), got {exact_limit}"
         )
+    if len(cluster.devices) > MAX_PLAN_DEVICES:
+        raise PlanError(
+            f"the cluster has {len(cluster.devices):,} devices but the planner searches at most {MAX_PLAN_DEVICES:,} "
+            "— plan over a part of it (a cluster file with fewer devices), or use --policy even or memory"
+        )
+    budget = budget or Budget()
+    budget.phase = f"costing {len(cluster.devices)} devices and their links"
     inst, objective = _instance(model, cluster, objective)
     if inst.n <= exact_limit:
         solver: Callable[[Instance], tuple[float, Plan | None]] = {
@@ -169,27 +183,40 @@ def _search(model: ModelGraph, cluster: Cluster, objective: Objective, exact_lim
         if plan is None:
             raise shortfall(inst, exact=True)
         return plan
-    plan = heuristic_plan(inst, objective, pool=exact_limit)
+    plan = heuristic_plan(inst, objective, pool=exact_limit, budget=budget)
+    if plan is None and budget.ran_out is not None:
+        raise PlanError(
+            f"the time limit of {budget.seconds:g} s ran out during {budget.ran_out}, before any plan that fits was "
+            "found — raise the time limit (plan make --time-limit) or plan over fewer devices"
+        )
     if plan is None:
         raise shortfall(inst, exact=False)
     return plan
 
 
-def plan_optimal(model: ModelGraph, cluster: Cluster, objective: Objective, exact_limit: int = 8) -> PlanDoc:
+def plan_optimal(
+    model: ModelGraph, cluster: Cluster, objective: Objective, exact_limit: int = 8, budget: Budget | None = None
+) -> PlanDoc:
     """The best plan for ``objective``: exact for up to ``exact_limit`` devices (at most 12), the heuristic with an
     exact seed over a pool of ``exact_limit`` devices beyond (``ppharness.plan.heuristic``). Unused devices are left
-    out (not listed as spares). Raise PlanError naming the short resource, and by how much, when no plan fits."""
-    devices, cuts = _search(model, cluster, objective, exact_limit)
+    out (not listed as spares). Raise PlanError naming the short resource, and by how much, when no plan fits.
+    ``budget``: the heuristic's time limit (then the best plan met when it passed; ``budget.ran_out`` says so)."""
+    devices, cuts = _search(model, cluster, objective, exact_limit, budget)
     return chain(model, cluster, devices, cuts, objective, policy="optimal")
 
 
 def policy_plan(
-    policy: str, model: ModelGraph, cluster: Cluster, objective: Objective = LATENCY, num_devices: int | None = None
+    policy: str,
+    model: ModelGraph,
+    cluster: Cluster,
+    objective: Objective = LATENCY,
+    num_devices: int | None = None,
+    budget: Budget | None = None,
 ) -> PlanDoc:
     """A plan by one of the named policies over the cluster's devices in the file's order (``even``, ``memory``);
-    ``optimal`` is the planner's search (``plan_optimal``)."""
+    ``optimal`` is the planner's search (``plan_optimal``, within ``budget``)."""
     if policy == "optimal":
-        return plan_optimal(model, cluster, objective)
+        return plan_optimal(model, cluster, objective, budget=budget)
     devices = list(cluster.devices[: num_devices or len(cluster.devices)])
     blocks = len(model.blocks)
     if len(devices) > blocks:
