@@ -70,10 +70,11 @@ def test_a_file_without_a_block_fails_with_its_name(tmp_path):
     import gguf
 
     src = GGUFFile(make_synthetic(SMALL, tmp_path / "full.gguf"))
+    fields = gguf.GGUFReader(str(src.path)).fields  # each value's GGUF type, as the gguf package reads it
     w = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "llama")
     for key, value in src.kv.items():
         if key not in ("general.architecture",):
-            field = src._reader.fields[key]
+            field = fields[key]
             vtype = field.types[0]
             if vtype == gguf.GGUFValueType.ARRAY:
                 w.add_array(key, value)

@@ -211,7 +211,8 @@ def oracle(scenario_file: str | None, prompt: str | None, max_tokens: int | None
     """Greedy decode with the unsplit model in this process: the reference every split must equal."""
     sc = load_scenario_or_fail(scenario_file, prompt=prompt, max_tokens=max_tokens)
     try:
-        path = resolve_model(*model_source(sc))
+        source, sha256 = model_source(sc)  # a download bounded by the scenario's model.size and its budget
+        path = resolve_model(source, sha256, size=sc.model.size, deadline_s=sc.budget.total_s)
         res = oracle_decode(path, sc.request.prompt, sc.request.max_tokens, sc.model.max_context)
     except HarnessError as exc:
         fail(str(exc))

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ppharness.errors import ModelError
+from ppharness.model.download import DownloadLimits, fetch
 from ppharness.model.spec import SIMULATION_ONLY, ModelSpec, parse_synthetic
 from ppharness.model.synthetic import make_synthetic
 
@@ -39,36 +40,33 @@ def sha256_file(path: Path) -> str:
 _BLOB_DIGEST = re.compile(r"/blobs/sha256:([0-9a-fA-F]{64})$")
 
 
-def download(url: str, sha256: str | None = None, progress: bool = True) -> Path:
+def download(url: str, sha256: str | None = None, progress: bool = True, limits: DownloadLimits | None = None) -> Path:
     """Download ``url`` once into the cache (resumable by re-running), check its sha256, return the path.
 
     A registry blob URL (``.../blobs/sha256:<digest>``, e.g. ollama's) names its own sha256, which is checked when
     ``sha256`` is not given. A download that nothing pins prints its sha256 (on stderr) so that it can be pinned.
+    The download is bounded (``ppharness.model.download``): its size by ``limits.size`` or the Content-Length and a
+    cap, each read by a stall timeout, the whole by ``limits.deadline``; ``limits`` defaults to the environment's.
     """
-    import httpx
     from tqdm import tqdm
 
     if sha256 is None and (m := _BLOB_DIGEST.search(url.split("?", 1)[0])):
         sha256 = m.group(1)
     name = re.sub(r"[^A-Za-z0-9._-]", "_", url.rsplit("/", 1)[-1]) or "model.gguf"
     path = cache_dir() / "downloads" / f"{hashlib.sha256(url.encode()).hexdigest()[:12]}-{name}"
+    if limits is not None and limits.size is not None and path.exists() and path.stat().st_size != limits.size:
+        path.unlink()  # a cached file of another size than the scenario's model.size is not the file it names
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.part")  # nodes sharing a cache download side by side
-        try:
-            with httpx.stream("GET", url, follow_redirects=True, timeout=httpx.Timeout(30.0, read=300.0)) as r:
-                r.raise_for_status()
-                total = int(r.headers.get("content-length", 0)) or None
-                with (
-                    open(tmp, "wb") as f,
-                    tqdm(total=total, unit="B", unit_scale=True, desc=name, disable=not progress) as bar,
-                ):
-                    for chunk in r.iter_bytes(1 << 20):
-                        f.write(chunk)
-                        bar.update(len(chunk))
-        except httpx.HTTPError as exc:
-            tmp.unlink(missing_ok=True)
-            raise ModelError(f"downloading {url} failed: {exc}") from exc
+        with tqdm(unit="B", unit_scale=True, desc=name, disable=not progress) as bar:
+
+            def on_bytes(n: int, total: int | None) -> None:
+                if total is not None and bar.total != total:
+                    bar.total = total
+                bar.update(n)
+
+            fetch(url, tmp, limits or DownloadLimits.from_env(), on_bytes)
         os.replace(tmp, path)
         if not sha256:
             print(
@@ -85,11 +83,15 @@ def download(url: str, sha256: str | None = None, progress: bool = True) -> Path
     return path
 
 
-def resolve_model(source: str, sha256: str | None = None) -> Path:
+def resolve_model(
+    source: str, sha256: str | None = None, *, size: int | None = None, deadline_s: float | None = None
+) -> Path:
     """A model source -> a local GGUF path.
 
     ``source`` is ``synthetic:<preset>[,key=value...]`` (e.g. ``synthetic:tiny,blocks=4,seed=3``), a local path, or an
-    http(s) URL (downloaded once with a progress bar, checked against ``sha256`` when given).
+    http(s) URL (downloaded once with a progress bar, checked against ``sha256`` when given). ``size``: the file's
+    size in bytes (a scenario's ``model.size``), which a download may not exceed and a file must have;
+    ``deadline_s``: the seconds a download may take (the caller's budget).
     """
     if source.startswith("synthetic:"):
         preset = source.removeprefix("synthetic:").split(",")[0]
@@ -100,10 +102,15 @@ def resolve_model(source: str, sha256: str | None = None) -> Path:
             )
         return synthetic_path(parse_synthetic(source))
     if source.startswith(("http://", "https://")):
-        return download(source, sha256)
+        return download(source, sha256, limits=DownloadLimits.from_env(size, deadline_s))
     path = Path(source).expanduser()
     if not path.is_file():
         raise ModelError(f"model file {path} does not exist")
+    if size is not None and path.stat().st_size != size:
+        raise ModelError(
+            f"model file {path} is {path.stat().st_size:,} bytes, not the {size:,} of model.size — fix model.size, "
+            "or point model.gguf at the right file"
+        )
     if sha256 and sha256_file(path) != sha256.lower():
         raise ModelError(f"model file {path}: sha256 does not match the expected {sha256}")
     return path

@@ -15,6 +15,7 @@ from numpy.typing import NDArray
 from ppharness.errors import ModelError
 from ppharness.model.arch.llama import ROPE_FACTORS
 from ppharness.model.config import ModelConfig
+from ppharness.model.gguf_header import GGML_TYPES, GGUFContents, read_gguf
 from ppharness.model.support import check_file
 from ppharness.model.tokenizer import Tokenizer
 
@@ -24,17 +25,21 @@ class GGUFFile:
     few a block computes with in float32)."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        import gguf
-
         self.path = Path(path)
-        try:
-            self._reader = gguf.GGUFReader(str(self.path))
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"{self.path}: not a readable GGUF file ({exc})") from exc
-        self.kv: dict[str, Any] = {k: f.contents() for k, f in self._reader.fields.items() if not k.startswith("GGUF.")}
+        self._reader = _Tensors(read_gguf(self.path))
+        self.kv: dict[str, Any] = self._reader.contents.kv
         self._tensors = {t.name: t for t in self._reader.tensors}
-        config = ModelConfig.from_kv(self.kv, set(self._tensors))
-        check_file(self.path, config.architecture, self.kv, set(self._tensors))
+        try:
+            config = ModelConfig.from_kv(self.kv, set(self._tensors))
+            check_file(self.path, config.architecture, self.kv, set(self._tensors))
+        except ModelError as exc:
+            raise ModelError(str(exc) if str(exc).startswith(str(self.path)) else f"{self.path}: {exc}") from None
+        except (ArithmeticError, LookupError, TypeError, ValueError) as exc:  # what the metadata checks do not foresee
+            raise ModelError(
+                f"{self.path}: the GGUF metadata does not describe a model this engine computes "
+                f"({type(exc).__name__}: {exc}) — download or convert the model again"
+            ) from None
+        self._check_shapes(config)
         if ROPE_FACTORS in self._tensors:
             factors = self.vector(ROPE_FACTORS)
             if factors.shape != (config.head_dim // 2,):
@@ -45,13 +50,29 @@ class GGUFFile:
             config = dataclasses.replace(config, rope_factors=tuple(float(f) for f in factors))
         self.config = config
 
+    def _check_shapes(self, config: ModelConfig) -> None:
+        """The embedding and the output head are (vocabulary, dim) as the metadata says (GGUF stores (dim, vocab))."""
+        for name in ("token_embd.weight", "output.weight"):
+            t = self._tensors.get(name)
+            if t is not None and tuple(int(d) for d in t.shape) != (config.dim, config.vocab):
+                raise ModelError(
+                    f"{self.path}: tensor {name} has dimensions {[int(d) for d in t.shape]}, but the metadata says "
+                    f"[{config.dim}, {config.vocab}] (embedding_length, tokens) — download or convert the model again"
+                )
+
     def tensor(self, name: str, rows: list[int] | None = None) -> NDArray[np.float16]:
         """One tensor as float16 in tinygrad's (out, in) layout, as the architecture's blocks compute with it
         (``Architecture.file_tensor``: llama's Q/K rows reordered for half-split RoPE). ``rows`` picks entries of the
         outermost dimension (experts of a stacked expert tensor) before anything is converted, so a node reads only
         the experts it holds."""
         arr = self._values(name, rows).astype(np.float16)
-        return np.ascontiguousarray(self.config.architecture.file_tensor(self.config, name, arr))
+        try:
+            return np.ascontiguousarray(self.config.architecture.file_tensor(self.config, name, arr))
+        except ValueError:  # a shape the architecture's reordering cannot take
+            raise ModelError(
+                f"{self.path}: tensor {name} of shape {list(arr.shape)} does not fit the model the metadata describes "
+                "— download or convert the model again"
+            ) from None
 
     def tensor_f32(self, name: str) -> NDArray[np.float32]:
         """One tensor as float32 in tinygrad's (out, in) layout, its values as the file stores them (an F32 tensor
@@ -71,6 +92,8 @@ class GGUFFile:
         shape = tuple(int(d) for d in reversed(t.shape))
         data = np.asarray(t.data)  # the element shape (quantised: the last dimension in bytes)
         if rows is not None:
+            if any(not 0 <= r < shape[0] for r in rows):
+                raise ModelError(f"{self.path}: tensor {name!r} has {shape[0]} rows; asked for rows {rows}")
             data = data.reshape(shape[0], *data.shape[-(len(shape) - 1) :])[rows]
             shape = (len(rows), *shape[1:])
         if t.tensor_type not in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32):
@@ -104,7 +127,60 @@ class GGUFFile:
             return tokenizer_from(self.kv)
         except ModelError as exc:
             raise ModelError(f"{self.path}: {exc}") from None
+        except Exception as exc:  # the tokenizers library refuses a vocabulary or merges it cannot build
+            raise ModelError(
+                f"{self.path}: the vocabulary and merges do not make a tokenizer ({type(exc).__name__}: {exc}) — "
+                "download or convert the model again"
+            ) from None
 
 
 def tokenizer_from(kv: dict[str, Any]) -> Tokenizer:
     return Tokenizer.from_kv(kv)
+
+
+# the ggml types numpy holds element by element; any other is held as its bytes, a row's blocks in the last dimension
+_NUMPY_TYPES: dict[int, type[np.generic]] = {
+    0: np.float32,
+    1: np.float16,
+    24: np.int8,
+    25: np.int16,
+    26: np.int32,
+    27: np.int64,
+    28: np.float64,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FileTensor:
+    """A tensor of a file: its name, its ggml type (``gguf.GGMLQuantizationType``), its dimensions innermost first
+    (GGUF's ``ne``) and its data, a read-only view of the mapping in numpy's order."""
+
+    name: str
+    tensor_type: Any
+    shape: NDArray[np.uint64]
+    data: NDArray[Any]
+
+
+class _Tensors:
+    """The tensors of a checked file (``read_gguf``) as views of one read-only mapping."""
+
+    def __init__(self, contents: GGUFContents) -> None:
+        import gguf
+
+        self.contents = contents
+        self.tensors: list[FileTensor] = []
+        if not contents.tensors:
+            return
+        mapped = np.memmap(contents.path, dtype=np.uint8, mode="r")
+        if mapped.size != contents.size:
+            raise ModelError(f"{contents.path}: the file changed while it was read — read it again when it is written")
+        for t in contents.tensors:
+            shape = tuple(reversed(t.dims))
+            raw = mapped[t.offset : t.offset + t.n_bytes]
+            if t.type in _NUMPY_TYPES:
+                data = raw.view(_NUMPY_TYPES[t.type]).reshape(shape)
+            else:
+                block, block_bytes = GGML_TYPES[t.type]
+                data = raw.reshape(*shape[:-1], shape[-1] // block * block_bytes)
+            ggml_type = gguf.GGMLQuantizationType(t.type)
+            self.tensors.append(FileTensor(t.name, ggml_type, np.array(t.dims, dtype=np.uint64), data))

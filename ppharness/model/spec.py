@@ -9,11 +9,22 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, dataclass, replace
+import os
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from ppharness.errors import ModelError
 from ppharness.model.arch import architecture
+from ppharness.model.gguf_metadata import (
+    MAX_BLOCKS,
+    MAX_CONTEXT,
+    MAX_EXPERTS,
+    MAX_FFN,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+)
 from ppharness.model.tokenizer import pre_tokenizer
 from ppharness.model.vocab import DEFAULT_TOKENIZER, special_tokens
 
@@ -83,6 +94,7 @@ class ModelSpec:
     tokenizer: str = DEFAULT_TOKENIZER
 
     def __post_init__(self) -> None:
+        _check_bounds(self)
         architecture(self.arch).check(self)
         wtype = str(self.type).lower()
         if wtype not in WEIGHT_TYPES:
@@ -143,6 +155,93 @@ class ModelSpec:
         wtype = "" if self.type == "f16" else f"-{self.type}"
         experts = f"-{self.arch}-e{self.experts}k{self.experts_used}" if self.moe else ""
         return f"synthetic-{self.blocks}x{self.dim}{experts}-v{self.vocab}-s{self.seed}{wtype}-{digest}"
+
+
+# each integer field's range: what the GGUF reader (``ppharness.model.gguf_metadata``) accepts, so that every spec
+# written can be read back
+FIELD_RANGES: dict[str, tuple[int, int]] = {
+    "blocks": (1, MAX_BLOCKS),
+    "dim": (1, MAX_WIDTH),
+    "ffn": (1, MAX_FFN),
+    "heads": (1, MAX_HEADS),
+    "kv_heads": (1, MAX_HEADS),
+    "vocab": (1, MAX_VOCAB),
+    "context": (1, MAX_CONTEXT),
+    "seed": (0, (1 << 63) - 1),
+    "experts": (0, MAX_EXPERTS),
+    "experts_used": (0, MAX_EXPERTS),
+    "expert_ffn": (0, MAX_FFN),
+    "shared_ffn": (0, MAX_FFN),
+    "head_dim": (0, MAX_HEAD_DIM),
+    "dense_blocks": (0, MAX_BLOCKS),
+    "q_lora_rank": (0, MAX_WIDTH),
+    "kv_lora_rank": (0, MAX_WIDTH),
+    "rope_dim": (0, MAX_HEAD_DIM),
+    "v_head_dim": (0, MAX_HEAD_DIM),
+    "shared_experts": (0, MAX_EXPERTS),
+    "expert_groups": (0, MAX_EXPERTS),
+    "groups_used": (0, MAX_EXPERTS),
+    "yarn_original_context": (0, MAX_CONTEXT),
+    "rope_original_context": (0, MAX_CONTEXT),
+}
+
+
+def _check_bounds(spec: ModelSpec) -> None:
+    """ModelError for a field of the wrong type, out of its range (``FIELD_RANGES``), or a float not finite (the
+    rope base and the norm's epsilon above 0)."""
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        if f.name in FIELD_RANGES:
+            lo, hi = FIELD_RANGES[f.name]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ModelError(f"synthetic model field {f.name} = {value!r} is not an integer")
+            if not lo <= value <= hi:
+                raise ModelError(f"synthetic model field {f.name} = {value:,} is outside {lo:,}..{hi:,}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ModelError(f"synthetic model field {f.name} = {value!r} is not a finite number")
+    for name in ("rope_theta", "norm_eps"):
+        if not getattr(spec, name) > 0:
+            raise ModelError(f"synthetic model field {name} = {getattr(spec, name)!r} must be above 0")
+
+
+_BYTES_PER_WEIGHT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+def file_bytes(spec: ModelSpec) -> int:
+    """About the bytes of ``spec``'s GGUF file: its matrices in ``spec.type``, its vectors in float32."""
+    per = _BYTES_PER_WEIGHT[spec.type]
+    return int(sum(math.prod(s) * (per if len(s) > 1 else 4) for s in spec.tensors().values()))
+
+
+def memory_needed(spec: ModelSpec) -> int:
+    """About the bytes a machine needs to build and run ``spec``: the whole file, held while it is written, or its
+    weights in float16, as the stages compute with them, whichever is more."""
+    return max(file_bytes(spec), 2 * spec.n_params)
+
+
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes (None where it cannot be told)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_fits(spec: ModelSpec) -> None:
+    """ModelError when ``spec`` needs more memory than this machine has (``memory_needed``), naming both."""
+    need, have = memory_needed(spec), machine_memory()
+    if have is not None and need > have:
+        raise ModelError(
+            f"a synthetic model of {spec.n_params:,} parameters ({spec.blocks} blocks, dim {spec.dim}, {spec.type}) "
+            f"needs about {need / 2**30:,.1f} GiB of memory and this machine has {have / 2**30:,.1f} GiB"
+        )
 
 
 _LATER_FIELDS: dict[str, object] = {
@@ -316,14 +415,19 @@ def preset_spec(preset: str, **overrides: object) -> ModelSpec:
 def parse_synthetic(source: str) -> ModelSpec:
     """``synthetic:tiny,blocks=4,seed=3`` -> ModelSpec."""
     preset, *pairs = source.removeprefix("synthetic:").split(",")
-    fields = {f: type(v) for f, v in asdict(PRESETS["tiny"]).items()}
+    types = {f: type(v) for f, v in asdict(PRESETS["tiny"]).items()}
     overrides: dict[str, object] = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
-        if key not in fields:
-            raise ModelError(f"{source!r}: unknown synthetic model field {key!r}; expected one of {', '.join(fields)}")
-        typ = fields[key]
-        overrides[key] = value.lower() in ("1", "true", "yes") if typ is bool else typ(value)
+        if key not in types:
+            raise ModelError(f"{source!r}: unknown synthetic model field {key!r}; expected one of {', '.join(types)}")
+        typ = types[key]
+        try:
+            overrides[key] = value.lower() in ("1", "true", "yes") if typ is bool else typ(value)
+        except ValueError:
+            raise ModelError(
+                f"{source!r}: {key}={value!r} is not {'an integer' if typ is int else 'a number'}"
+            ) from None
     return preset_spec(preset or "tiny", **overrides)
 
 

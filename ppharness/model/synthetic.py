@@ -19,7 +19,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ppharness.model.arch import architecture
-from ppharness.model.spec import WEIGHT_TYPES, ModelSpec
+from ppharness.model.spec import WEIGHT_TYPES, ModelSpec, check_fits
 from ppharness.model.vocab import build_vocab, special_tokens
 
 
@@ -63,10 +63,12 @@ def make_synthetic(spec: ModelSpec, path: str | os.PathLike[str]) -> Path:
     Every 2-D weight (embedding, attention and FFN matrices, the untied head) is stored in ``spec.type``, quantised
     with ``gguf.quants.quantize`` for q8_0 and q4_0, as llama.cpp's converter writes ``--outtype q8_0``; the 1-D norm
     weights are F32. (llama.cpp's ``llama-quantize`` to Q4_0 would also store the output head as Q6_K, which the
-    ``gguf`` package cannot quantise; here the head is Q4_0 like every other matrix.)
+    ``gguf`` package cannot quantise; here the head is Q4_0 like every other matrix.) ``ModelError`` for a spec
+    that needs more memory than this machine has (``spec.check_fits``).
     """
     import gguf
 
+    check_fits(spec)  # refused before a byte is drawn, instead of failing to allocate part way
     arch = architecture(spec.arch)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

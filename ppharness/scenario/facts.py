@@ -104,6 +104,11 @@ def known_model(scenario: Scenario, source: str = "<file>") -> ModelFacts | None
     path = Path(model.gguf).expanduser()
     if not path.is_file():
         return None
+    if model.size is not None and path.stat().st_size != model.size:
+        raise ScenarioError(
+            f"{source}: $.model.size: {model.gguf} is {path.stat().st_size:,} bytes, not {model.size:,} — fix "
+            "model.size, or point gguf at the right file"
+        )
     try:
         return _gguf_facts(path)
     except ModelError as exc:

@@ -17,7 +17,8 @@ from ppharness import registry
 from ppharness.document.explain import FieldError, show
 from ppharness.document.yaml_limits import MAX_SCALAR_BYTES
 from ppharness.errors import ModelError
-from ppharness.model.spec import PRESETS, WEIGHT_TYPES, ModelSpec, preset_spec
+from ppharness.model.gguf_metadata import MAX_BLOCKS, MAX_WIDTH
+from ppharness.model.spec import PRESETS, SIMULATION_ONLY, WEIGHT_TYPES, ModelSpec, check_fits, preset_spec
 from ppharness.plan.stages import make_plan
 from ppharness.seams.settings import PositiveInt, ProviderSettings, Seconds, Settings
 
@@ -39,10 +40,23 @@ class SyntheticModel(Settings, frozen=True):
             raise FieldError(
                 "type", f"unknown weight type {show(self.type)} — expected one of: {', '.join(WEIGHT_TYPES)}"
             )
+        for name, most in (("blocks", MAX_BLOCKS), ("dim", MAX_WIDTH)):
+            value = getattr(self, name)
+            if value is not None and value > most:
+                raise FieldError(name, f"{value:,} is above the most a model file holds, {most:,} — lower it")
         try:
-            self.spec()
+            spec = self.spec()
         except ModelError as exc:
             raise FieldError("", f"{exc} — change the preset's overrides or the type") from None
+        if self.preset in SIMULATION_ONLY:
+            raise FieldError(
+                "preset", f"{self.preset} is for the simulator only (plan simulate, plan make) — use a preset that runs"
+            )
+        try:
+            check_fits(spec)
+        except ModelError as exc:
+            field = "blocks" if self.blocks is not None else "dim" if self.dim is not None else "preset"
+            raise FieldError(field, f"{exc} — lower blocks or dim, or use a smaller preset") from None
 
     def spec(self) -> ModelSpec:
         """The model this section describes: the preset with its overrides."""
@@ -62,6 +76,17 @@ class ModelSection(Settings, frozen=True):
     synthetic: SyntheticModel | None = None
     gguf: Annotated[str, Meta(min_length=1, description="a local path or an http(s) URL of a GGUF file")] | None = None
     sha256: Annotated[str, Meta(pattern=r"^[0-9a-fA-F]{64}$", description="hex SHA-256 of the GGUF file")] | None = None
+    size: (
+        Annotated[
+            int,
+            Meta(
+                ge=1,
+                description="the GGUF file's size in bytes: a download stops beyond it, a file of another size is "
+                "refused",
+            ),
+        ]
+        | None
+    ) = None
     max_context: Annotated[int, Meta(ge=16)] = 256
 
     def __post_init__(self) -> None:
@@ -77,6 +102,8 @@ class ModelSection(Settings, frozen=True):
                 raise FieldError("gguf", f"unsupported URL scheme {show(scheme)} — use a local path or an http(s) URL")
         if self.sha256 is not None and self.gguf is None:
             raise FieldError("sha256", "sha256 applies only to a gguf file — remove it or set gguf")
+        if self.size is not None and self.gguf is None:
+            raise FieldError("size", "size applies only to a gguf file — remove it or set gguf")
 
 
 class Stages(Settings, frozen=True):
@@ -299,9 +326,11 @@ class FaultToleranceSection(Settings, frozen=True):
     request. ``policy`` left out: the plan file's, else none. ``spares``: without a plan file, how many spare devices of
     the run's provider stand by (a plan file names its own). ``ack_timeout_s``: how long a message waits for its
     acknowledgement before it is sent again, until round trips are measured; ``retry_max_s`` the longest wait between
-    two sends."""
+    two sends. ``replan``: under failover with no spare left, a dead stage is re-placed on the surviving device with
+    the most memory left that holds it (false: the run ends, as with no spare)."""
 
     policy: Literal["none", "retry", "failover"] | None = None
     spares: Annotated[int, Meta(ge=0, le=64)] = 0
     ack_timeout_s: Seconds = 0.25
     retry_max_s: Seconds = 2.0
+    replan: bool = True
