@@ -60,6 +60,7 @@ def test_a_middle_stage_killed_mid_decode_under_loss_is_replaced_and_the_answer_
 def test_spares_exhausted_ends_the_run_with_exit_1_and_nothing_left(tmp_path):
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
     sc = _scenario(events=(Event(at_s=0.3, kind="kill", nodes=("stage-1",)),), spares=0, max_tokens=120)
+    sc = msgspec.structs.replace(sc, fault_tolerance=msgspec.structs.replace(sc.fault_tolerance, replan=False))
     path = tmp_path / "scenario.yaml"
     path.write_bytes(msgspec.yaml.encode(sc))
     r = subprocess.run(
@@ -74,7 +75,20 @@ def test_spares_exhausted_ends_the_run_with_exit_1_and_nothing_left(tmp_path):
     failed = [ln for ln in out.splitlines() if ln.startswith("FAILED: ")]
     assert len(failed) == 1 and "pp-stage-1" in failed[0], out
     assert "no spare device is left" in out, out
+    assert "fault_tolerance.replan: false" in out, "the run did not say why the stage was not re-placed"
     assert labelled_pids(label) == [], "the failed run left processes behind"
+
+
+@pytest.mark.slow
+def test_with_no_spare_a_killed_stage_is_replaced_on_a_surviving_device_and_the_answer_is_exact(capsys):
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    sc = _scenario(events=(Event(at_s=0.3, kind="kill", nodes=("stage-1",)),), spares=0, max_tokens=120)
+    result = run_scenario(sc, run_label=label)
+    assert result.matches_oracle, "the run re-placed on a survivor differs from the unsplit model"
+    assert [(r.stage, r.replanned) for r in result.recoveries] == [(1, True)], result.recoveries
+    assert result.recoveries[0].spare in {"local-0", "local-2"}, "the stage went to a device that was not a survivor"
+    assert any("no spare left" in ln for ln in _lines(capsys))
+    assert labelled_pids(label) == [], "the run left processes behind, the replaced one included"
 
 
 @pytest.mark.slow
@@ -119,8 +133,8 @@ def test_a_spare_killed_in_turn_is_replaced_by_the_next_and_the_answer_is_exact(
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
     # the second kill finds the first spare coming up or serving (how far it got depends on the machine): either way
     # the next spare takes over, and the request cannot have finished without stage 1
-    events = (Event(at_s=0.5, kind="kill", nodes=("stage-1",)), Event(at_s=2.5, kind="kill", nodes=("stage-1",)))
-    result = run_scenario(_scenario(events=events, spares=2, max_tokens=200), run_label=label)
+    events = (Event(at_s=0.3, kind="kill", nodes=("stage-1",)), Event(at_s=0.8, kind="kill", nodes=("stage-1",)))
+    result = run_scenario(_scenario(events=events, spares=2, max_tokens=240), run_label=label)
     assert result.matches_oracle, "a stage replaced again gave another answer"
     lines = _lines(capsys)
     attempts = [ln for ln in lines if "failover: pp-stage-1" in ln and "takes blocks" in ln]

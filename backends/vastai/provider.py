@@ -102,6 +102,7 @@ def _say(line: str) -> None:
 
 class VastaiProvider(Provider[VastaiSettings]):
     kind = "vastai"
+    colocates = False  # every node is an instance rented for it: a second one means renting again
 
     def __init__(
         self,

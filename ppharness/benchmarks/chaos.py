@@ -285,12 +285,17 @@ def _read_chain(trial: Trial, chain: Chain, request_ids: list[str]) -> None:
 Oracle = Callable[[str, str], list[int]]  # (model path, prompt) -> the unsplit model's tokens
 
 
-def run_trial(base: Scenario, index: int, seed: int, oracle: Oracle, log: Callable[[str], None]) -> Trial:
+def run_trial(
+    base: Scenario, index: int, seed: int, oracle: Oracle, log: Callable[[str], None], spares: bool = True
+) -> Trial:
     """One request (or ``serving.slots`` requests in flight together) under the schedule drawn from ``seed``; any
-    exception ends the trial as failed, not the bench."""
+    exception ends the trial as failed, not the bench. ``spares``: False runs without spares, so that a dead stage
+    is re-placed on a surviving device (``ppharness.run.replan``)."""
 
     faults = draw_schedule(random.Random(seed), base.stages.num_stages)
-    trial = Trial(index=index, seed=seed, faults=faults, spares=spares_for(faults), in_flight=base.serving.slots)
+    trial = Trial(
+        index=index, seed=seed, faults=faults, spares=spares_for(faults) if spares else 0, in_flight=base.serving.slots
+    )
     scenario = with_policy(base, "failover", trial.spares, schedule_network(faults, seed))
     prompts = [PROMPTS[k % len(PROMPTS)] for k in range(trial.in_flight)]
     t0 = time.monotonic()
@@ -403,6 +408,7 @@ class ChaosResult:
     oracle_tokens: list[int] = field(default_factory=list)
     elapsed_s: float = 0.0
     in_flight: int = 1  # requests served at once in each trial
+    spares: bool = True  # False: no spares, dead stages re-placed on surviving devices
 
     @property
     def diverged(self) -> int:

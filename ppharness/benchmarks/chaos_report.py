@@ -46,17 +46,18 @@ def run_chaos_bench(
     overhead_requests: int,
     progress: Callable[[str], None],
     in_flight: int = 1,
+    spares: bool = True,
 ) -> ChaosResult:
     """``trials`` trials under random fault schedules (seeds ``seed`` .. ``seed + trials - 1``), each of
     ``in_flight`` requests served at once, then the fault-free overhead of the policy (one request at a time)."""
     t0 = time.monotonic()
     base = base_scenario(num_stages, tokens, in_flight)
     oracle = UnsplitAnswers(tokens, base.model.max_context, progress)
-    res = ChaosResult(num_stages=num_stages, tokens=tokens, seed=seed, in_flight=in_flight)
+    res = ChaosResult(num_stages=num_stages, tokens=tokens, seed=seed, in_flight=in_flight, spares=spares)
     for k in range(trials):
         faults = draw_schedule(random.Random(seed + k), num_stages)
         progress(f"trial {k + 1}/{trials} (seed {seed + k}): " + "; ".join(f.describe() for f in faults))
-        trial = run_trial(base, k, seed + k, oracle, progress)
+        trial = run_trial(base, k, seed + k, oracle, progress, spares)
         res.trials.append(trial)
         progress(f"trial {k + 1}/{trials}: {trial_line(trial)}")
     if overhead_requests > 0:
@@ -162,7 +163,9 @@ def report(res: ChaosResult) -> str:
     lines = [
         f"chaos: {s.trials} trial(s) of {res.in_flight} request(s) in flight, {res.num_stages} stages, "
         f"{res.tokens} tokens, seeds {res.seed}.."
-        f"{res.seed + max(0, s.trials - 1)}, policy failover, heartbeats every {HEARTBEAT_S:g} s "
+        f"{res.seed + max(0, s.trials - 1)}, policy failover"
+        f"{'' if res.spares else ' without spares (dead stages re-placed on surviving devices)'}, "
+        f"heartbeats every {HEARTBEAT_S:g} s "
         f"(dead after {DEAD_AFTER_S:g} s)",
         "",
         *_rows(res),

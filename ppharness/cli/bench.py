@@ -211,6 +211,7 @@ def bench_failover(num_stages: int, runs: int, sig: str, engine: str) -> None:
 @click.option(
     "--in-flight", type=click.IntRange(1, 4), default=1, show_default=True, help="Requests served at once per trial."
 )
+@click.option("--no-spares", is_flag=True, help="Run without spares: a dead stage is re-placed on a surviving device.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write every raw figure here.")
 def bench_chaos(
     trials: int,
@@ -219,6 +220,7 @@ def bench_chaos(
     tokens: int,
     overhead_requests: int,
     in_flight: int,
+    no_spares: bool,
     json_out: str | None,
 ) -> None:
     """Random kills, pauses, partitions and loss bursts mid-request under policy failover: answers against the
@@ -227,7 +229,7 @@ def bench_chaos(
         raise click.BadParameter("--trials and --tokens must be at least 1, --stages at least 2")
     with exit_1_on_failure():
         res = chaos_report.run_chaos_bench(
-            trials, seed, num_stages, tokens, overhead_requests, Progress(), in_flight=in_flight
+            trials, seed, num_stages, tokens, overhead_requests, Progress(), in_flight=in_flight, spares=not no_spares
         )
     click.echo(chaos_report.report(res))
     if json_out:

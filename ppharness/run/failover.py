@@ -18,6 +18,7 @@ from ppharness.errors import ClusterError, HarnessError, WaitTimedOut
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.plan.stages import stage_name
 from ppharness.run.realise import gossip_name, replacement
+from ppharness.run.replan import Placed, survivor
 from ppharness.wire.messages import Ack, Assign, InferenceResponse, Join, Members, Message, Ready, StreamedToken, Warm
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from ppharness.plan.stages import StagePlan
     from ppharness.run.client import Client
     from ppharness.run.session import Death, Session
+    from ppharness.seams.transport import JsonObject
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Recovery:
     ready_at: float = 0.0
     load_s: float = 0.0  # the spare's own report: loading and compiling its blocks
     next_token_at: float | None = None  # None: no token came after it (the request had finished)
+    replanned: bool = False  # no spare was left: the stage was re-placed on a surviving device
 
     @property
     def reload_s(self) -> float:
@@ -105,6 +108,8 @@ class Failover:
         self._tokenizer: Tokenizer | None = None
         self._bos: int | None = None
         self._warm_lengths: set[int] = set()  # prompt lengths the standbys have their prefill compiled for
+        self.hosting: dict[int, Device] = {}  # the device of each stage that was replaced
+        self.lost: set[str] = set()  # devices of replaced stages, not used again
         self._fenced_seen: set[str] = set()
 
     def fence(self, sender: str, msg: Message) -> bool:
@@ -235,6 +240,34 @@ class Failover:
                     f"warning: the standby on spare {device} {death.cause}; it is started afresh if needed"
                 )
 
+    def _survivor(self, death: Death, phase: str) -> tuple[Device, JsonObject]:
+        """No spare is left: the surviving device that can hold the dead stage (``ppharness.run.replan``) and a
+        member identity the run kept for it; the run's error, with the reason, when there is none."""
+        s = self.session
+        assert s.provider is not None
+        why = ""
+        if not s.provider.colocates:
+            why = f"the {s.provider.kind} provider cannot start a node beside another on a device"
+        elif not s.scenario.fault_tolerance.replan:
+            why = "the scenario says fault_tolerance.replan: false"
+        elif not s.reserve_opts:
+            why = "every member identity kept for re-placed stages is used"
+        else:
+            hosting = self._hosting()
+            programs = {k: self._program(k, device) for k, device in hosting.items()}
+            placed = survivor(s.plan_doc, programs, hosting, death.stage, self.lost | {hosting[death.stage].id})
+            if isinstance(placed, Placed):
+                return placed.device, s.reserve_opts.pop(0)
+            why = placed
+        err = no_spare(s.death_error(death, phase), len(self.recoveries))
+        err.add_note(f"and the stage could not be re-placed on a surviving device: {why}")
+        raise err
+
+    def _hosting(self) -> dict[int, Device]:
+        """The device each stage of the loop runs on now."""
+        devices = self.session.compiled.devices
+        return {k: self.hosting.get(k, devices[k]) for k in range(self.session.plan.num_stages)}
+
     def _send_members(self, address: str, members: Members) -> None:
         """A newer directory, resent until the node acknowledges it (failover is a reliable policy): a node that
         missed it would go on talking to the replaced one."""
@@ -249,9 +282,13 @@ class Failover:
         assert s.provider is not None and s.transport is not None and s.detector is not None
         stage, progress = death.stage, s.progress
         detected = time.monotonic()
-        if not s.spares:
-            raise no_spare(s.death_error(death, phase), len(self.recoveries))
-        spare = s.spares.pop(0)
+        if s.spares:
+            spare = s.spares.pop(0)
+            opts, replanned = s.spare_opts[spare.id], False
+        else:
+            spare, opts = self._survivor(death, phase)
+            replanned = True
+        self.lost.add(self._hosting()[stage].id)
         self.epoch += 1
         epoch = self.epoch
         old = s.directory.joins[stage].address
@@ -261,13 +298,14 @@ class Failover:
         if death.instance is not None:
             s.retired.add(death.instance.id)
         s.detector.forget(stage)  # declared dead once; the spare is watched from its Join
+        taker = f"surviving device {spare.id} (no spare left)" if replanned else f"spare {spare.id}"
         progress(
-            f"failover: {stage_name(stage)} {death.cause} while {phase}; spare {spare.id} takes blocks "
+            f"failover: {stage_name(stage)} {death.cause} while {phase}; {taker} takes blocks "
             f"{list(s.plan.ranges[stage])} (epoch {epoch})"
         )
-        recovery = Recovery(stage=stage, cause=death.cause, spare=spare.id, epoch=epoch, detected_at=detected)
-        node = replacement(s.scenario, s.compiled, s.endpoints, stage, spare, epoch, s.spare_opts[spare.id], s.trace_on)
-        sb = s.standbys.pop(spare.id, None)
+        recovery = Recovery(stage, death.cause, spare.id, epoch, detected_at=detected, replanned=replanned)
+        node = replacement(s.scenario, s.compiled, s.endpoints, stage, spare, epoch, opts, s.trace_on)
+        sb = None if replanned else s.standbys.pop(spare.id, None)
         try:
             if sb is not None and sb.address:  # the standby takes the stage's program
                 assert node.program is not None
@@ -278,7 +316,11 @@ class Failover:
                 if sb is not None:
                     s.retired.add(sb.instance.id)
                     s.provider.destroy(sb.instance)
-                name = f"pp-spare-{s.plan_doc.placement.spares.index(spare.id)}"  # a name no other node had
+                name = (  # a name no other node had
+                    f"pp-replaced-{stage}-{epoch}"
+                    if replanned
+                    else f"pp-spare-{s.plan_doc.placement.spares.index(spare.id)}"
+                )
                 spec = s.provider.spec(name, node.env, **node.options)
                 (inst,) = s.provider.provision([spec])
             self._replacing = inst.id
@@ -311,6 +353,7 @@ class Failover:
             return self.replace(lost.death, "replacing a stage")
         finally:
             self._replacing = ""
+        self.hosting[stage] = spare
         recovery.ready_at, recovery.load_s = time.monotonic(), ready[0].load_s
         s.reports[stage].load_s = ready[0].load_s
         for j in s.directory.joins.values():

@@ -154,6 +154,7 @@ class Session:
         self.outbox: Outbox | None = None
         self.spares: list[Device] = []  # the spare devices not used yet
         self.spare_opts: dict[str, JsonObject] = {}  # spare device -> its endpoint's transport options
+        self.reserve_opts: list[JsonObject] = []  # member identities not used yet, for re-placed stages
         self.standbys: dict[str, Standby] = {}  # spare device -> its standby node
         self.stage_instances: dict[int, Instance] = {}  # stage -> the instance serving it now
         self.instance_stages: dict[str, int] = {}  # instance id -> the stage it serves or served
@@ -179,7 +180,9 @@ class Session:
                 source, sha = model_source(sc)
             self.model_source = source
             progress(f"model: {short_source(source)} (building or fetching once, then cached)")
-            self.model_path = str(resolve_model(source, sha))
+            size = sc.model.size if sc.plan is None else None  # a plan file pins its model by sha256
+            deadline = self.left(sc.budget.total_s, "the model")
+            self.model_path = str(resolve_model(source, sha, size=size, deadline_s=deadline))
             self.plan_doc, self.compiled = realise_plan(sc, source, self.model_path)
             self.plan = plan = self.compiled.runtime
             graph = self.plan_doc.model
@@ -207,9 +210,15 @@ class Session:
             if self.policy == "failover":
                 self.spares = [self.plan_doc.cluster.device(d) for d in placement.spares]
             transport_cls = transport_class(sc.transport.kind)
-            # the spares are members from the start: their keys are among those every endpoint admits
-            endpoint_opts = transport_cls.plan_endpoints(n + 1 + len(self.spares), transport_settings(sc.transport))
-            self.spare_opts = {d.id: o for d, o in zip(self.spares, endpoint_opts[n + 1 :], strict=True)}
+            # the spares are members from the start: their keys are among those every endpoint admits; so are the
+            # identities kept for stages re-placed on surviving devices once the spares are used up (run/replan.py)
+            reserved = n if self.policy == "failover" and provider.colocates and sc.fault_tolerance.replan else 0
+            endpoint_opts = transport_cls.plan_endpoints(
+                n + 1 + len(self.spares) + reserved, transport_settings(sc.transport)
+            )
+            spare_opts = endpoint_opts[n + 1 : n + 1 + len(self.spares)]
+            self.spare_opts = {d.id: o for d, o in zip(self.spares, spare_opts, strict=True)}
+            self.reserve_opts = endpoint_opts[n + 1 + len(self.spares) :]
             endpoint_opts = endpoint_opts[: n + 1]
             seed_opts = endpoint_opts[0] | provider.seed_transport_options(sc.transport.kind)
             self.network = network = plan_network(self.compiled, sc.network)

@@ -125,6 +125,9 @@ class Provider(abc.ABC, Generic[SettingsT]):
     signals_nodes: ClassVar[bool] = False
     # whether a node can run in a network namespace of its own (``NodeSpec.own_network``): the packet layer
     own_networks: ClassVar[bool] = False
+    # whether a node can be started beside another on a device the run already uses (a lost stage re-placed on a
+    # surviving device); a kind whose every node is a rented machine of its own cannot
+    colocates: ClassVar[bool] = True
 
     def __init__(
         self, run_label: str, settings: SettingsT | None = None, log_dir: str | os.PathLike[str] | None = None
