@@ -254,6 +254,7 @@ def test_bench_chaos_replays_every_request_in_flight_token_exact(tmp_path: Path)
     (trial,) = json.loads(out.read_text())["trials"]
     assert trial["in_flight"] == 4 and trial["outcome"] == "exact" and trial["divergent"] == 0, r.stdout + r.stderr
     assert trial["recoveries"], "the kill mid-request was not answered by a failover"
+    assert trial["next_token_s"] and all(t is not None for t in trial["next_token_s"]), "no token timed after the kill"
     assert "4 request(s) in flight" in r.stdout
 
 

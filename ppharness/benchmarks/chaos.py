@@ -269,11 +269,11 @@ def fault_times(faults: list[Fault], done: list[tuple[float, str, str]]) -> list
     return out
 
 
-def _read_chain(trial: Trial, chain: Chain, request_ids: list[str]) -> None:
-    """What the chain kept of the requests: the faults carried out, the token arrivals (of every request in flight,
-    in time order), the recoveries, the resends."""
+def _read_chain(trial: Trial, chain: Chain, arrivals: list[float]) -> None:
+    """What the chain kept of the requests: the faults carried out, the token arrivals (``arrivals``: of every
+    request in flight, on the orchestrator's clock), the recoveries, the resends."""
     started = chain.request_started
-    arrivals = sorted(at for rid in request_ids for _, at in chain.streams.get(rid, {}).values())
+    arrivals = sorted(arrivals)
     trial.arrivals_s = [round(at - started, 4) for at in arrivals]
     trial.carried_out = [(round(t, 3), str(a), n) for t, a, n in (chain.nemesis.done if chain.nemesis else [])]
     trial.struck_s = fault_times(trial.faults, trial.carried_out)
@@ -303,12 +303,13 @@ def run_trial(
         with Chain(scenario, progress=_chain_lines(log), trace=False) as chain:
             if trial.in_flight == 1:
                 response, trial.request_s = chain.request(base.request.prompt, base.request.max_tokens)
-                _read_chain(trial, chain, [response.request_id])
+                got = chain.streams.get(response.request_id, {})
+                _read_chain(trial, chain, [at for _, at in got.values()])
                 answers = [response]
             else:
                 served = chain.serve([Job(p, base.request.max_tokens) for p in prompts])
                 trial.request_s = max(x.token_at[-1] - x.sent_at for x in served if x.token_at)
-                _read_chain(trial, chain, [x.request_id for x in served])
+                _read_chain(trial, chain, [at for x in served for at in x.token_at])
                 answers = [x.response for x in served if x.response is not None]
                 if len(answers) < len(served):
                     raise RuntimeError(f"{len(served) - len(answers)} request(s) refused: {served[0].refused}")
