@@ -1,10 +1,12 @@
 """``ppharness bench chaos``: random faults in the middle of a request under policy failover, checked token by token.
 
-Each trial runs one request on a fresh chain (local provider, ZeroMQ, the synthetic tiny model unless the base
-scenario says otherwise) whose network carries a fault schedule drawn from ``random.Random(seed + trial)``: one or
-two faults among
+Each trial runs one request (``--in-flight K``: K requests at once, each in its own slot) on a fresh chain (local
+provider, ZeroMQ, the synthetic tiny model unless the base scenario says otherwise), warm before its request (its
+standbys and stages compiled for the prompts), whose network carries a fault schedule drawn from
+``random.Random(seed + trial)``: one or two faults among
 
-- ``kill``: a random stage is killed (SIGKILL) 0.3-2.0 s into the request; a spare takes over;
+- ``kill``: a random stage is killed (SIGKILL) 0.1-0.8 s into the request; a spare takes over (``--no-spares``: a
+  surviving device does, ``ppharness.run.replan``);
 - ``pause``: a random stage is stopped (SIGSTOP) for 0.5-4 s: shorter than detection, the retries ride it out;
   longer, the stage is declared dead and a spare takes over. The orchestrator fences the old node off, but its
   neighbours go on using it, once it runs again, until the spare is ready: the request may finish on it first (an
@@ -14,14 +16,15 @@ two faults among
 
 Membership runs on heartbeats (``heartbeat_s`` 0.25, dead after 1.5 s) so that pauses and partitions are noticed, and
 the run gets a spare for every fault that can kill a stage or outlast detection. The answer of every trial is compared
-with the unsplit model's (the oracle, computed once). Reported:
+with the unsplit model's (the oracle, computed once per prompt). Reported:
 
 - divergent answers (target 0) and failed runs (an exception; target 0 while spares remain);
 - per fault, the time from the fault to the next token at the client (the first streamed token after it; a kill or
   pause counts from when the orchestrator's nemesis carried it out, up to a poll after its time, a partition from its
   time);
 - per failover, its parts: detection (fault -> declared dead), reload (declared dead -> the spare's Ready) and replay
-  (Ready -> the next token at the client), whose sum has a target of under 5 s at the median;
+  (Ready -> the next token at the client), whose sum has a target of at most 2 s at the median and 4 s at the 99th
+  percentile;
 - the price of the policy when nothing fails: decode tokens/s of a failover chain against a chain without fault
   tolerance, interleaved requests on the same model (target: at most 5 % slower).
 """
@@ -62,7 +65,8 @@ HEARTBEAT_S = 0.25
 DEAD_AFTER_S = 1.5
 
 # targets
-RECOVERY_TARGET_S = 5.0  # detection + reload + replay, median
+RECOVERY_TARGET_S = 2.0  # detection + reload + replay, median
+RECOVERY_P99_TARGET_S = 4.0  # and its 99th percentile
 SLOWDOWN_TARGET = 0.05  # a fault-free failover run at most this much slower than one without fault tolerance
 
 PROMPT = "The quick brown fox"

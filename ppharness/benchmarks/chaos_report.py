@@ -24,6 +24,7 @@ from ppharness.benchmarks.chaos import (
     PARTITION_S,
     PAUSE_S,
     PROMPT,
+    RECOVERY_P99_TARGET_S,
     RECOVERY_TARGET_S,
     SLOWDOWN_TARGET,
     ChaosResult,
@@ -103,6 +104,7 @@ class Summary:
     reload_p50_s: float
     replay_p50_s: float
     recovery_p50_s: float  # detection + reload + replay, over the failovers with all three
+    recovery_p99_s: float
     slowdown: float | None
     recovery_met: bool | None
     slowdown_met: bool | None
@@ -131,8 +133,11 @@ def summarise(res: ChaosResult) -> Summary:
         reload_p50_s=percentile([r.reload_s for r in recoveries], 50),
         replay_p50_s=percentile([r.replay_s for r in recoveries if r.replay_s is not None], 50),
         recovery_p50_s=recovery_p50,
+        recovery_p99_s=percentile(totals, 99),
         slowdown=slowdown,
-        recovery_met=recovery_p50 < RECOVERY_TARGET_S if totals else None,
+        recovery_met=recovery_p50 <= RECOVERY_TARGET_S and percentile(totals, 99) <= RECOVERY_P99_TARGET_S
+        if totals
+        else None,
         slowdown_met=slowdown <= SLOWDOWN_TARGET if slowdown is not None and not math.isnan(slowdown) else None,
     )
 
@@ -177,8 +182,9 @@ def report(res: ChaosResult) -> str:
         f"failovers: {s.failovers} ({s.failovers_overtaken} overtaken: the request finished before the spare was "
         f"ready); parts, p50: detection {_s(s.detection_p50_s)} (timeout {DEAD_AFTER_S:g} s), "
         f"reload {_s(s.reload_p50_s)}, replay {_s(s.replay_p50_s)}",
-        f"fault -> first token after the failover (detection + reload + replay): p50 {_s(s.recovery_p50_s)} "
-        f"(target < {RECOVERY_TARGET_S:g} s){_met(s.recovery_met)}",
+        f"fault -> first token after the failover (detection + reload + replay): p50 {_s(s.recovery_p50_s)}, "
+        f"p99 {_s(s.recovery_p99_s)} (target <= {RECOVERY_TARGET_S:g} s and <= {RECOVERY_P99_TARGET_S:g} s)"
+        f"{_met(s.recovery_met)}",
     ]
     o = res.overhead
     if o is not None and s.slowdown is not None:
