@@ -186,3 +186,12 @@ def test_the_bench_png_without_a_sweep_has_one_panel_and_colours_by_kind(tmp_pat
     blue = [c for name, c in zip(parts, colours) if "compute" in name]
     orange = [c for name, c in zip(parts, colours) if name.startswith("hop")]
     assert all(c[2] > c[0] for c in blue) and all(c[0] > c[2] for c in orange), "compute blue, hops orange"
+
+
+def test_a_bench_preset_carries_a_synthetic_specs_overrides() -> None:
+    from ppharness.benchmarks.chain import _scenario  # the bench's own scenario builder, tested here
+
+    sc = _scenario("qwen3-30b-a3b,blocks=8", 4, "zmq", 16, 256)
+    assert sc.model.synthetic is not None
+    assert (sc.model.synthetic.preset, sc.model.synthetic.blocks) == ("qwen3-30b-a3b", 8)
+    assert sc.stages.num_stages == 4

@@ -64,13 +64,15 @@ class BenchResult:
 
 
 def _scenario(preset: str, n: int, kind: str, tokens: int, max_context: int) -> Scenario:
-
+    """The chain's scenario; ``preset`` may carry the scenario's overrides as a synthetic spec does
+    (``qwen3-30b-a3b,blocks=8``)."""
     base = scenario_from_args(num_stages=n, transport=kind, prompt=PROMPT, max_tokens=tokens)
     synthetic = base.model.synthetic
     assert synthetic is not None, "the built-in scenario's model is synthetic"
-    model = msgspec.structs.replace(
-        base.model, synthetic=msgspec.structs.replace(synthetic, preset=preset), max_context=max_context
-    )
+    name, *overrides = preset.split(",")
+    fields = msgspec.to_builtins(synthetic) | {"preset": name} | dict(kv.split("=", 1) for kv in overrides)
+    section = msgspec.convert(fields, type=type(synthetic), strict=False)
+    model = msgspec.structs.replace(base.model, synthetic=section, max_context=max_context)
     budget = msgspec.structs.replace(base.budget, total_s=3600.0, ready_s=900.0)
     return msgspec.structs.replace(base, model=model, budget=budget)
 
