@@ -45,7 +45,7 @@ from ppharness.run.reliable import RetryPolicy, ack_of
 from ppharness.run.roles import members_refusal, needed_names
 from ppharness.run.stage import Stage
 from ppharness.run.stage_requests import StageModel
-from ppharness.run.standby import MAX_HELD_LENGTHS, Held, assignment_waits
+from ppharness.run.standby import MAX_HELD_LENGTHS, Held, assignment_waits, stage_slice
 from ppharness.seams.transport import JsonObject, Received, Transport
 from ppharness.trace.tracer import Tracer, now_ns
 from ppharness.version import version_text
@@ -167,17 +167,7 @@ def load_stage_model(
     t0 = time.monotonic()
     if gguf_file is None:
         gguf_file = GGUFFile(resolve_model(model_source))
-    model = ModelSlice(
-        gguf_file,
-        plan.lo,
-        plan.hi,
-        plan.first,
-        plan.last,
-        plan.max_context,
-        experts=plan.experts,
-        slots=plan.slots,
-        batched=plan.batched,
-    )
+    model = stage_slice(gguf_file, plan)
     tokenizer = gguf_file.tokenizer if plan.first or plan.last else None
     warm_up(model)
     return model, tokenizer, time.monotonic() - t0

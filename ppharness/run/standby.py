@@ -42,8 +42,24 @@ def assignment_waits(loop: Loop) -> bool:
     return any(isinstance(msg, Assign | Shutdown) for _, msg, _ in waiting)
 
 
+def stage_slice(gguf_file: GGUFFile, plan: StagePlan) -> ModelSlice:
+    """The slice a stage's program computes with (not yet warmed up): its blocks, with the embedding on the first
+    stage and the head on the last, for its context, experts, request slots and batching."""
+    return ModelSlice(
+        gguf_file,
+        plan.lo,
+        plan.hi,
+        plan.first,
+        plan.last,
+        plan.max_context,
+        experts=plan.experts,
+        slots=plan.slots,
+        batched=plan.batched,
+    )
+
+
 def slice_key(plan: StagePlan) -> tuple[object, ...]:
-    """What makes two stages' slices the same: every argument ``load_stage_model`` builds a ModelSlice with."""
+    """What makes two stages' slices the same: every argument ``stage_slice`` builds a ModelSlice with."""
     experts = tuple(sorted((k, tuple(v)) for k, v in (plan.experts or {}).items())) if plan.experts else None
     return (plan.lo, plan.hi, plan.first, plan.last, plan.max_context, experts, plan.slots, plan.batched)
 
@@ -85,17 +101,7 @@ class Held:
             if key in self.slices or plan.role != "stage" or plan.experts is not None:
                 continue  # an expert-parallel stage computes with its expert nodes: held cold
             try:
-                model = ModelSlice(
-                    self.gguf_file,
-                    plan.lo,
-                    plan.hi,
-                    plan.first,
-                    plan.last,
-                    plan.max_context,
-                    experts=plan.experts,
-                    slots=plan.slots,
-                    batched=plan.batched,
-                )
+                model = stage_slice(self.gguf_file, plan)
                 warm_up(model)
             except Exception as exc:  # noqa: BLE001 - the Assign loads it again and reports what fails then
                 self.log(f"warm standby: could not hold blocks [{plan.lo}, {plan.hi}): {type(exc).__name__}: {exc}")
