@@ -141,3 +141,18 @@ def test_a_spare_killed_in_turn_is_replaced_by_the_next_and_the_answer_is_exact(
     assert len(attempts) == 2, "the killed spare was not replaced by the next"
     assert [r.spare for r in result.recoveries][-1] == "local-4", "the last spare does not serve stage 1"
     assert labelled_pids(label) == []
+
+
+@pytest.mark.slow
+def test_two_neighbours_replaced_at_once_are_replayed_through_both_and_the_answer_is_exact(capsys):
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    # stage 2 dies while stage 1 is paused: stage 1 cannot replay to stage 2's spare, and is itself replaced once
+    # detection runs out; stage 1's replacement, replayed by stage 0, must pass the whole replay on to stage 2's
+    events = (
+        Event(at_s=0.1, kind="pause", nodes=("stage-1",), for_s=2.5),
+        Event(at_s=0.4, kind="kill", nodes=("stage-2",)),
+    )
+    result = run_scenario(_scenario(events=events, heartbeat=True, spares=2, max_tokens=200), run_label=label)
+    assert result.matches_oracle, "the run with two neighbours replaced differs from the unsplit model"
+    assert sorted(r.stage for r in result.recoveries) == [1, 2], result.recoveries
+    assert labelled_pids(label) == [], "the run left processes behind"

@@ -410,6 +410,8 @@ class Stage(ReplayingStage):
         req = work.request
         if isinstance(out, Hidden):
             self._send_activation(req, out, work.position, work.is_prefill, work.step, work.live)
+            if work.cascade:
+                self._cascade(req)
         else:
             position = req.prompt_tokens if work.is_prefill else work.position + 1  # where the token goes
             if work.live:

@@ -3,8 +3,10 @@
 Each stage keeps what it sent down the chain for the requests in progress. When a spare replaces the next stage (a
 newer directory: ``rejoin``), the stage replays that to the spare (a ``Replay``), which takes it as its requests' next
 model calls, the very calls that built the lost cache (one prefill, then one decode per position: a single longer
-prefill is not bit-identical in fp16), and passes only the last output on. A replacement of stage 0 is resumed by the
-orchestrator (a ``Resume``, the prompt and the streamed tokens), which stage 0 replays through its blocks the same way.
+prefill is not bit-identical in fp16). It passes the whole replay on (the last output included), since its own next
+stage may have been replaced at the same time and hold nothing; a next stage that holds the request takes only the
+last position. A replacement of stage 0 is resumed by the orchestrator (a ``Resume``, the prompt and the streamed
+tokens), which stage 0 replays through its blocks the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 
 import msgspec
 
-from ppharness.run.stage_requests import StageState, Work
+from ppharness.run.stage_requests import Request, StageState, Work
 from ppharness.wire.messages import Replay, Resume
 
 
@@ -36,12 +38,17 @@ class ReplayingStage(StageState):
 
     def _on_replay(self, msg: Replay) -> None:
         """A replacement of this stage's range: take what the previous stage sent for the request as the request's
-        next model calls; only the output of the last position goes on (everything before it went round already)."""
+        next model calls. The last position's output goes on: as an activation from the last stage's replacement (its
+        token), else as the whole replay (``_cascade``). A stage that has the request takes only the positions it
+        has not seen (none, for a resent replay)."""
         opened = msg.open
         self._ack(self.prev_addr, "replay", opened.request_id, self._replay_position(msg))
+        if opened.request_id in self.finished:
+            return
         taken = self.reqs.get(opened.request_id)
-        if (taken is not None and taken.next_position > 0) or opened.request_id in self.finished:
-            return  # a resent replay this stage already took
+        if taken is not None and taken.next_position > 0:
+            self._catch_up(msg, taken)
+            return
         t0 = time.monotonic()
         req = self._take_open(opened)
         if req is None:
@@ -52,12 +59,36 @@ class ReplayingStage(StageState):
             if hidden is None:
                 self.log(f"stage {self.index}: replay of {opened.request_id} stopped at activation {k}")
                 return
-            last = self._take_activation(act, hidden, req, None, live=k == len(msg.activations) - 1)
+            final = k == len(msg.activations) - 1
+            last = self._take_activation(act, hidden, req, None, live=final and self.last)
         note = f"stage {self.index}: replayed {len(msg.activations)} activation(s) of request {opened.request_id}"
         if last is None:
             self.log(f"{note} in {time.monotonic() - t0:.2f} s")
         else:
-            last.note, last.since = note, t0
+            last.note, last.since, last.cascade = note, t0, not self.last
+
+    def _catch_up(self, msg: Replay, req: Request) -> None:
+        """A replay of a request this stage has: the activations past the ones it took go on as live ones."""
+        new = [a for a in msg.activations if a.position >= req.next_position and not a.is_prefill]
+        for k, act in enumerate(new):
+            hidden = self._check_activation(act, req)
+            if hidden is None:
+                self.log(f"stage {self.index}: replay of {req.request_id} stopped at position {act.position}")
+                return
+            self._take_activation(act, hidden, req, None, live=k == len(new) - 1)
+
+    def _cascade(self, req: Request) -> None:
+        """A replacement that replayed a request sends everything it computed for it on, as a replay: its next
+        stage may have been replaced too (two neighbours lost at once) and hold nothing of the request; one that
+        holds it takes only the positions it has not seen."""
+        if req.opened is None or not req.sent:
+            return
+        replay = Replay(
+            open=self._stamp_open(req.opened),
+            activations=[msgspec.structs.replace(a, epoch=self.epoch) for a in req.sent],
+            epoch=self.epoch,
+        )
+        self._send(("replay", req.request_id, self._replay_position(replay)), "next", replay)
 
     @staticmethod
     def _replay_position(msg: Replay) -> int:
@@ -97,12 +128,13 @@ class ReplayingStage(StageState):
         t0 = time.monotonic()
         # N = 1: the tokens are generated again (the client drops those it has)
         tokens = [] if self.last else msg.tokens
-        work = Work(req, 0, ids, is_prefill=True, step=0, live=not tokens)
+        work = Work(req, 0, ids, is_prefill=True, step=0, live=not tokens and self.last)
         req.work.append(work)
         for k, token in enumerate(tokens):
-            work = Work(req, req.next_position, [token], is_prefill=False, step=k + 1, live=k == len(tokens) - 1)
+            work = Work(req, req.next_position, [token], False, k + 1, live=k == len(tokens) - 1 and self.last)
             req.work.append(work)
             req.next_position += 1
+        work.cascade = not self.last  # the whole resumed request goes on: stage 1 may be a replacement too
         if not self.last:
             work.note = f"stage 0: resumed request {req.request_id}: replayed the prompt and {len(tokens)} token(s)"
             work.since = t0

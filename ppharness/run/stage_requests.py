@@ -104,7 +104,8 @@ class Request:
 class Work:
     """One model call of one request, ready to run: an item of the batch ``Stage.step`` runs. ``input``: token ids
     (the first stage) or the previous stage's hidden state, at ``position`` (0 with ``is_prefill``) in the request's
-    slot. ``live``: the output goes on down the chain (False: only recorded, a replay rebuilding the cache);
+    slot. ``live``: the output goes on down the chain (False: only recorded, a replay rebuilding the cache;
+    ``cascade``: and then the whole replay goes on);
     ``note``: logged once it ran, with the seconds since ``since`` (the end of a replay or a resume)."""
 
     request: Request
@@ -116,6 +117,7 @@ class Work:
     live: bool = True
     note: str = ""
     since: float = 0.0
+    cascade: bool = False  # the last call of a replay this stage took: the whole replay goes on (``_cascade``)
 
     @property
     def slot(self) -> int:
