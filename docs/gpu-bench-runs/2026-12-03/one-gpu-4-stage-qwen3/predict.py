@@ -1,9 +1,13 @@
-import msgspec, json
+import json
+
+import msgspec
+
 from ppharness.model.spec import parse_synthetic
-from ppharness.plan.graph import spec_graph
 from ppharness.plan.compile import scenario_plan
 from ppharness.plan.doc import load_cluster
+from ppharness.plan.graph import spec_graph
 from ppharness.plan.simulate import simulate
+
 src = "synthetic:qwen3-30b-a3b,blocks=8"
 graph = spec_graph(parse_synthetic(src), src, 256)
 doc = scenario_plan(graph, 4, None, "local")
