@@ -7,6 +7,7 @@ stays bit-exact.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
@@ -14,6 +15,7 @@ import pytest
 import zmq
 from zmq_peers import raw_push
 
+from ppharness.errors import ConnectFailed
 from ppharness.model.oracle import oracle_decode
 from ppharness.run.orchestrator import Chain
 from ppharness.scenario.schema import scenario_from_args
@@ -58,9 +60,11 @@ def test_strangers_cannot_kill_steer_hang_or_fail_a_zmq_run(tiny_model_path):
     scenario = scenario_from_args(num_stages=2, transport="zmq", max_tokens=12, prompt="forged")
     with Chain(scenario, progress=lambda _: None, run_label=f"pp-test-{uuid.uuid4().hex[:8]}") as chain:
         targets = {addr for _, addr, _ in _forgeries(chain)}
-        with ZmqTransport() as stranger:
+        with ZmqTransport(send_timeout=2.0) as stranger:
             for _what, address, msg in _forgeries(chain):
-                stranger.send(address, msg)
+                # a member refuses the stranger's handshake: its frames may find no connection to queue on
+                with contextlib.suppress(ConnectFailed):
+                    stranger.send(address, msg)
             time.sleep(1.0)
         # a flood of strangers, each with its own key (it once exhausted a stage's file descriptors)
         ctx = zmq.Context()
