@@ -109,8 +109,9 @@ def test_stage_0_and_the_last_stage_killed_in_turn_are_replaced_and_the_answer_i
 def test_a_paused_stage_is_replaced_and_fenced_off_when_it_comes_back(capsys):
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
     # the pause outlasts detection (1.5 s) and the node comes back while the run, and its recovery, still go on
+    # (loss on the stage links keeps the request going for seconds after a warm spare took over)
     events = (Event(at_s=0.4, kind="pause", nodes=("stage-1",), for_s=2.0),)
-    result = run_scenario(_scenario(events=events, heartbeat=True, max_tokens=240), run_label=label)
+    result = run_scenario(_scenario(events=events, loss=0.03, heartbeat=True, max_tokens=240), run_label=label)
     assert result.matches_oracle, "the run with a stale node back differs from the unsplit model"
     assert [r.stage for r in result.recoveries] == [1]
     assert "no heartbeat" in result.recoveries[0].cause
