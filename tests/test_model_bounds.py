@@ -122,7 +122,7 @@ def test_an_endless_body_stops_at_the_scenarios_size(server, tmp_path):
 def test_a_trickle_ends_by_the_callers_deadline(server, tmp_path):
     t0 = time.monotonic()
     message = refused_download(10, lambda: resolve_model(f"{server}/trickle", deadline_s=1.5))
-    assert 1.4 < time.monotonic() - t0 < 4.0
+    assert time.monotonic() - t0 < 4.0, "a download went on well past the caller's deadline of 1.5 s"
     assert "the time allowed ran out" in message and "budget.total_s" in message
     assert no_partial_files(tmp_path)
 

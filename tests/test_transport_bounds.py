@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import zmq
-from zmq_peers import raw_push
+from zmq_peers import raw_push, run_members
 
 from ppharness.errors import TransportError, TransportTimeout
 from ppharness.wire.messages import Shutdown
@@ -68,12 +68,8 @@ def test_the_refusal_log_writes_a_bounded_number_of_lines_and_counts_the_rest(mo
 
 @pytest.fixture
 def zmq_run() -> Iterator[list[ZmqTransport]]:
-    members = [ZmqTransport(**opts) for opts in ZmqTransport.plan_endpoints(3, {})]
-    for m in members:
-        m.start()
-    yield members
-    for m in members:
-        m.close()
+    with run_members(3) as members:
+        yield members
 
 
 def test_1000_stranger_keys_after_a_failed_handshake_give_a_bounded_log(

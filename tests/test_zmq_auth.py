@@ -7,7 +7,7 @@ import time
 
 import pytest
 import zmq
-from zmq_peers import raw_push
+from zmq_peers import raw_push, run_members
 
 from backends.vastai.emulator.network import TcpForwarder
 from ppharness.errors import TransportError, TransportTimeout
@@ -29,12 +29,8 @@ def _until(check, what: str, timeout: float = WAIT) -> None:
 @pytest.fixture
 def run():
     """Three members of one run (plan_endpoints), started; closed afterwards."""
-    members = [ZmqTransport(**opts) for opts in ZmqTransport.plan_endpoints(3, {})]
-    for m in members:
-        m.start()
-    yield members
-    for m in members:
-        m.close()
+    with run_members(3) as members:
+        yield members
 
 
 def test_every_address_carries_its_public_key(run):
