@@ -18,7 +18,7 @@ from ppharness.errors import ClusterError, HarnessError, WaitTimedOut
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.plan.stages import stage_name
 from ppharness.run.realise import gossip_name, replacement
-from ppharness.run.replan import Placed, survivor
+from ppharness.run.replan import Placed, stage_need, survivor
 from ppharness.wire.messages import Ack, Assign, InferenceResponse, Join, Members, Message, Ready, StreamedToken, Warm
 
 if TYPE_CHECKING:
@@ -73,19 +73,13 @@ def no_spare(err: ClusterError, used: int) -> ClusterError:
     return err
 
 
-def stage_bytes(doc: PlanDoc, program: StagePlan) -> int:
-    """The weights a stage's program loads: its blocks, the embedding on the first stage, the head on the last."""
-    model = doc.model
-    total = sum(b.weight_bytes for b in model.blocks[program.lo : program.hi])
-    return total + (model.embed_bytes if program.first else 0) + (model.head_bytes if program.last else 0)
-
-
 def holdable(doc: PlanDoc, spare: Device, programs: list[StagePlan]) -> list[StagePlan]:
-    """The stages a warm standby on ``spare`` holds: in stage order, each whose weights still fit in the device's
-    memory (less its reserve) beside the ones before it."""
+    """The stages a warm standby on ``spare`` holds: in stage order, each whose weights and KV cache
+    (``ppharness.run.replan.stage_need``) still fit in the device's memory (less its reserve) beside the ones before
+    it."""
     room, held = spare.memory - spare.reserve, []
     for program in programs:
-        need = stage_bytes(doc, program)
+        need = stage_need(doc, program)
         if program.role == "stage" and program.experts is None and need <= room:
             held.append(program)
             room -= need
