@@ -48,7 +48,7 @@ def _lines(capsys) -> list[str]:
 @pytest.mark.slow  # 20-40 s; the default run keeps to its 12-minute budget, .ci/run runs it with -m slow
 def test_a_middle_stage_killed_mid_decode_under_loss_is_replaced_and_the_answer_is_exact(capsys):
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
-    sc = _scenario(events=(Event(at_s=0.4, kind="kill", nodes=("stage-1",)),), loss=0.05)
+    sc = _scenario(events=(Event(at_s=0.1, kind="kill", nodes=("stage-1",)),), loss=0.05, max_tokens=240)
     result = run_scenario(sc, run_label=label)
     assert result.matches_oracle, "the run that failed over differs from the unsplit model"
     assert [r.stage for r in result.recoveries] == [1], "stage 1 was not replaced exactly once"
@@ -59,7 +59,7 @@ def test_a_middle_stage_killed_mid_decode_under_loss_is_replaced_and_the_answer_
 
 def test_spares_exhausted_ends_the_run_with_exit_1_and_nothing_left(tmp_path):
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
-    sc = _scenario(events=(Event(at_s=0.3, kind="kill", nodes=("stage-1",)),), spares=0, max_tokens=120)
+    sc = _scenario(events=(Event(at_s=0.1, kind="kill", nodes=("stage-1",)),), spares=0, max_tokens=240)
     sc = msgspec.structs.replace(sc, fault_tolerance=msgspec.structs.replace(sc.fault_tolerance, replan=False))
     path = tmp_path / "scenario.yaml"
     path.write_bytes(msgspec.yaml.encode(sc))
@@ -82,7 +82,7 @@ def test_spares_exhausted_ends_the_run_with_exit_1_and_nothing_left(tmp_path):
 @pytest.mark.slow
 def test_with_no_spare_a_killed_stage_is_replaced_on_a_surviving_device_and_the_answer_is_exact(capsys):
     label = f"pp-test-{uuid.uuid4().hex[:8]}"
-    sc = _scenario(events=(Event(at_s=0.3, kind="kill", nodes=("stage-1",)),), spares=0, max_tokens=120)
+    sc = _scenario(events=(Event(at_s=0.1, kind="kill", nodes=("stage-1",)),), spares=0, max_tokens=240)
     result = run_scenario(sc, run_label=label)
     assert result.matches_oracle, "the run re-placed on a survivor differs from the unsplit model"
     assert [(r.stage, r.replanned) for r in result.recoveries] == [(1, True)], result.recoveries
