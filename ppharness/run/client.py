@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ppharness.errors import HarnessError, WaitTimedOut
 from ppharness.plan.stages import ENTRY
-from ppharness.run.reliable import ack_of
+from ppharness.run.reliable import StreamAcks, ack_of
 from ppharness.wire.messages import (
     Error,
     InferenceRequest,
@@ -122,6 +122,7 @@ class Client:
         self._again = _Again()
         self._refused: set[str] = set()  # ids of requests stage 0 refused as busy (each sent again under a new id)
         self._streamed_said = time.monotonic()
+        self._stream_acks = StreamAcks()
 
     def request(self, prompt: str, max_tokens: int) -> tuple[InferenceResponse, float]:
         """Send one request to pp-entry; return the response and its round trip in seconds on our clock.
@@ -279,16 +280,23 @@ class Client:
         """What the client keeps whatever the session waits for: streamed tokens and responses, acknowledged."""
         match msg:
             case StreamedToken():
-                self._ack(sender, "stream", msg.request_id, msg.position)
                 got = self.streams.setdefault(msg.request_id, {})
-                if msg.position not in got:
+                fresh = msg.position not in got
+                if fresh:
                     got[msg.position] = (msg.token_id, time.monotonic())
+                through = self._stream_acks.take(
+                    msg.request_id, msg.first, msg.position, msg.done, fresh, got.__contains__
+                )
+                if through is not None:
+                    self._ack(sender, "stream", msg.request_id, through)
+                if fresh:
                     if time.monotonic() - self._streamed_said >= STREAM_PROGRESS_S:
                         self._streamed_said = time.monotonic()
                         self.session.progress(f"decoding: {len(got)} token(s) streamed so far")
                     self.on_token()
             case InferenceResponse():
                 self._ack(sender, "response", msg.request_id, -1)
+                self._stream_acks.end(msg.request_id)
                 self.responses.setdefault(msg.request_id, msg)
 
     def _ack(self, to: str, kind: str, request_id: str, position: int) -> None:
@@ -310,6 +318,6 @@ class Client:
             if request.request_id in self.responses:
                 continue
             got = self.streams.get(request.request_id, {})
-            tokens = [got[p][0] for p in sorted(got)]
+            tokens = [got[p][0] for p in self._stream_acks.unbroken(request.request_id)]  # no token after a gap
             resume = Resume(request=request, tokens=tokens, plan_id=s.plan.plan_id, epoch=epoch)
             s.outbox.put(("resume", request.request_id, -1), "entry", resume)

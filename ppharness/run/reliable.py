@@ -1,11 +1,20 @@
 """Idempotent hops: every message that must arrive is resent until its receiver acknowledges it.
 
 A sender puts each such message in its ``Outbox`` under a key, ``(kind, request_id, position)``, that names it
-uniquely within the run's plan; the receiver answers every copy it gets with an ``Ack`` of that key and acts only on
-the first (``ppharness.run.stage`` keeps the positions it has taken). A message with no Ack in time is sent again,
+uniquely within the run's plan; the receiver answers a copy with an ``Ack`` of that key (or a later message of the
+chain stands for that Ack, below) and acts only on the first (``ppharness.run.stage`` keeps the positions it has taken). A message with no Ack in time is sent again,
 after a retransmission timeout computed as TCP does (RFC 6298: smoothed round trip plus four deviations, measured only
 on messages sent once, Karn's rule), doubled on every resend up to a ceiling, with jitter so that two senders that
 lost messages together do not resend together. A message still unacknowledged after the retry budget is given up.
+A resend's backoff stays with its target role until a round trip is measured again (RFC 6298, 5.5), so that a path
+slower than the first timeout is not resent on every message.
+
+Acks cost a message each, so the chain's own traffic stands for most of them. Positions of one request travel each
+hop in order, and a kind in ``CUMULATIVE`` is acknowledged through a position: an Ack of position p settles every
+earlier one. A decode step is taken by every stage before the next begins, so a stage that is handed position q of a
+request knows that every hop took each position before q: it settles those itself (``settle_through``) and its
+receivers acknowledge only what no later message will stand for (a prompt's prefill, a request's last token, a copy
+already taken).
 
 Targets are roles (``next``, ``entry``, ``client``...) resolved at each send, so a message queued before a spare
 replaced its receiver goes to the replacement. The outbox is polled from its owner's loop (``due_in`` and ``tick``):
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,6 +38,12 @@ if TYPE_CHECKING:
 
 Key = tuple[str, str, int]  # (kind, request_id, position)
 POLICIES = ("none", "retry", "failover")
+# Kinds sent in position order along one path and taken only in that order: an Ack of position p stands for every
+# position before it too.
+CUMULATIVE = frozenset({"activation", "token", "stream"})
+BACKOFF_MAX = 2**10
+STREAM_ACK_EVERY = 8  # new positions of a stream acknowledged at once (its last, and any copy, at once)
+STREAMS_KEPT = 1024  # streams a receiver keeps track of, and ended ones it remembers, at most
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,7 @@ class _Pending:
     due: float  # when it is sent again
     sends: int = 1
     address: str = ""  # where it last went (an Ack must come from there)
+    backoff: int = 1  # the multiple of the role's timeout it waits now
 
 
 @dataclass
@@ -64,8 +81,10 @@ class _Rto:
 
     srtt: float | None = None
     rttvar: float = 0.0
+    backoff: int = 1  # a resend's doubling, kept for the role's next messages until a round trip is measured
 
     def sample(self, rtt: float) -> None:
+        self.backoff = 1
         if self.srtt is None:
             self.srtt, self.rttvar = rtt, rtt / 2
         else:
@@ -104,8 +123,13 @@ class Outbox:
         return self._transmit(item, now, first=True)
 
     def _transmit(self, item: _Pending, now: float, first: bool) -> Sent | None:
-        backoff = 1 if first else 2 ** min(item.sends - 1, 30)
-        wait = min(self.rto.setdefault(item.role, _Rto()).timeout(self.policy) * backoff, self.policy.max_s)
+        rto = self.rto.setdefault(item.role, _Rto())
+        if first:
+            item.backoff = rto.backoff
+        else:
+            item.backoff = min(BACKOFF_MAX, item.backoff * 2)
+            rto.backoff = max(rto.backoff, item.backoff)
+        wait = min(rto.timeout(self.policy) * item.backoff, self.policy.max_s)
         wait *= 1 + self.policy.jitter * (2 * self.rng.random() - 1)
         item.due = now + wait
         address = self.resolve(item.role)
@@ -118,8 +142,32 @@ class Outbox:
             return None  # the peer is gone or unreachable: the next resend tries again, maybe at a replacement
 
     def ack(self, sender: str, msg: Ack) -> bool:
-        """Take an Ack; True when it settled a pending message (from the address that message last went to)."""
+        """Take an Ack; True when it settled a pending message (from the address that message last went to). An
+        Ack of a ``CUMULATIVE`` kind settles every earlier position of its request too."""
+        if msg.kind in CUMULATIVE:
+            return self.settle_through(msg.kind, msg.request_id, msg.position + 1, sender) > 0
         return self.settle((msg.kind, msg.request_id, msg.position), sender)
+
+    def settle_through(self, kind: str, request_id: str, below: int, sender: str | None = None) -> int:
+        """Settle every pending ``kind`` of ``request_id`` at a position before ``below``; how many. ``sender``: they
+        are answered by its Ack (only those that last went to that address); None: the chain's progress stands for
+        their Acks (a later position of the request came round, which it does only once every hop took these).
+        The oldest of them sent once measures the round trip: it waited longest for what settled it."""
+        keys = [
+            key
+            for key, item in self.pending.items()
+            if key[0] == kind and key[1] == request_id and key[2] < below and sender in (None, item.address)
+        ]
+        if not keys:
+            return 0
+        oldest = min(
+            (self.pending[k] for k in keys if self.pending[k].sends == 1), key=lambda p: p.sent_at, default=None
+        )
+        if oldest is not None:
+            self.rto.setdefault(oldest.role, _Rto()).sample(self.clock() - oldest.sent_at)
+        for key in keys:
+            del self.pending[key]
+        return len(keys)
 
     def settle(self, key: Key, sender: str) -> bool:
         """``key`` is answered by ``sender``, as by its Ack (an answer that stands for one: an ExpertResult); True
@@ -169,6 +217,56 @@ class Outbox:
             self.on_resend(key, item.role)
             item.msg = self.stamp(item.msg)
             self._transmit(item, now, first=False)
+
+
+@dataclass
+class _Run:
+    first: int  # the stream's first position
+    through: int  # every position from ``first`` up to this one arrived
+    acked: int  # acknowledged through this position
+
+
+class StreamAcks:
+    """The receiving end of a ``CUMULATIVE`` stream that no later message stands for (a request's tokens at the
+    client). Positions are acknowledged through the end of the unbroken run from the stream's first: every ``every``
+    new ones, at once for the stream's last, and at once for a copy (its sender is resending, so it missed an Ack).
+    A stream that ``end``-ed (its whole answer arrived) has every copy acknowledged through its position."""
+
+    def __init__(self, every: int = STREAM_ACK_EVERY, kept: int = STREAMS_KEPT):
+        self.every, self.kept = every, kept
+        self.runs: OrderedDict[str, _Run] = OrderedDict()
+        self.ended: OrderedDict[str, None] = OrderedDict()
+
+    def take(
+        self, request_id: str, first: int, position: int, done: bool, fresh: bool, have: Callable[[int], bool]
+    ) -> int | None:
+        """A position of ``request_id``'s stream arrived (``fresh``: for the first time; ``have(p)``: whether
+        position p has); the position to acknowledge through now, or None."""
+        if request_id in self.ended:
+            return position
+        run = self.runs.get(request_id)
+        if run is None:
+            start = max(0, min(first, position))
+            run = self.runs[request_id] = _Run(start, start - 1, start - 1)
+            while len(self.runs) > self.kept:
+                self.runs.popitem(last=False)
+        while have(run.through + 1):
+            run.through += 1
+        if run.through < run.first or (fresh and not done and run.through < run.acked + self.every):
+            return None
+        run.acked = run.through
+        return run.through
+
+    def unbroken(self, request_id: str) -> range:
+        """The positions of the stream's unbroken run from its first (empty: none yet)."""
+        run = self.runs.get(request_id)
+        return range(0) if run is None else range(run.first, run.through + 1)
+
+    def end(self, request_id: str) -> None:
+        self.runs.pop(request_id, None)
+        self.ended[request_id] = None
+        while len(self.ended) > self.kept:
+            self.ended.popitem(last=False)
 
 
 def ack_of(kind: str, request_id: str, position: int, plan_id: str) -> Ack:

@@ -172,7 +172,12 @@ class Stage(ReplayingStage):
         hidden = self._check_activation(msg, req)
         if hidden is None:
             return
-        self._ack(self.prev_addr, "activation", msg.request_id, msg.position)
+        if msg.is_prefill:  # chunks of a prompt follow each other without a turn round the chain: acknowledged
+            self._ack(self.prev_addr, "activation", msg.request_id, msg.position)
+        elif self.reliable:  # a decode step at q: every hop took each position before q, stage 0 the token at q
+            self.outbox.settle_through("activation", msg.request_id, msg.position)
+            if self.last:
+                self.outbox.settle_through("token", msg.request_id, msg.position + 1)
         self._take_activation(msg, hidden, req, rx, live=True)
 
     def _on_next_token(self, msg: NextToken, rx: Received | None) -> None:
@@ -190,8 +195,10 @@ class Stage(ReplayingStage):
         if msg.position != req.next_position:
             self.log(f"stage 0: dropped NextToken at position {msg.position}, expected {req.next_position}")
             return
-        self._ack(self.exit_addr, "token", msg.request_id, msg.position)
-        if msg.done:
+        if self.reliable:  # the token at q came round: every hop took each position before q
+            self.outbox.settle_through("activation", msg.request_id, msg.position)
+        if msg.done:  # no later activation will stand for this Ack at the last stage
+            self._ack(self.exit_addr, "token", msg.request_id, msg.position)
             if self.tracer:
                 self.tracer.begin(req.request_id)
                 self._trace_rx(step, rx)
@@ -521,7 +528,12 @@ class Stage(ReplayingStage):
                 self._send(("token", req.request_id, position), "entry", msg, step, now_ns())
         if self.reliable or req.stream:
             streamed = StreamedToken(
-                request_id=req.request_id, token_id=token, position=position, done=done, plan_id=self.plan_id
+                request_id=req.request_id,
+                token_id=token,
+                position=position,
+                done=done,
+                plan_id=self.plan_id,
+                first=req.prompt_tokens,
             )
             self._send(("stream", req.request_id, position), "client:" + req.reply_to, streamed)
         if reason is not None:

@@ -379,6 +379,8 @@ class StageState(ABC):
             )
             return
         self._ack(self.prev_addr, "close", msg.request_id, -1)
+        if self.reliable:  # stage 0 had the last token: every hop took every position
+            self.outbox.settle_through("activation", msg.request_id, 2**62)
         if msg.request_id not in self.reqs:
             return  # a copy of one already taken, or of a request this stage never saw (its open was refused)
         self._finish(msg.request_id)

@@ -262,6 +262,7 @@ class StreamedToken(_Msg, frozen=True):
     position: int
     done: bool
     plan_id: str
+    first: int = 0  # the position of the request's first sampled token (where its stream starts)
 
 
 class Replay(_Msg, frozen=True):
