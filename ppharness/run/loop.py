@@ -27,6 +27,7 @@ from ppharness.seams.transport import Received
 from ppharness.wire.messages import Message
 
 POLL_S = 0.2  # the longest a turn waits for a message before it looks at the timers and checks again
+CHECK_S = 0.02  # the checks run at most this often: a busy stream of messages does not poll every process per message
 DRAIN = 256  # a batched stage's loop: messages already waiting that a turn takes before the actors work
 
 Handler = Callable[[str, Message, Received | None], bool]  # True: the wait is over
@@ -61,6 +62,7 @@ class Loop:
         self.drain = drain  # messages already waiting that a turn also takes (a batched stage's loop: DRAIN)
         self.timers: list[Timed] = []
         self.checks: list[Callable[[], None]] = []
+        self._checked = -float("inf")  # when the checks last ran
         self.workers: list[Worker] = []
         self.mail: deque[tuple[str, Message, Received | None]] = deque()  # delivered before the transport's
         self._kept: list[tuple[str, Message, Received | None]] = []  # what the outermost wait forwarded: mail after it
@@ -107,11 +109,15 @@ class Loop:
         return max(0.0, min(dues)) if dues else None
 
     def tick(self) -> None:
-        """Run the timers that are due and the checks (which raise to end the wait)."""
+        """Run the timers that are due and, at most every ``CHECK_S``, the checks (which raise to end the wait)."""
         for timer in list(self.timers):
             due = timer.due_in()
             if due is not None and due <= 0:
                 timer.tick()
+        now = time.monotonic()
+        if now - self._checked < CHECK_S:
+            return
+        self._checked = now
         for check in list(self.checks):
             check()
 
