@@ -2,12 +2,12 @@
 
 A sender puts each such message in its ``Outbox`` under a key, ``(kind, request_id, position)``, that names it
 uniquely within the run's plan; the receiver answers a copy with an ``Ack`` of that key (or a later message of the
-chain stands for that Ack, below) and acts only on the first (``ppharness.run.stage`` keeps the positions it has taken). A message with no Ack in time is sent again,
-after a retransmission timeout computed as TCP does (RFC 6298: smoothed round trip plus four deviations, measured only
-on messages sent once, Karn's rule), doubled on every resend up to a ceiling, with jitter so that two senders that
-lost messages together do not resend together. A message still unacknowledged after the retry budget is given up.
-A resend's backoff stays with its target role until a round trip is measured again (RFC 6298, 5.5), so that a path
-slower than the first timeout is not resent on every message.
+chain stands for that Ack, below) and acts only on the first (``ppharness.run.stage`` keeps the positions it has
+taken). A message with no Ack in time is sent again, after a retransmission timeout computed as TCP does (RFC 6298:
+smoothed round trip plus four deviations, measured only on messages sent once, Karn's rule), doubled on every resend
+up to a ceiling, with jitter so that two senders that lost messages together do not resend together. A message still
+unacknowledged after the retry budget is given up. A resend's backoff stays with its target role until a round trip
+is measured again (RFC 6298, 5.5), so that a path slower than the first timeout is not resent on every message.
 
 Acks cost a message each, so the chain's own traffic stands for most of them. Positions of one request travel each
 hop in order, and a kind in ``CUMULATIVE`` is acknowledged through a position: an Ack of position p settles every
