@@ -41,6 +41,7 @@ POLICIES = ("none", "retry", "failover")
 # Kinds sent in position order along one path and taken only in that order: an Ack of position p stands for every
 # position before it too.
 CUMULATIVE = frozenset({"activation", "token", "stream"})
+EVERY_POSITION = 2**62  # ``settle_through``'s bound that settles all of a request's positions
 BACKOFF_MAX = 2**10
 STREAM_ACK_EVERY = 8  # new positions of a stream acknowledged at once (its last, and any copy, at once)
 STREAMS_KEPT = 1024  # streams a receiver keeps track of, and ended ones it remembers, at most
@@ -158,16 +159,18 @@ class Outbox:
             for key, item in self.pending.items()
             if key[0] == kind and key[1] == request_id and key[2] < below and sender in (None, item.address)
         ]
-        if not keys:
-            return 0
-        oldest = min(
-            (self.pending[k] for k in keys if self.pending[k].sends == 1), key=lambda p: p.sent_at, default=None
-        )
-        if oldest is not None:
+        self._settle(keys)
+        return len(keys)
+
+    def _settle(self, keys: list[Key]) -> None:
+        """Forget ``keys``; the oldest of them sent once measures the round trip (Karn: a resent message's Ack may
+        answer any copy, so it says nothing of the round trip)."""
+        once = [self.pending[k] for k in keys if self.pending[k].sends == 1]
+        if once:
+            oldest = min(once, key=lambda p: p.sent_at)
             self.rto.setdefault(oldest.role, _Rto()).sample(self.clock() - oldest.sent_at)
         for key in keys:
             del self.pending[key]
-        return len(keys)
 
     def settle(self, key: Key, sender: str) -> bool:
         """``key`` is answered by ``sender``, as by its Ack (an answer that stands for one: an ExpertResult); True
@@ -175,9 +178,7 @@ class Outbox:
         item = self.pending.get(key)
         if item is None or sender != item.address:
             return False
-        if item.sends == 1:  # Karn: a resent message's Ack may answer any copy, so it says nothing of the round trip
-            self.rto.setdefault(item.role, _Rto()).sample(self.clock() - item.sent_at)
-        del self.pending[key]
+        self._settle([key])
         return True
 
     def drop(self, keep: Callable[[Key, str], bool]) -> None:

@@ -174,10 +174,11 @@ class Stage(ReplayingStage):
             return
         if msg.is_prefill:  # chunks of a prompt follow each other without a turn round the chain: acknowledged
             self._ack(self.prev_addr, "activation", msg.request_id, msg.position)
-        elif self.reliable:  # a decode step at q: every hop took each position before q, stage 0 the token at q
-            self.outbox.settle_through("activation", msg.request_id, msg.position)
+        elif self.reliable:  # a decode step at q: stage 0 took the token at q, every hop each position before q
             if self.last:
                 self.outbox.settle_through("token", msg.request_id, msg.position + 1)
+            else:
+                self.outbox.settle_through("activation", msg.request_id, msg.position)
         self._take_activation(msg, hidden, req, rx, live=True)
 
     def _on_next_token(self, msg: NextToken, rx: Received | None) -> None:

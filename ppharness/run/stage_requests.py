@@ -25,7 +25,7 @@ import msgspec
 from ppharness.errors import HarnessError, StageError
 from ppharness.model.hidden import Hidden
 from ppharness.plan.stages import ENTRY, EXIT, stage_name
-from ppharness.run.reliable import Key, Outbox, RetryPolicy
+from ppharness.run.reliable import EVERY_POSITION, Key, Outbox, RetryPolicy
 from ppharness.seams.transport import Received, Transport
 from ppharness.trace.tracer import Tracer, now_ns
 from ppharness.wire.messages import (
@@ -380,7 +380,7 @@ class StageState(ABC):
             return
         self._ack(self.prev_addr, "close", msg.request_id, -1)
         if self.reliable:  # stage 0 had the last token: every hop took every position
-            self.outbox.settle_through("activation", msg.request_id, 2**62)
+            self.outbox.settle_through("activation", msg.request_id, EVERY_POSITION)
         if msg.request_id not in self.reqs:
             return  # a copy of one already taken, or of a request this stage never saw (its open was refused)
         self._finish(msg.request_id)
