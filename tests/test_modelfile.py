@@ -109,8 +109,8 @@ def test_cache_name_differs_per_weight_type():
 
 
 def test_weight_type_is_checked():
-    with pytest.raises(ModelError, match="unknown weight type 'q5_k': expected one of f16, q8_0, q4_0"):
-        ModelSpec(type="q5_k")
+    with pytest.raises(ModelError, match="unknown weight type 'q3_k': expected one of f16, q8_0, q4_0"):
+        ModelSpec(type="q3_k")
     with pytest.raises(ModelError, match="blocks of 32"):
         ModelSpec(dim=48, heads=4, kv_heads=2, type="q8_0")
     assert ModelSpec(dim=48, heads=4, kv_heads=2).type == "f16"

@@ -1,7 +1,9 @@
 """Quantised synthetic models (Q8_0, Q4_0): the file really holds those formats, each block is what the format says,
 the weights stay close to the f16 model of the same seed, and splits of the quantised model equal its unsplit model
 bit for bit: tokens and every stage-boundary hidden state (in one process, and on real pp-node processes over ZeroMQ
-with marker ``local``)."""
+with marker ``local``). The other weight types (bf16, f32, q4_1 and the K-quants q4_k, q5_k, q6_k) in the file: each
+matrix in its type, the Q4_K_M / Q5_K_M mix or the documented fallback, close to the f16 model, and the K-quant
+quantisers of ``ppharness.model.quantize`` read back by ``gguf``'s own dequantiser."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ppharness.errors import ModelError
 from ppharness.model.files import synthetic_path
-from ppharness.model.spec import PRESETS, ModelSpec
+from ppharness.model.quantize import quantize_k
+from ppharness.model.spec import PRESETS, ModelSpec, file_bytes, parse_synthetic
 from ppharness.model.synthetic import make_synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,6 +147,164 @@ def test_q8_0_reference_on_hand_made_blocks():
     q = np.frombuffer(out[36:], dtype=np.int8)
     assert abs(float(d) - 8 / 127) < 1e-4
     assert q[0] == -127 and q[-1] == round(7.5 * 127 / 8)
+
+
+# --- the other weight types: bf16, f32, q4_1 and the K-quants, in the file ------------------------------------------
+
+NEW_TYPES = ("bf16", "f32", "q4_1", "q4_k", "q5_k", "q6_k")
+FILE_TYPES = {
+    "bf16": "MOSTLY_BF16",
+    "f32": "ALL_F32",
+    "q4_1": "MOSTLY_Q4_1",
+    "q4_k": "MOSTLY_Q4_K_M",
+    "q5_k": "MOSTLY_Q5_K_M",
+    "q6_k": "MOSTLY_Q6_K",
+}
+# rows of 256 (the embedding, the head, attn_q/k/v, ffn_gate/up) and 512 (ffn_down) hold K-quant super-blocks; the
+# attention output's rows of 4 x 36 = 144 are not a multiple of 32, so every quantised type stores it as F16; 2 blocks:
+# llama.cpp's use_more_bits picks block 1, not block 0
+K_SPEC = ModelSpec(blocks=2, dim=256, ffn=512, heads=4, kv_heads=2, head_dim=36, vocab=300, seed=3)
+# ggml type -> (elements whose max |x| bounds an element's error, that error in units of the max, the bound on
+# ||deq - x|| / ||x|| over a tensor). Q4_1: half a step of (max - min) / 15, plus the f16 rounding of scale and min.
+# The K-quants cover each sub-block without clipping, so an element is within half its sub-block's step; with A the
+# super-block's max |x|: Q4_K's step is at most (2A + dmin) / 15 rounded up to a multiple of d, dmin <= A / 63 and
+# d <= the largest step / 63 (each rounded up to f16): half a step <= A (2 + 1/63) / 15 * (64/63) / 2 = 0.0683 A;
+# Q5_K the same over 31 levels: 0.0331 A; Q6_K's step is at most A / 31 rounded up to a multiple of d <= A / (31 * 127):
+# half of it <= A / 62 * 128/127 = 0.0163 A. BF16 rounds each element to 8 significant bits (half an ulp: 2^-8 of it).
+TYPE_BOUNDS = {
+    "F32": (1, 0.0, 0.0),
+    "F16": (1, 0.0, 0.0),
+    "BF16": (1, 2.0**-8, 0.004),
+    "Q8_0": (32, *BOUNDS["q8_0"]),
+    "Q4_1": (32, 1.05 / 15, 0.1),
+    "Q4_K": (256, 0.0683, 0.1),
+    "Q5_K": (256, 0.0331, 0.06),
+    "Q6_K": (256, 0.0163, 0.03),
+}
+
+
+@pytest.fixture(scope="module")
+def typed_files(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """(spec, weight type) -> file, for SMALL (rows of 64 and 96) and K_SPEC in f16 and every new type."""
+    root = tmp_path_factory.mktemp("types")
+    return {
+        (label, t): make_synthetic(replace(spec, type=t), root / f"{label}-{t}.gguf")
+        for label, spec in (("small", SMALL), ("k", K_SPEC))
+        for t in ("f16", *NEW_TYPES)
+    }
+
+
+def _expected_type(wtype: str, label: str, name: str) -> str:
+    """The type the synthetic writer's docstring promises for matrix ``name`` of SMALL or K_SPEC."""
+    main = {"bf16": "BF16", "f32": "F32", "q4_1": "Q4_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}[wtype]
+    if wtype in ("bf16", "f32"):
+        return main
+    if label == "small":  # rows of 64 and 96: multiples of 32 but not of 256
+        return "Q4_1" if wtype == "q4_1" else "Q8_0"
+    if name.endswith("attn_output.weight"):  # rows of 144
+        return "F16"
+    mixed = name in ("output.weight", "blk.1.attn_v.weight", "blk.1.ffn_down.weight")
+    return "Q6_K" if wtype in ("q4_k", "q5_k") and mixed else main
+
+
+@pytest.mark.parametrize("label", ["small", "k"])
+@pytest.mark.parametrize("wtype", NEW_TYPES)
+def test_each_matrix_is_in_its_type_the_k_quant_mix_or_the_fallback(typed_files, wtype, label):
+    """The file states its llama.cpp file type; every matrix is in the weight type, except as documented: q4_k and
+    q5_k store the head and block 1's attn_v and ffn_down as Q6_K (Q4_K_M, Q5_K_M), a K-quant row not a multiple of
+    256 is Q8_0, a quantised row not a multiple of 32 is F16; norms stay F32, as in the f16 file; ``file_bytes`` is
+    the tensors' bytes."""
+    import gguf
+
+    path = typed_files[(label, wtype)]
+    reader = gguf.GGUFReader(str(path))
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType[FILE_TYPES[wtype]]
+    f16 = _tensors(typed_files[(label, "f16")])
+    assert [t.name for t in reader.tensors] == list(f16), "same tensors, same order as the f16 file"
+    for t in reader.tensors:
+        assert [int(d) for d in t.shape] == [int(d) for d in f16[t.name].shape], t.name
+        if len(t.shape) == 2:
+            assert t.tensor_type.name == _expected_type(wtype, label, t.name), t.name
+        else:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32, t.name
+            assert np.array_equal(np.asarray(t.data), np.asarray(f16[t.name].data)), t.name
+    spec = replace(SMALL if label == "small" else K_SPEC, type=wtype)
+    assert file_bytes(spec) == sum(int(t.n_bytes) for t in reader.tensors)
+
+
+@pytest.mark.parametrize("label", ["small", "k"])
+@pytest.mark.parametrize("wtype", NEW_TYPES)
+def test_new_types_dequantise_close_to_the_f16_model(typed_files, wtype, label):
+    """Each matrix, read back through ``gguf``'s dequantiser, is the f16 model's within its type's bounds
+    (TYPE_BOUNDS): per element, in units of its block's max |x|, and over the tensor."""
+    f16 = _tensors(typed_files[(label, "f16")])
+    for name, t in _tensors(typed_files[(label, wtype)]).items():
+        if len(t.shape) != 2:
+            continue
+        block, per_element, relative = TYPE_BOUNDS[t.tensor_type.name]
+        got, want = _rows(t), _rows(f16[name])
+        blocks_want = want.reshape(-1, block)
+        err = np.abs(got.reshape(-1, block) - blocks_want)
+        amax = np.abs(blocks_want).max(axis=1, keepdims=True)
+        assert (err <= per_element * amax + 1e-7).all(), f"{name}: max error {float((err / amax).max()):.4f} x amax"
+        rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        assert rel <= relative, f"{name} ({t.tensor_type.name}): relative error {rel:.4f}"
+        assert (rel > 0) == (relative > 0), f"{name} ({t.tensor_type.name}): relative error {rel:.4f}"
+
+
+def _hard_rows() -> np.ndarray:
+    """Rows of 1024 as the writer hands them over (float16 values): normal weights, and super-blocks that test the
+    edges: all zero, all one negative value, all one positive value, one outlier among small values, all positive,
+    and values too small for a normal float16 scale."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((12, 1024), dtype=np.float32) * 0.05
+    x[0, :256] = 0
+    x[1, :256] = -0.37
+    x[2, :256] = 0.81
+    x[3, 256:512] *= 0.01
+    x[3, 300] = 20.0
+    x[4, :256] = np.abs(x[4, :256]) + 0.5
+    x[5, 512:768] *= 1e-4
+    return x.astype(np.float16).astype(np.float32)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quantisers_round_trip_through_ggufs_dequantiser(ggml_type):
+    """``quantize_k`` writes ggml's blocks: ``gguf.quants.dequantize`` (the format's authority in Python) reads back
+    every element within half its sub-block's step (TYPE_BOUNDS, per 256-element super-block); a zero super-block
+    reads back as zeros; the bytes are deterministic and shaped as ``gguf.quants.quantize`` shapes its types; a row
+    that is not a multiple of 256 is refused."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    block_elements, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    x = _hard_rows()
+    raw = quantize_k(x, ggml_type)
+    assert raw.dtype == np.uint8 and raw.shape == (12, 1024 // block_elements * block_bytes)
+    assert np.array_equal(raw, quantize_k(x.astype(np.float16), ggml_type)), "deterministic, any float dtype"
+    got = gguf.quants.dequantize(raw, qtype).reshape(x.shape)
+    _, per_element, relative = TYPE_BOUNDS[ggml_type]
+    err = np.abs(got - x).reshape(-1, 256)
+    amax = np.abs(x).reshape(-1, 256).max(axis=1, keepdims=True)
+    assert (err <= per_element * amax + 1e-9).all(), f"max error {float((err / amax).max()):.4f} x amax"
+    assert not got[0, :256].any(), "a zero super-block reads back as zeros"
+    assert float(np.linalg.norm(got - x) / np.linalg.norm(x)) < relative
+    # 3-D (experts) as 2-D: the blocks run along the last axis
+    assert np.array_equal(quantize_k(x.reshape(3, 4, 1024), ggml_type).reshape(raw.shape), raw)
+    with pytest.raises(ValueError, match="blocks of 256"):
+        quantize_k(x[:, :288], ggml_type)
+
+
+def test_k_quant_types_are_specs_everywhere_and_keep_a_32_block_width():
+    """``type=q4_k`` and the rest parse in a ``synthetic:`` source; a quantised spec still needs widths that divide by
+    32 (the Q8_0 fallback's blocks), which the refusal says with the fix."""
+    assert parse_synthetic("synthetic:tiny,type=Q4_K").type == "q4_k"
+    assert parse_synthetic("synthetic:small,type=q6_k").type == "q6_k"
+    assert ModelSpec(dim=48, heads=4, kv_heads=2, type="bf16").type == "bf16"
+    with pytest.raises(ModelError, match="q5_k stores rows in blocks of 256, and a row of another length in Q8_0's"):
+        ModelSpec(dim=48, heads=4, kv_heads=2, type="q5_k")
+    with pytest.raises(ModelError, match=r"must be multiples of 32 \(or use type=f16, bf16 or f32\)"):
+        ModelSpec(dim=48, heads=4, kv_heads=2, type="q4_1")
 
 
 # --- the chain on the quantised tiny model -------------------------------------------------------------------------

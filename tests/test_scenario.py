@@ -299,8 +299,8 @@ def test_synthetic_weight_type(tmp_path: Path) -> None:
     s = load_scenario(_write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, seed: 0, type: q8_0}}\n"))
     assert s.model.synthetic.type == "q8_0"
     assert load_scenario(_write(tmp_path, "version: 1\n", "plain.yaml")).model.synthetic.type == "f16"
-    message = _error(_write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, type: q5_k}}\n", "bad.yaml"))
-    assert "$.model.synthetic.type" in message and "unknown weight type 'q5_k'" in message
+    message = _error(_write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, type: q3_k}}\n", "bad.yaml"))
+    assert "$.model.synthetic.type" in message and "unknown weight type 'q3_k'" in message
     assert "f16, q8_0, q4_0" in message
     message = _error(
         _write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, dim: 48, type: q4_0}}\n", "dim.yaml")

@@ -7,6 +7,10 @@ PyTorch and transformers are installed, HF transformers' greedy decode of a Llam
 (``tokens`` after a ``prompt_tokens`` prompt), time to first token cold (first request: kernels compile) and warm,
 accelerator memory per stage, the chain's per-token breakdown, and whether the chain's first tokens equal the
 single-process oracle's. Medians over ``repeats``.
+
+Beside them, optionally: llama.cpp's ``llama-bench`` on the very file the single process decodes and on copies
+``llama-quantize`` makes of it (``llamacpp.py``), and the packed-weights floor: the bytes of the file, as stored, that
+one token reads over the device's copy bandwidth measured in the same run (``packed_floor.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from ppharness.benchmarks import llamacpp as llamacpp_bench
+from ppharness.benchmarks import packed_floor as packed_bench
 from ppharness.benchmarks.chain import _scenario
 from ppharness.benchmarks.floor import BlockCost, block_cost
+from ppharness.benchmarks.llamacpp import LlamaCppRun
+from ppharness.benchmarks.packed_floor import PackedFloor
 from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
 from ppharness.model import kernels
@@ -59,6 +67,7 @@ class Contender:
     tokens_match_oracle: bool | None = None  # tokens and every stage-boundary hidden state, bit for bit
     mismatch: str = ""  # what differs, when they do not match
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # p50 per trace component (chains only)
+    error: str = ""  # a contender that failed (llama.cpp): what failed; the others' figures stand
 
     def median_tok_s(self) -> float:
         return statistics.median(self.decode_tok_s) if self.decode_tok_s else 0.0
@@ -74,6 +83,8 @@ class GpuBench:
     notes: list[str] = field(default_factory=list)
     block: BlockCost | None = None  # one decode block vs the PyTorch fp16 GEMV floor (benchmarks/floor.py)
     kernels: str = ""  # the kernel table every process compiled with (PPHARNESS_KERNELS), or tinygrad's heuristic
+    packed_floor: PackedFloor | None = None  # the file's bytes as stored per token / copy bandwidth (packed_floor.py)
+    llamacpp: list[LlamaCppRun] = field(default_factory=list)  # llama-bench on the same file (llamacpp.py)
 
 
 def prompt_of(tokenizer: Tokenizer, bos: int | None, n: int) -> str:
@@ -109,12 +120,26 @@ def run_gpu_bench(
     block: bool = True,
     batched: bool = False,
     max_batch: int = 0,
+    llamacpp: str | None = None,
+    llamacpp_types: str = "f16",
+    llamacpp_files: str = "",
+    packed: bool = True,
 ) -> GpuBench:
     """``in_flight`` above 1: each chain also serves that many requests at once (every stage keeps a KV cache per
     request), reported as a contender of its own with the aggregate decode tokens/s, and HF transformers decodes a
     batch of as many. ``batched``: the chains run batched (``serving.batched``); the single process also runs as a
     batched slice (a batch of one row: the price of batch-invariant kernels), which is then the oracle every chain's
-    answers are held to, bit for bit."""
+    answers are held to, bit for bit.
+
+    ``llamacpp``: a llama.cpp build directory; llama-bench then decodes the same file as each of ``llamacpp_types``
+    (comma-separated llama-quantize types; the file's own type is the file as it is, another is quantised once into
+    ``llamacpp_files``, default ``out_dir``), each a contender; a failure there is a failed contender, never the
+    bench's. ``packed``: the packed-weights floor (``packed_floor.py``) of the file and of each llama.cpp file."""
+    tools, types = None, []
+    if llamacpp:  # refused now, before minutes of work: the types and the tools they need
+        types = llamacpp_bench.parse_types(llamacpp_types)
+        own = llamacpp_bench.synthetic_file_type(f"synthetic:{preset}")
+        tools = llamacpp_bench.find_tools(llamacpp, need_quantize=any(t != own for t in types))
     os.environ["DEV"] = device.upper()  # this process and every stage process it starts; tinygrad, imported
     # when the first slice is built (ppharness.model.slicing), takes its device from it
 
@@ -155,6 +180,25 @@ def run_gpu_bench(
     if block:
         res.block = block_cost(f"synthetic:{preset}", path, progress=progress)
     save()
+    copy = None
+    if packed:  # never raises: a floor it cannot measure is a missing figure
+        copy = packed_bench.copy_bandwidth(device, progress=progress)
+        try:
+            res.packed_floor = packed_bench.packed_floor(f"synthetic:{preset}", path, copy)
+        except HarnessError as exc:
+            res.notes.append(f"packed floor skipped: {exc}")
+        if res.packed_floor is not None and res.packed_floor.tok_s:
+            progress(f"packed floor: {res.packed_floor.tok_s:.1f} tok/s ({copy.gb_s:.0f} GB/s device copy)")
+        save()
+    if tools is not None:  # every failure there is a failed contender (run_llamacpp catches them)
+        files = llamacpp_files or out_dir
+        res.llamacpp = llamacpp_bench.run_llamacpp(tools, path, types, files, tokens, repeats, progress)
+        for r in res.llamacpp:
+            _llamacpp_floor(r, copy)
+            if r.tok_s and one.median_tok_s():
+                r.one_process_over_llamacpp = one.median_tok_s() / r.tok_s
+            res.contenders.append(Contender(r.name, decode_tok_s=list(r.samples_tok_s), error=r.error))
+        save()
 
     for n in stage_counts:
         for kind in transports:
@@ -200,6 +244,17 @@ def run_gpu_bench(
     save()
     _plot(res, out / "gpu-bench.png")
     return res
+
+
+def _llamacpp_floor(run: LlamaCppRun, copy: packed_bench.CopyBandwidth | None) -> None:
+    """What one decode position reads of ``run``'s file, and its packed floor at ``copy``'s bandwidth."""
+    if not run.file:
+        return
+    try:
+        run.read_bytes = packed_bench.decode_read_bytes(run.file).total
+    except HarnessError:  # a file this reader refuses: no floor for it, the figures stand
+        return
+    _, run.floor_tok_s = packed_bench.floor_of(run.read_bytes, copy.gb_s if copy else None)
 
 
 def _one_process(
@@ -328,12 +383,18 @@ def report(res: GpuBench) -> str:
         f"{'device MiB per stage'}",
     ]
     for c in res.contenders:
-        warm = statistics.median(c.ttft_warm_s) if c.ttft_warm_s else float("nan")
+        if c.error:
+            lines.append(f"{c.name:<44} {'FAILED':>8} (below)")
+            continue
         match = "" if c.tokens_match_oracle is None else ("yes" if c.tokens_match_oracle else "NO")
+        if c.ttft_warm_s or c.ttft_cold_s:
+            warm = statistics.median(c.ttft_warm_s) if c.ttft_warm_s else float("nan")
+            ttft = f"{c.ttft_cold_s:>9.2f}s {warm * 1000:>8.0f}ms"
+        else:  # not measured (llama-bench times decode only)
+            ttft = f"{'-':>10} {'-':>10}"
         lines.append(
             f"{c.name:<44} {c.median_tok_s():>8.1f} {c.median_tok_s() / base if base else 0:>9.2f} "
-            f"{c.ttft_cold_s:>9.2f}s {warm * 1000:>8.0f}ms {match:>9} "
-            f"{', '.join(f'{m:.0f}' for m in c.device_mib)}"
+            f"{ttft} {match:>9} {', '.join(f'{m:.0f}' for m in c.device_mib)}"
         )
     for c in res.contenders:
         if c.breakdown_ms:
@@ -354,10 +415,48 @@ def report(res: GpuBench) -> str:
             f"PyTorch fp16 GEMV floor {floor}"
         )
         lines += [f"  floor: {b.floor_note}"] if b.floor_block_ms else []
+    if res.packed_floor is not None:
+        lines += packed_bench.report(res.packed_floor, base)
+    if res.llamacpp:
+        lines += llamacpp_report(res.llamacpp, res.tokens, base)
     if res.kernels:
         lines.append(f"kernels: {res.kernels}")
     lines += res.notes
     return "\n".join(lines)
+
+
+def llamacpp_report(runs: list[LlamaCppRun], tokens: int, one_tok_s: float) -> list[str]:
+    """llama.cpp's section of the report: a column per type, then each failure with its stderr's last lines."""
+    mib = 2**20
+
+    def row(label: str, cell: Callable[[LlamaCppRun], str | None]) -> str:
+        return f"{label:<24}" + "".join(f"{'FAILED' if r.error else cell(r) or '-':>18}" for r in runs)
+
+    def ratio(a: float | None, b: float | None) -> str | None:
+        return f"{a / b:.2f}" if a and b else None
+
+    repeats = runs[0].repeats if runs else 0
+    lines = [
+        f"\nllama.cpp on the same GGUF (llama-bench -p 0 -n {tokens} -ngl 99 -r {repeats}):",
+        f"{'':<24}" + "".join(f"{r.type:>18}" for r in runs),
+        row("tok/s (mean ± sd)", lambda r: f"{r.tok_s or 0:.1f} ± {r.stddev_tok_s or 0:.1f}"),
+        row("file MiB", lambda r: f"{r.file_bytes / mib:.0f}" + (" (quantised)" if r.quantised else "")),
+        row("MiB read per token", lambda r: f"{r.read_bytes / mib:.1f}" if r.read_bytes else None),
+        row("packed floor tok/s", lambda r: f"{r.floor_tok_s:.1f}" if r.floor_tok_s else None),
+        row("llama.cpp / floor", lambda r: ratio(r.tok_s, r.floor_tok_s)),
+        row("1-proc / llama.cpp", lambda r: ratio(one_tok_s, r.tok_s)),
+    ]
+    done = [r for r in runs if not r.error]
+    if done:
+        r = done[0]
+        lines.append(
+            f"  llama.cpp build {r.build or '?'}, backends {r.backends or '?'}, {r.gpu_info or 'no GPU named'}; "
+            f"1-proc: tinygrad, one process, {one_tok_s:.1f} tok/s on the bench's file"
+        )
+    for r in runs:
+        if r.error:
+            lines.append(f"  {r.name} FAILED: " + r.error.replace("\n", "\n    "))
+    return lines
 
 
 def _plot(res: GpuBench, path: Path) -> None:

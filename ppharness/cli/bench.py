@@ -108,6 +108,32 @@ def bench_transport(sizes: str, repeats: int, kinds: str, json_out: str | None) 
 @click.option(
     "--max-batch", type=int, default=0, show_default=True, help="serving.max_batch of the chains (0: every ready one)."
 )
+@click.option(
+    "--packed-floor/--no-packed-floor",
+    default=True,
+    show_default=True,
+    help="Also the packed-weights floor: the file's bytes one token reads over the measured device copy bandwidth.",
+)
+@click.option(
+    "--llamacpp",
+    "llamacpp",
+    default=None,
+    metavar="DIR",
+    help="A llama.cpp build directory (with llama-bench): also llama-bench on the same GGUF file.",
+)
+@click.option(
+    "--llamacpp-types",
+    default="f16",
+    show_default=True,
+    help="llama-quantize types for llama-bench, comma-separated (e.g. f16,q8_0,q4_k_m): the file's own type is the "
+    "file as it is, another is quantised once.",
+)
+@click.option(
+    "--llamacpp-files",
+    default="",
+    metavar="DIR",
+    help="Where the quantised files go (made once, reused)  [default: the --out directory]",
+)
 @click.option("--out", "out_dir", default="bench-results", show_default=True, type=click.Path(file_okay=False))
 def bench_gpu(
     device: str,
@@ -122,9 +148,15 @@ def bench_gpu(
     block: bool,
     batched: bool,
     max_batch: int,
+    packed_floor: bool,
+    llamacpp: str | None,
+    llamacpp_types: str,
+    llamacpp_files: str,
     out_dir: str,
 ) -> None:
-    """The chain on an accelerator vs single-process tinygrad and HF transformers (docs/gpu-bench.md)."""
+    """The chain on an accelerator vs single-process tinygrad, HF transformers and llama.cpp (docs/gpu-bench.md)."""
+    if not llamacpp and (llamacpp_types.strip().lower() != "f16" or llamacpp_files):
+        raise click.UsageError("--llamacpp-types and --llamacpp-files need --llamacpp DIR (a llama.cpp build)")
     with exit_1_on_failure():
         res = gpu_bench.run_gpu_bench(
             device,
@@ -141,6 +173,10 @@ def bench_gpu(
             block,
             batched,
             max_batch,
+            llamacpp=llamacpp,
+            llamacpp_types=llamacpp_types,
+            llamacpp_files=llamacpp_files,
+            packed=packed_floor,
         )
     click.echo(gpu_bench.report(res))
     click.echo(f"\nwritten: {out_dir}/gpu-bench.json, {out_dir}/gpu-bench.png")

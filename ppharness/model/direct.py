@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # tinygrad is imported when a step is built, not with this mo
     from tinygrad.device import Buffer
     from tinygrad.tensor import Tensor
 
+    from ppharness.model.packed import Packed
     from ppharness.model.slicing import ModelSlice
 
 
@@ -118,16 +119,25 @@ class DecodeLinear:
     by the largest of 16, 8, 4, 2 that divides them, each row's sum left in input order. tinygrad's heuristic leaves a
     matrix-vector product of fewer than 1024 rows one dependent chain of additions, and BEAM would pick by timing,
     which can differ between processes and machines; fixed options keep a block's kernels the same in every slice,
-    process and machine. Other devices and prefills (more than one position) keep tinygrad's own choice."""
+    process and machine. Other devices and prefills (more than one position) keep tinygrad's own choice.
+
+    The weight is a float16 tensor, or a matrix kept as the file packs it (``ppharness.model.packed.Packed``): then
+    the product unpacks it inside its own kernel, multiplies in float32 and rounds the output to float16."""
 
     def __init__(self, linear: Any):
-        self.weight: Tensor = linear.weight
+        self.weight: Tensor | Packed = linear.weight
         self.bias: Tensor | None = linear.bias
 
     def __call__(self, x: Tensor) -> Tensor:
         from tinygrad.codegen.opt import Opt, OptOps
 
-        y = x.linear(self.weight.transpose(), self.bias)
+        from ppharness.model.packed import Packed
+
+        if isinstance(self.weight, Packed):
+            bias = None if self.bias is None else self.bias.float()
+            y = x.float().linear(self.weight.values().transpose(), bias).cast(x.dtype)
+        else:
+            y = x.linear(self.weight.transpose(), self.bias)
         rows = int(self.weight.shape[0])
         upcast = next((n for n in (16, 8, 4, 2) if rows % n == 0), 0)
         if x.shape[-2] != 1 or not upcast or not on_cpu(self.weight.device) or compiling_invariant():

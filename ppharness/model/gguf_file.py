@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -18,6 +18,9 @@ from ppharness.model.config import ModelConfig
 from ppharness.model.gguf_header import GGML_TYPES, GGUFContents, read_gguf
 from ppharness.model.support import check_file
 from ppharness.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from ppharness.model.packed import Packed
 
 
 class GGUFFile:
@@ -74,6 +77,31 @@ class GGUFFile:
                 "— download or convert the model again"
             ) from None
 
+    def packed(self, name: str, rows: list[int] | None = None) -> Packed | None:
+        """A matrix kept as the file packs it, on tinygrad's default device (``ppharness.model.packed``), in the
+        blocks' (out, in) layout (``Architecture.file_tensor``'s row order); ``rows`` as ``tensor``'s. None for a
+        tensor whose type is held as float16 (F16, F32) or that is not a matrix."""
+        from ppharness.model.packed import Packed, held_type, packs
+
+        t = self._tensor(name)
+        held_type(int(t.tensor_type), name)
+        if not packs(int(t.tensor_type)) or len(t.shape) < 2:
+            return None
+        shape = tuple(int(d) for d in reversed(t.shape))
+        data = np.asarray(t.data)
+        if rows is not None:
+            self._check_rows(name, shape, rows)
+            data = data.reshape(shape[0], *data.shape[-(len(shape) - 1) :])[rows]
+            shape = (len(rows), *shape[1:])
+        try:  # the architecture's row order: rows hold whole blocks, so reordering rows of bytes reorders the matrix
+            data = self.config.architecture.file_tensor(self.config, name, data)
+        except ValueError:
+            raise ModelError(
+                f"{self.path}: tensor {name} of shape {list(shape)} does not fit the model the metadata describes "
+                "— download or convert the model again"
+            ) from None
+        return Packed.of(data, int(t.tensor_type), shape)
+
     def tensor_f32(self, name: str) -> NDArray[np.float32]:
         """One tensor as float32 in tinygrad's (out, in) layout, its values as the file stores them (an F32 tensor
         exactly), for what a block computes in float32 (``Architecture.f32_tensors``: a router and the norm before
@@ -85,21 +113,31 @@ class GGUFFile:
         float32; ``rows`` as ``tensor``'s."""
         import gguf
 
-        try:
-            t = self._tensors[name]
-        except KeyError:
-            raise ModelError(f"{self.path}: tensor {name!r} is missing") from None
+        t = self._tensor(name)
         shape = tuple(int(d) for d in reversed(t.shape))
         data = np.asarray(t.data)  # the element shape (quantised: the last dimension in bytes)
         if rows is not None:
-            if any(not 0 <= r < shape[0] for r in rows):
-                raise ModelError(f"{self.path}: tensor {name!r} has {shape[0]} rows; asked for rows {rows}")
+            self._check_rows(name, shape, rows)
             data = data.reshape(shape[0], *data.shape[-(len(shape) - 1) :])[rows]
             shape = (len(rows), *shape[1:])
         if t.tensor_type not in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32):
             data = gguf.quants.dequantize(data, t.tensor_type)
         out: NDArray[np.float16] | NDArray[np.float32] = data.reshape(shape)
         return out
+
+    def _tensor(self, name: str) -> FileTensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise ModelError(f"{self.path}: tensor {name!r} is missing") from None
+
+    def _check_rows(self, name: str, shape: tuple[int, ...], rows: list[int]) -> None:
+        if any(not 0 <= r < shape[0] for r in rows):
+            raise ModelError(f"{self.path}: tensor {name!r} has {shape[0]} rows; asked for rows {rows}")
+
+    def tensor_type(self, name: str) -> int:
+        """The ggml type id a tensor is stored in."""
+        return int(self._tensor(name).tensor_type)
 
     def vector(self, name: str) -> NDArray[np.float32]:
         """A 1-D F32 or F16 tensor as float32 (what a router's selection bias needs: not rounded to float16)."""

@@ -35,6 +35,7 @@ from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
 from ppharness.model.kernels import pin_from_env
+from ppharness.model.packed import Packed
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -145,18 +146,15 @@ class ExpertBank:
     holds, runs that same step, and each expert's output is computed by the same kernel code at any position of the
     step, so which node computes an expert, and beside which others, never changes its bytes."""
 
-    def __init__(self, gguf_file: GGUFFile, held: Mapping[int, Iterable[int]]):
+    def __init__(self, gguf_file: GGUFFile, held: Mapping[int, Iterable[int]], weights: str = "packed"):
         from tinygrad.engine.jit import TinyJit
-        from tinygrad.tensor import Tensor
         from tinygrad.uop.ops import UOp
 
         pin_from_env()  # an expert node compiles its bank with the run's kernel table too
         cfg = gguf_file.config
         self.dim, self.ffn, self.width = cfg.dim, cfg.expert_ffn, max(1, cfg.experts_used)
         self.slots: dict[tuple[int, int], int] = {}
-        gates: list[NDArray[np.float16]] = []
-        ups: list[NDArray[np.float16]] = []
-        downs: list[NDArray[np.float16]] = []
+        parts: dict[str, list[Any]] = {"gate": [], "up": [], "down": []}
         for layer in sorted(held):
             ids = sorted({int(e) for e in held[layer]})
             if not ids:
@@ -165,17 +163,20 @@ class ExpertBank:
                 raise ModelError(f"{gguf_file.path}: block {layer} has no experts")
             if ids[-1] >= cfg.experts or ids[0] < 0:
                 raise ModelError(f"{gguf_file.path}: block {layer} has experts 0..{cfg.experts - 1}, not {ids}")
-            for kind, out in (("gate", gates), ("up", ups), ("down", downs)):
-                out.append(gguf_file.tensor(f"blk.{layer}.ffn_{kind}_exps.weight", rows=ids))
+            for kind, out in parts.items():
+                name = f"blk.{layer}.ffn_{kind}_exps.weight"
+                packed = gguf_file.packed(name, rows=ids) if weights == "packed" else None
+                out.append(packed if packed is not None else gguf_file.tensor(name, rows=ids))
             for e in ids:
                 self.slots[(layer, e)] = len(self.slots)
         self.n = len(self.slots)
         self.n_params = self.n * 3 * self.dim * self.ffn
+        self.weight_bytes = 0
         if not self.n:
             return
-        self._gate = Tensor(np.concatenate(gates)).contiguous().realize()  # (n, F, D)
-        self._up = Tensor(np.concatenate(ups)).contiguous().realize()  # (n, F, D)
-        self._down = Tensor(np.concatenate(downs)).contiguous().realize()  # (n, D, F)
+        # each stack (n, F, D) / (n, D, F): float16, or as the file packs it where every block's stack is packed
+        self._gate, self._up, self._down = (_stack(parts[k]) for k in ("gate", "up", "down"))
+        self.weight_bytes = sum(_nbytes(t) for t in (self._gate, self._up, self._down))
         top = max(self.n - 1, 1)
         self._vars = [UOp.variable(f"expert_slot_{i}", 0, top) for i in range(self.width)]
         self._jit = TinyJit(self._ffn)
@@ -185,14 +186,19 @@ class ExpertBank:
         """One row ``x`` (1, D) through the experts in ``slots``: (width, D) fp16."""
         from tinygrad.tensor import Tensor
 
-        def pick(t: Tensor) -> Tensor:
-            return Tensor.cat(*[t.shrink(((s, s + 1), None, None)) for s in slots])
+        def product(t: Tensor | Packed, col: Tensor) -> Tensor:
+            """The chosen experts' matrices (w, rows, cols) times ``col`` (cols, 1) fp16 -> (w, rows, 1) fp16; a
+            packed stack unpacked inside the product, which multiplies in float32."""
+            if isinstance(t, Packed):
+                picked = Tensor.cat(*[t.raw.shrink(((s, s + 1), None, None)) for s in slots])
+                return (t.values(picked) @ col.float()).cast(col.dtype)
+            return Tensor.cat(*[t.shrink(((s, s + 1), None, None)) for s in slots]) @ col
 
-        gate, up, down = pick(self._gate), pick(self._up), pick(self._down)  # (w,F,D), (w,F,D), (w,D,F)
         col = x.reshape(self.dim, 1)
-        act: Tensor = cast("Any", (gate @ col).reshape(self.width, self.ffn)).silu().contiguous()  # silu: unannotated
-        y = act * (up @ col).reshape(self.width, self.ffn)
-        out: Tensor = (down @ y.reshape(self.width, self.ffn, 1)).reshape(self.width, self.dim)
+        gated = product(self._gate, col).reshape(self.width, self.ffn)
+        act: Tensor = cast("Any", gated).silu().contiguous()  # silu: unannotated
+        y = act * product(self._up, col).reshape(self.width, self.ffn)
+        out: Tensor = product(self._down, y.reshape(self.width, self.ffn, 1)).reshape(self.width, self.dim)
         return out.cast("float16").contiguous()
 
     def holds(self, layer: int, expert: int) -> bool:
@@ -248,6 +254,21 @@ class ExpertBank:
         t, j = experts.shape
         pairs = [(r, int(experts[r, c])) for r in range(t) for c in range(j)]
         return self.run_pairs(layer, hidden, pairs).reshape(t, j, self.dim)
+
+
+def _stack(parts: list[Any]) -> Tensor | Packed:
+    """Blocks' expert stacks as one: packed where every one is packed in one type, else float16."""
+    from tinygrad.tensor import Tensor
+
+    if all(isinstance(p, Packed) for p in parts) and len({p.ggml_type for p in parts}) == 1:
+        raw = parts[0].raw if len(parts) == 1 else parts[0].raw.cat(*[p.raw for p in parts[1:]]).contiguous().realize()
+        return Packed(raw, parts[0].ggml_type, (int(raw.shape[0]), *parts[0].shape[1:]))
+    arrays = [p.values().cast("float16").numpy() if isinstance(p, Packed) else p for p in parts]
+    return Tensor(np.concatenate(arrays)).contiguous().realize()
+
+
+def _nbytes(t: Tensor | Packed) -> int:
+    return t.nbytes if isinstance(t, Packed) else int(t.nbytes())
 
 
 def all_experts(gguf_file: GGUFFile, lo: int, hi: int) -> dict[int, list[int]]:

@@ -34,6 +34,7 @@ from ppharness.model.direct import DecodeLinear, DirectStep, decode_context
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.kernels import pin_from_env
 from ppharness.model.moe import ExpertBank, ExpertCall, Routing, all_experts, combine, route
+from ppharness.model.packed import Packed, PackedEmbedding
 from ppharness.model.rows import BatchedRows
 
 if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this module
@@ -47,6 +48,10 @@ if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this m
 
 R = TypeVar("R")  # what a driven step returns
 
+# how a slice holds a matrix the file stores quantised or as BF16: as the file packs it, unpacked inside the kernel
+# that reads it (``ppharness.model.packed``), or dequantised to float16 at load (the engine's former way, kept to
+# measure against; F16 and F32 matrices are float16 either way)
+WEIGHTS = ("packed", "f16")
 PREFILL_STEPS = 32  # compiled prefill steps a slice keeps (one per request slot and prompt length), most recent first
 
 
@@ -105,6 +110,7 @@ class ModelSlice(BatchedRows):
         experts: Mapping[int, Iterable[int]] | None = None,
         slots: int = 1,
         batched: bool = False,
+        weights: str = "packed",
     ):
         from tinygrad import nn
         from tinygrad.engine.jit import TinyJit
@@ -115,6 +121,9 @@ class ModelSlice(BatchedRows):
         if not 0 <= lo < hi <= cfg.blocks and not (lo == hi and first and last and cfg.blocks == 0):
             raise ModelError(f"block range [{lo}, {hi}) is not inside the model's {cfg.blocks} blocks")
         self.file, self.config, self.lo, self.hi, self.first, self.last = gguf_file, cfg, lo, hi, first, last
+        if weights not in WEIGHTS:
+            raise ModelError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
+        self.weights = weights
         self.max_context = min(max_context or cfg.context, cfg.context)
         if slots < 1:
             raise ModelError(f"a slice needs at least one request slot, not {slots}")
@@ -148,8 +157,9 @@ class ModelSlice(BatchedRows):
         ] * slots  # each slot's lean call (None: not yet)
         # mixture of experts: the routed experts held here, one compiled step per block and one for the head, each
         # with its persistent decode input
-        self.bank = ExpertBank(gguf_file, all_experts(gguf_file, lo, hi) if experts is None else experts)
+        self.bank = ExpertBank(gguf_file, all_experts(gguf_file, lo, hi) if experts is None else experts, weights)
         self.n_params += self.bank.n_params
+        self.weight_bytes += self.bank.weight_bytes
         self._slot_steps = [
             [TinyJit(functools.partial(self._segment, i)) for i in range(hi - lo)] if cfg.moe else []
             for _ in range(slots)
@@ -183,7 +193,12 @@ class ModelSlice(BatchedRows):
         owned = owned_tensors(f.names(), self.lo, self.hi, self.first, self.last, self.config.tied)
         # every parameter fp16, but those the architecture computes with in fp32 (a MoE block's router and its norm)
         f32 = {local for local, name in owned.items() if self.config.architecture.keeps_f32(self.config, name)}
-        state = {local: Tensor(f.tensor_f32(name) if local in f32 else f.tensor(name)) for local, name in owned.items()}
+        packed = self._load_packed(f, owned, f32) if self.weights == "packed" else {}
+        state = {
+            local: Tensor(f.tensor_f32(name) if local in f32 else f.tensor(name))
+            for local, name in owned.items()
+            if local not in packed
+        }
         expected = nn.state.get_state_dict(self)
         missing = sorted(_file_name(k, self.lo) for k in set(expected) - set(state))
         if missing:
@@ -203,10 +218,51 @@ class ModelSlice(BatchedRows):
             p.replace(p.cast("float32" if local in f32 else "float16").contiguous())
         Tensor.realize(*params.values())
         # what this stage holds, each file tensor once; a tied head on a stage without the embedding is reported apart
-        sizes = {name: math.prod(int(d) for d in state[local].shape) for local, name in owned.items()}
+        sizes = {name: math.prod(int(d) for d in state[local].shape) for local, name in owned.items() if local in state}
+        sizes |= {owned[local]: math.prod(p.shape) for local, p in packed.items()}
         self.n_params = sum(sizes.values())
         self.tied_params = sizes["token_embd.weight"] if self.last and self.config.tied and not self.first else 0
         self.n_params -= self.tied_params
+        held = {name: p.nbytes for local, p in packed.items() for name in (owned[local],)}
+        held |= {owned[k]: v.nbytes() for k, v in params.items() if k in owned}
+        self.weight_bytes = sum(held.values())  # the device bytes of this slice's weights, each file tensor once
+
+    def _load_packed(self, f: GGUFFile, owned: dict[str, str], f32: set[str]) -> dict[str, Packed]:
+        """Every owned matrix the file stores in a packed type (``ppharness.model.packed``) that a projection or the
+        embedding reads, loaded as it is packed and put in place of the module's float16 weight; {local name:
+        Packed}. A tied head shares the embedding's bytes."""
+        from tinygrad import nn
+
+        out: dict[str, Packed] = {}
+        loaded: dict[str, Packed] = {}
+        for local, name in owned.items():
+            if local in f32 or not local.endswith(".weight"):
+                continue
+            path = local.split(".")[:-1]
+            parent, module = self._module(path[:-1]), self._module(path)
+            if not isinstance(module, (nn.Linear, DecodeLinear, nn.Embedding)):
+                continue  # read whole by its block (deepseek2's per-head k_b / v_b): held as float16
+            packed = loaded.get(name) or f.packed(name)
+            if packed is None:
+                continue
+            loaded[name] = out[local] = packed
+            if isinstance(module, nn.Embedding):
+                module = PackedEmbedding(packed)
+            else:
+                module = module if isinstance(module, DecodeLinear) else DecodeLinear(module)
+                module.weight = packed
+            if isinstance(parent, list):
+                parent[int(path[-1])] = module
+            else:
+                setattr(parent, path[-1], module)
+        return out
+
+    def _module(self, path: list[str]) -> Any:
+        """The object at a state-dict path's parts (``blk.0.attn_q`` -> ``self.blk[0].attn_q``)."""
+        obj: Any = self
+        for part in path:
+            obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part)
+        return obj
 
     def use(self, slot: int) -> None:
         """Compute in request slot ``slot`` from now on: its KV cache goes into the blocks (a slot never used before

@@ -28,13 +28,35 @@ from ppharness.model.gguf_metadata import (
 from ppharness.model.tokenizer import pre_tokenizer
 from ppharness.model.vocab import DEFAULT_TOKENIZER, special_tokens
 
-# weight type -> (the GGML type of every 2-D weight, the file's general.file_type)
+# weight type -> (the GGML type of the 2-D weights, the file's general.file_type); ``tensor_type`` says which tensors
+# are stored otherwise (the K-quant mixes, the fallbacks for rows the type's blocks do not divide)
 WEIGHT_TYPES: dict[str, tuple[str, str]] = {
     "f16": ("F16", "MOSTLY_F16"),
     "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
     "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+    "bf16": ("BF16", "MOSTLY_BF16"),
+    "f32": ("F32", "ALL_F32"),
+    "q4_1": ("Q4_1", "MOSTLY_Q4_1"),
+    "q4_k": ("Q4_K", "MOSTLY_Q4_K_M"),
+    "q5_k": ("Q5_K", "MOSTLY_Q5_K_M"),
+    "q6_k": ("Q6_K", "MOSTLY_Q6_K"),
 }
-QUANT_BLOCK = 32  # elements per Q8_0 / Q4_0 block, along a row
+# ggml type -> (elements per block along a row, bytes per block), for the types a synthetic file holds
+GGML_BLOCKS: dict[str, tuple[int, int]] = {
+    "F32": (1, 4),
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "Q8_0": (32, 34),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
+QUANT_BLOCK = 32  # elements per Q8_0 / Q4_0 / Q4_1 block, along a row: a quantised spec's widths divide by it
+# where a tensor's rows do not fit its type's blocks (a K-quant's 256, a quantised type's 32), the types it falls back
+# to, in order: as llama.cpp's quantizer falls back, but to Q8_0 for every K-quant, then to F16
+FALLBACKS = ("Q8_0", "F16")
 
 
 @dataclass(frozen=True)
@@ -101,10 +123,17 @@ class ModelSpec:
             raise ModelError(f"unknown weight type {self.type!r}: expected one of {', '.join(WEIGHT_TYPES)}")
         object.__setattr__(self, "type", wtype)
         widths = (self.dim, self.ffn, self.expert_ffn, self.shared_ffn)
-        if wtype != "f16" and any(w % QUANT_BLOCK for w in widths):
+        block = GGML_BLOCKS[WEIGHT_TYPES[wtype][0]][0]
+        if block > 1 and any(w % QUANT_BLOCK for w in widths):
+            stores = (
+                f"{wtype} stores rows in blocks of {QUANT_BLOCK}"
+                if block == QUANT_BLOCK
+                else f"{wtype} stores rows in blocks of {block}, and a row of another length in Q8_0's blocks of "
+                f"{QUANT_BLOCK}"
+            )
             raise ModelError(
-                f"{wtype} stores rows in blocks of {QUANT_BLOCK}: dim {self.dim}, ffn {self.ffn}, expert_ffn "
-                f"{self.expert_ffn} and shared_ffn {self.shared_ffn} must be multiples of {QUANT_BLOCK}"
+                f"{stores}: dim {self.dim}, ffn {self.ffn}, expert_ffn {self.expert_ffn} and shared_ffn "
+                f"{self.shared_ffn} must be multiples of {QUANT_BLOCK} (or use type=f16, bf16 or f32)"
             )
         pre_tokenizer(self.tokenizer)  # a known type
         n_special = len(special_tokens(self.tokenizer))
@@ -204,13 +233,49 @@ def _check_bounds(spec: ModelSpec) -> None:
             raise ModelError(f"synthetic model field {name} = {getattr(spec, name)!r} must be above 0")
 
 
-_BYTES_PER_WEIGHT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+# each weight type's bytes per weight in its own GGML type (a file's mix and fallbacks: ``tensor_type``)
+_BYTES_PER_WEIGHT = {t: GGML_BLOCKS[g][1] / GGML_BLOCKS[g][0] for t, (g, _) in WEIGHT_TYPES.items()}
+
+
+def _more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the first and last eighth of the blocks and every third one between."""
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def tensor_type(spec: ModelSpec, name: str, shape: tuple[int, ...]) -> str:
+    """The GGML type the synthetic writer stores tensor ``name`` of ``shape`` (tinygrad's order, the row last) in.
+
+    Vectors and the MoE routers (``ffn_gate_inp.weight``) are F32. Every other matrix is in the spec's type, except:
+    q4_k and q5_k are llama.cpp's Q4_K_M and Q5_K_M mixes, loosely: the output head (the token embedding when it is
+    tied) Q6_K, and ``attn_v`` and every ``ffn_down*`` Q6_K in the blocks llama.cpp's ``use_more_bits`` picks (the
+    first and last eighth, every third between); not llama.cpp's rules for 8-expert models. A row its type's blocks do
+    not divide falls back to Q8_0 (a K-quant's row not a multiple of 256; llama.cpp would take Q5_0 / Q5_1 for Q4_K /
+    Q5_K), then to F16 (a row not a multiple of 32, as llama.cpp does)."""
+    if len(shape) < 2 or name.endswith("ffn_gate_inp.weight"):
+        return "F32"
+    want = WEIGHT_TYPES[spec.type][0]
+    if spec.type in ("q4_k", "q5_k"):
+        head = name == "output.weight" or (spec.tied_embeddings and name == "token_embd.weight")
+        part = name.split(".")
+        mixed = len(part) > 2 and part[0] == "blk" and (part[2] == "attn_v" or part[2].startswith("ffn_down"))
+        if head or (mixed and _more_bits(int(part[1]), spec.blocks)):
+            want = "Q6_K"
+    return next(t for t in (want, *FALLBACKS) if shape[-1] % GGML_BLOCKS[t][0] == 0)
+
+
+def tensor_types(spec: ModelSpec) -> dict[str, str]:
+    """Every tensor of ``spec``'s file, name -> the GGML type it is stored in (``tensor_type``)."""
+    return {name: tensor_type(spec, name, shape) for name, shape in spec.tensors().items()}
 
 
 def file_bytes(spec: ModelSpec) -> int:
-    """About the bytes of ``spec``'s GGUF file: its matrices in ``spec.type``, its vectors in float32."""
-    per = _BYTES_PER_WEIGHT[spec.type]
-    return int(sum(math.prod(s) * (per if len(s) > 1 else 4) for s in spec.tensors().values()))
+    """About the bytes of ``spec``'s GGUF file (its tensors' data; the metadata is small): each tensor in its own
+    type (``tensor_type``)."""
+    total = 0
+    for name, shape in spec.tensors().items():
+        block, size = GGML_BLOCKS[tensor_type(spec, name, shape)]
+        total += math.prod(shape) // block * size
+    return total
 
 
 def memory_needed(spec: ModelSpec) -> int:
