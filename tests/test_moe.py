@@ -538,3 +538,30 @@ def test_routing_is_skewed(moe_file):
     assert (counts.max(-1) >= 4 * counts.min(-1)).sum() >= BLOCKS / 2, seen
     entropies = [routing_entropy([float(c) for c in row]) for row in counts]
     assert sum(entropies) / BLOCKS < math.log2(EXPERTS) - 0.1, f"entropies {entropies}; {seen}"
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-shared", "tiny-deepseek"])
+def test_one_device_step_equals_the_step_in_pieces(preset):
+    """A slice holding all its experts decodes each MoE block in one device step (routing, the chosen experts read
+    by id, the combine): every block's output at every step equals, byte for byte, the generator step that hands
+    the device's routing to an expert bank and combines what comes back — the way a stage with expert nodes runs."""
+    from ppharness.model.files import synthetic_path
+    from ppharness.model.gguf_file import GGUFFile
+    from ppharness.model.spec import parse_synthetic
+
+    f = GGUFFile(synthetic_path(parse_synthetic(f"synthetic:{preset}")))
+    blocks = f.config.blocks
+    fused = ModelSlice(f, 0, blocks, True, True, max_context=64, taps=True)
+    pieces = ModelSlice(f, 0, blocks, True, True, max_context=64, taps=True, fused=False)
+    assert fused.fused and not pieces.fused
+    prompt = [1, 7, 3, 9]
+    a, b = fused.prefill(prompt), pieces.prefill(prompt)
+    for pos in range(len(prompt), len(prompt) + 16):
+        assert a == b, f"{preset}: the tokens differ before position {pos}"
+        a, b = fused.decode([a], pos), pieces.decode([b], pos)
+        ta, tb = fused.tapped(), pieces.tapped()
+        assert sorted(ta) == sorted(tb) == list(range(blocks))
+        for block in range(blocks):
+            assert np.array_equal(np.asarray(ta[block]).view(np.uint16), np.asarray(tb[block]).view(np.uint16)), (
+                f"{preset}: block {block}'s output at position {pos} differs between one device step and pieces"
+            )

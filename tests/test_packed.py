@@ -124,10 +124,15 @@ def test_splits_of_a_packed_model_equal_the_unsplit_model_at_every_boundary(k_fi
             tok = b.decode(hidden, pos)
 
 
-def test_packed_experts_give_the_tokens_of_float16_experts(tmp_path):
+def test_packed_experts_compute_the_block_of_float16_experts(tmp_path):
+    """A MoE block whose experts are held packed gives the hidden state of the same block with its experts
+    dequantised to float16, within the float16 rounding of the weights (the routing may differ only at a near-tie;
+    these rows have none)."""
     path = make_synthetic(replace(MOE_SPEC, type="q4_1"), tmp_path / "moe.gguf")
     f = GGUFFile(path)
-    packed = ModelSlice(f, 0, MOE_SPEC.blocks, True, True, max_context=64)
-    expanded = ModelSlice(f, 0, MOE_SPEC.blocks, True, True, max_context=64, weights="f16")
+    packed = ModelSlice(f, 0, 1, True, False, max_context=64)
+    expanded = ModelSlice(f, 0, 1, True, False, max_context=64, weights="f16")
     assert packed.bank.weight_bytes * 3 < expanded.bank.weight_bytes, "the experts are held packed"
-    assert _decode(packed, [1, 2, 3], 10) == _decode(expanded, [1, 2, 3], 10)
+    a = packed.prefill([1, 2, 3, 4]).astype(np.float32)
+    b = expanded.prefill([1, 2, 3, 4]).astype(np.float32)
+    assert np.abs(a - b).max() <= 1e-2 * np.abs(b).max(), "packed experts compute another block"

@@ -50,7 +50,6 @@ from ppharness.errors import ModelError
 from ppharness.model.decoding import warm_up
 from ppharness.model.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.moe import route
 from ppharness.model.oracle import oracle_decode
 from ppharness.model.slicing import ModelSlice
 from ppharness.model.spec import PRESETS as PRESETS_BY_NAME
@@ -101,7 +100,8 @@ def project_run(path: Path, prompt: str) -> ProjectRun:
         return _runs[path, prompt]
     if path not in _models:
         f = GGUFFile(path)
-        _models[path] = ModelSlice(f, 0, f.config.blocks, True, True, MAX_CONTEXT, taps=True)
+        # in pieces (not fused), so that every block's routing is seen: the same bits (tests/test_moe.py)
+        _models[path] = ModelSlice(f, 0, f.config.blocks, True, True, MAX_CONTEXT, taps=True, fused=False)
         warm_up(_models[path])
     model = _models[path]
     cfg, last = model.config, model.config.blocks - 1
@@ -115,14 +115,13 @@ def project_run(path: Path, prompt: str) -> ProjectRun:
 
     routed: list[NDArray[np.int64]] = []  # every routing call's (rows, k) ids, in call order
 
-    def recording_route(*args: Any, **kwargs: Any) -> Any:
-        out = route(*args, **kwargs)
-        routed.append(np.asarray(out.ids))
-        return out
+    def recording_route(layer: int, logits: Any, routing: Any) -> Any:
+        routed.append(np.asarray(routing.ids))
+        return routing
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model, "tapped", recording)
-        mp.setattr(ppharness.model.slicing, "route", recording_route)
+        mp.setattr(ppharness.model.slicing, "routed", recording_route)
         result = oracle_decode(path, prompt, TOKENS, MAX_CONTEXT, model=model, boundaries=True)
     moe_blocks = sorted(cfg.moe_blocks)  # each step routes once per MoE block, in block order
     routing = {b: np.concatenate(routed[n :: len(moe_blocks)]) for n, b in enumerate(moe_blocks)}

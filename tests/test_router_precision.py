@@ -1,5 +1,5 @@
-"""The router in fp32 (``Architecture.f32_tensors``), as llama.cpp and HF route: the logits a stage feeds ``route`` at
-every MoE block and every step of a generation, against the same logits computed in numpy from the file's F32 weights
+"""The router in fp32 (``Architecture.f32_tensors``), as llama.cpp and HF route: the logits a stage routes on the device
+at every MoE block and every step of a generation, against the same logits computed in numpy from the file's F32 weights
 (read with ``gguf`` alone), for qwen3moe, qwen2moe and deepseek2 (``kimi-tiny`` cut to 3 blocks: 384 experts, 8 per
 token); the experts chosen from them; and qwen2moe's shared-expert gate, ``sigmoid(ffn_gate_inp_shexp . x)``.
 
@@ -22,7 +22,7 @@ import pytest
 from ppharness.model import slicing
 from ppharness.model.files import synthetic_path
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.moe import Routing, combine, route
+from ppharness.model.moe import Routing, route
 from ppharness.model.slicing import ModelSlice
 from ppharness.model.spec import parse_synthetic
 
@@ -93,19 +93,25 @@ def generation(preset: str) -> list[Routed]:
     routes: list[tuple[NDArray[np.float32], Routing, tuple[Any, ...], dict[str, Any]]] = []
     residuals: list[NDArray[np.float32]] = []
     layers: list[int] = []
+    # the stage's routing arguments, for ``route`` on the exact logits
+    args = (cfg.experts_used, cfg.norm_topk)
+    kwargs = {"gating": cfg.gating, "groups": cfg.expert_groups, "groups_used": cfg.groups_used}
+    kwargs["scale"] = cfg.routed_scale
+    real_combine = ModelSlice._combine
 
-    def seen_route(logits: NDArray[np.float32], *args: Any, **kwargs: Any) -> Routing:
-        routing = route(logits, *args, **kwargs)
-        routes.append((logits.copy(), routing, args, kwargs))
+    def seen_routed(layer: int, logits: NDArray[np.float32], routing: Routing) -> Routing:
+        bias = cfg.architecture.router_bias
+        extra = {"bias": f.vector(f"blk.{layer}.{bias}")} if bias and f.has(f"blk.{layer}.{bias}") else {}
+        routes.append((logits.copy(), routing, args, kwargs | extra))
         return routing
 
-    def seen_combine(h: NDArray[np.float32], *args: Any, **kwargs: Any) -> NDArray[np.float16]:
+    def seen_combine(self: ModelSlice, h: NDArray[np.float32], *rest: Any) -> NDArray[np.float16]:
         residuals.append(h.copy())
-        return combine(h, *args, **kwargs)
+        return real_combine(self, h, *rest)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(slicing, "route", seen_route)
-        mp.setattr(slicing, "combine", seen_combine)
+        mp.setattr(slicing, "routed", seen_routed)
+        mp.setattr(ModelSlice, "_combine", seen_combine)
         model = ModelSlice(f, 0, cfg.blocks, True, True, MAX_CONTEXT)
         ids = ([cfg.bos_id] if cfg.bos_id is not None else []) + f.tokenizer.encode(PROMPT)
         x: Any = ids

@@ -50,7 +50,7 @@ class DirectStep:
         """The lean call of ``model``'s captured decode step, or None where it does not apply (another device, a
         step whose input or output is not a whole host-mapped buffer)."""
         captured = model._jit.captured
-        if captured is None or model._decode_in is None or model.config.moe:
+        if captured is None or model._decode_in is None or (model.config.moe and not model.fused):
             return None
         from tinygrad.dtype import _to_np_dtype
 

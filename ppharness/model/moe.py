@@ -26,6 +26,7 @@ routing and the combine are numpy float32 element-wise arithmetic in a fixed ord
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 
     from tinygrad.device import Buffer
     from tinygrad.tensor import Tensor
-    from tinygrad.uop.ops import UOp
 
     from ppharness.model.gguf_file import GGUFFile
 
@@ -124,6 +124,111 @@ def combine(
     return (h.astype(F32) + moe).astype(F16)
 
 
+def route_on_device(
+    logits: Tensor,
+    k: int,
+    renormalise: bool,
+    gating: str = "softmax",
+    bias: Tensor | None = None,
+    groups: int = 0,
+    groups_used: int = 0,
+    scale: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """``route`` on the device: ``logits`` (T, E) float32 -> the chosen experts (T, k) int32, best first (ties to the
+    lower index), and their weights (T, k) float32; no host round trip.
+
+    Its only reductions over the experts are maxima, which are exact in any order, and its sums are written out term
+    by term (the k chosen scores; with softmax and no renormalisation, every expert's): so a row's routing has the
+    same bits whatever kernels compute it: one row or a batch, free-order or batch-invariant
+    (``ppharness.model.batch``).
+    Softmax picks by logit (the order its probabilities have) and weighs each pick ``exp(l - max)`` over the sum of
+    those of the picks (renormalised) or of every expert: ``route``'s weights up to float32 rounding."""
+    from tinygrad.dtype import dtypes
+    from tinygrad.tensor import Tensor
+
+    x = logits.float()
+    t, n = int(x.shape[0]), int(x.shape[1])
+    if gating == "sigmoid":
+        scores = cast("Any", x).sigmoid()  # sigmoid is unannotated
+        select = scores if bias is None else scores + bias.reshape(1, n)
+    elif gating == "softmax":
+        scores = (x - x.max(-1, keepdim=True)).exp()
+        select = x if bias is None else scores + bias.reshape(1, n)
+    else:
+        raise ModelError(f"unknown expert gating {gating!r}: expected softmax or sigmoid")
+    # buffers of their own: the maxima below then only compare loaded values (exp computed inside a reduction would
+    # be vectorised differently for different row counts, and a lane's exp can differ in its last bit)
+    scores, select = scores.contiguous(), select.contiguous()
+    if groups > 1:
+        size = n // groups
+        grouped = select.reshape(t, groups, size)
+        best = grouped.max(-1)
+        first = Tensor.arange(size).reshape(1, 1, size) == grouped.argmax(-1).unsqueeze(-1)
+        score = best + first.where(-math.inf, grouped).max(-1)  # (T, groups): the sum of each group's best two
+        keep = Tensor.zeros(t, groups, dtype=dtypes.bool).contiguous()
+        for _ in range(groups_used):
+            hit = Tensor.arange(groups).reshape(1, groups) == score.argmax(-1).unsqueeze(-1)
+            keep, score = keep | hit, hit.where(-math.inf, score)
+        select = keep.unsqueeze(-1).expand(t, groups, size).reshape(t, n).where(select, -math.inf)
+    ids, picked = [], []
+    for _ in range(k):
+        i = select.argmax(-1).unsqueeze(-1)  # (T, 1): the first of the largest
+        hit = Tensor.arange(n).reshape(1, n) == i
+        ids.append(i)
+        picked.append(hit.where(scores, -math.inf).max(-1, keepdim=True))  # the one score, exactly
+        select = hit.where(-math.inf, select)
+    # the chosen scores a buffer of their own, then elementwise arithmetic only (fused into the reductions above, the
+    # sum and the division were compiled differently for different row counts in batch-invariant mode)
+    weights = Tensor.cat(*picked, dim=-1).contiguous()
+    terms = [weights[:, j : j + 1] for j in range(k)]
+    if renormalise:
+        weights = weights / _sum_terms(terms).maximum(float(WEIGHTS_SUM_FLOOR)).contiguous()
+    elif gating == "softmax":  # each pick's probability: over the sum of every expert's exp(l - max)
+        weights = weights / _sum_terms([scores[:, e : e + 1] for e in range(n)]).contiguous()
+    if scale != 1.0:
+        weights = weights * scale
+    return Tensor.cat(*ids, dim=-1).cast(dtypes.int32).contiguous(), weights.contiguous()
+
+
+def _sum_terms(terms: list[Tensor]) -> Tensor:
+    """``terms[0] + terms[1] + ...``, added in that order (elementwise: no reduction whose order a kernel picks)."""
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def combine_on_device(residual: Tensor, outputs: Tensor, weights: Tensor, shared: Tensor | None = None) -> Tensor:
+    """``combine`` on the device: ``residual`` (T, D) float32, the experts' ``outputs`` (T, k, D) float16 weighted by
+    ``weights`` (T, k) float32 and summed in routing order, plus the shared experts' output (T, D) float32 -> the
+    block's output (T, D) float16. Elementwise only, so its bits do not depend on how many rows run."""
+    k = int(outputs.shape[1])
+    terms = [weights[:, j : j + 1] * outputs[:, j, :].float() for j in range(k)]
+    moe = _sum_terms(terms + ([shared] if shared is not None else []))
+    out: Tensor = (residual.float() + moe).cast("float16").contiguous()
+    return out
+
+
+def expert_ffn(gate: Tensor | Packed, up: Tensor | Packed, down: Tensor | Packed, x: Tensor, slots: Tensor) -> Tensor:
+    """One row ``x`` (1, D) float16 through the experts at ``slots`` (w,) int32 of the stacks ``gate``, ``up`` (n, F,
+    D) and ``down`` (n, D, F): (w, D) float16, each expert ``down(silu(gate x) * up x)``. The chosen experts' weights
+    are read by id (tinygrad turns the gather into direct loads: only the chosen experts' bytes are read); a packed
+    stack is unpacked inside the product, which multiplies in float32."""
+    w = int(slots.shape[0])
+
+    def product(t: Tensor | Packed, col: Tensor) -> Tensor:
+        if isinstance(t, Packed):
+            return (t.values(t.raw[slots]) @ col.float()).cast(col.dtype)
+        return t[slots] @ col
+
+    col = x.reshape(-1, 1)
+    rows, width = int(col.shape[0]), (up.shape[1] if isinstance(up, Packed) else int(up.shape[1]))
+    act: Tensor = cast("Any", product(gate, col).reshape(w, width)).silu().contiguous()  # silu: unannotated
+    y = act * product(up, col).reshape(w, width)
+    out: Tensor = product(down, y.reshape(w, width, 1)).reshape(w, rows)
+    return out.cast("float16").contiguous()
+
+
 @dataclass(frozen=True)
 class ExpertCall:
     """A MoE block's request for its routed experts: ``hidden`` (T, D) fp16 rows (the normed input of the block's
@@ -139,22 +244,24 @@ class ExpertCall:
 
 
 class ExpertBank:
-    """Routed expert FFNs of some (layer, expert) pairs, stacked on one tinygrad device.
+    """Routed expert FFNs of some (layer, expert) pairs, each block's held experts stacked on one tinygrad device (as
+    the file packs them, or float16).
 
-    One compiled step computes one row through ``width`` experts at once (the architecture's experts per token),
-    each expert a bound variable of the step; fewer experts pad with the first. Every bank of a model, whatever it
-    holds, runs that same step, and each expert's output is computed by the same kernel code at any position of the
-    step, so which node computes an expert, and beside which others, never changes its bytes."""
+    One compiled step per block computes one row through ``width`` of its experts at once (the architecture's experts
+    per token), their slots an input of the step read on the device (``expert_ffn``: the chosen experts' weights
+    read by id); fewer experts pad with the first. Every bank of a model runs that same step, and each expert's output
+    is computed by the same kernel code at any position of the step, so which node computes an expert, and beside
+    which others, never changes its bytes. A slice holding every expert of a block runs the step inside its own
+    decode step (``ModelSlice._moe_block``), with the slots the device routed to."""
 
     def __init__(self, gguf_file: GGUFFile, held: Mapping[int, Iterable[int]], weights: str = "packed"):
         from tinygrad.engine.jit import TinyJit
-        from tinygrad.uop.ops import UOp
 
         pin_from_env()  # an expert node compiles its bank with the run's kernel table too
         cfg = gguf_file.config
         self.dim, self.ffn, self.width = cfg.dim, cfg.expert_ffn, max(1, cfg.experts_used)
-        self.slots: dict[tuple[int, int], int] = {}
-        parts: dict[str, list[Any]] = {"gate": [], "up": [], "down": []}
+        self.slots: dict[tuple[int, int], int] = {}  # (layer, expert) -> its index in the block's stack
+        self._stacks: dict[int, tuple[Tensor | Packed, Tensor | Packed, Tensor | Packed]] = {}
         for layer in sorted(held):
             ids = sorted({int(e) for e in held[layer]})
             if not ids:
@@ -163,43 +270,26 @@ class ExpertBank:
                 raise ModelError(f"{gguf_file.path}: block {layer} has no experts")
             if ids[-1] >= cfg.experts or ids[0] < 0:
                 raise ModelError(f"{gguf_file.path}: block {layer} has experts 0..{cfg.experts - 1}, not {ids}")
-            for kind, out in parts.items():
-                name = f"blk.{layer}.ffn_{kind}_exps.weight"
-                packed = gguf_file.packed(name, rows=ids) if weights == "packed" else None
-                out.append(packed if packed is not None else gguf_file.tensor(name, rows=ids))
-            for e in ids:
-                self.slots[(layer, e)] = len(self.slots)
+            names = [f"blk.{layer}.ffn_{k}_exps.weight" for k in ("gate", "up", "down")]
+            gate, up, down = (_expert_stack(gguf_file, name, ids, weights) for name in names)
+            self._stacks[layer] = (gate, up, down)
+            for j, e in enumerate(ids):
+                self.slots[(layer, e)] = j
         self.n = len(self.slots)
         self.n_params = self.n * 3 * self.dim * self.ffn
-        self.weight_bytes = 0
-        if not self.n:
-            return
-        # each stack (n, F, D) / (n, D, F): float16, or as the file packs it where every block's stack is packed
-        self._gate, self._up, self._down = (_stack(parts[k]) for k in ("gate", "up", "down"))
-        self.weight_bytes = sum(_nbytes(t) for t in (self._gate, self._up, self._down))
-        top = max(self.n - 1, 1)
-        self._vars = [UOp.variable(f"expert_slot_{i}", 0, top) for i in range(self.width)]
-        self._jit = TinyJit(self._ffn)
+        self.weight_bytes = sum(_nbytes(t) for stack in self._stacks.values() for t in stack)
+        self._jits = {layer: TinyJit(functools.partial(self.rows, layer)) for layer in self._stacks}
         self._in: Tensor | None = None
+        self._slots_in: Tensor | None = None
 
-    def _ffn(self, x: Tensor, *slots: UOp) -> Tensor:
-        """One row ``x`` (1, D) through the experts in ``slots``: (width, D) fp16."""
-        from tinygrad.tensor import Tensor
+    def rows(self, layer: int, x: Tensor, slots: Tensor) -> Tensor:
+        """One row ``x`` (1, D) float16 through block ``layer``'s held experts at ``slots`` ((width,) int32):
+        (width, D) float16."""
+        return expert_ffn(*self._stacks[layer], x, slots)
 
-        def product(t: Tensor | Packed, col: Tensor) -> Tensor:
-            """The chosen experts' matrices (w, rows, cols) times ``col`` (cols, 1) fp16 -> (w, rows, 1) fp16; a
-            packed stack unpacked inside the product, which multiplies in float32."""
-            if isinstance(t, Packed):
-                picked = Tensor.cat(*[t.raw.shrink(((s, s + 1), None, None)) for s in slots])
-                return (t.values(picked) @ col.float()).cast(col.dtype)
-            return Tensor.cat(*[t.shrink(((s, s + 1), None, None)) for s in slots]) @ col
-
-        col = x.reshape(self.dim, 1)
-        gated = product(self._gate, col).reshape(self.width, self.ffn)
-        act: Tensor = cast("Any", gated).silu().contiguous()  # silu: unannotated
-        y = act * product(self._up, col).reshape(self.width, self.ffn)
-        out: Tensor = product(self._down, y.reshape(self.width, self.ffn, 1)).reshape(self.width, self.dim)
-        return out.cast("float16").contiguous()
+    def whole(self, layer: int, experts: int) -> bool:
+        """Whether the bank holds all ``experts`` of block ``layer``, expert e at slot e (what a fused step needs)."""
+        return all(self.slots.get((layer, e)) == e for e in range(experts))
 
     def holds(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self.slots
@@ -216,22 +306,23 @@ class ExpertBank:
         except KeyError:
             raise ModelError(f"expert {expert} of block {layer} is not held here") from None
 
-    def _row(self, row: NDArray[np.float16], slots: list[int]) -> NDArray[np.float16]:
-        """One row through up to ``width`` held experts (slots): (len(slots), D) fp16."""
+    def _row(self, layer: int, row: NDArray[np.float16], slots: list[int]) -> NDArray[np.float16]:
+        """One row through up to ``width`` held experts of block ``layer`` (slots): (len(slots), D) fp16."""
         from tinygrad.tensor import Tensor
 
         arr = np.ascontiguousarray(row, dtype=F16).reshape(1, self.dim)
-        if self._in is None:
-            self._in = Tensor(arr).realize()
+        padded = np.array(slots + [slots[0]] * (self.width - len(slots)), dtype=np.int32)
+        if self._in is None or self._slots_in is None:
+            self._in, self._slots_in = Tensor(arr).realize(), Tensor(padded).realize()
         else:
             cast("Buffer", self._in.uop.base.realized).copyin(arr.data.cast("B"))
-        padded = slots + [slots[0]] * (self.width - len(slots))
-        out = self._jit(self._in, *[v.bind(s) for v, s in zip(self._vars, padded)]).numpy()
+            cast("Buffer", self._slots_in.uop.base.realized).copyin(padded.data.cast("B"))
+        out = self._jits[layer](self._in, self._slots_in).numpy()
         return cast("NDArray[np.float16]", out[: len(slots)].copy())
 
     def run(self, layer: int, expert: int, row: NDArray[np.float16]) -> NDArray[np.float16]:
         """Expert ``expert`` of block ``layer`` on one row (D,) fp16 -> (D,) fp16."""
-        out: NDArray[np.float16] = self._row(row, [self._slot(layer, expert)])[0]
+        out: NDArray[np.float16] = self._row(layer, row, [self._slot(layer, expert)])[0]
         return out
 
     def run_pairs(
@@ -246,7 +337,7 @@ class ExpertBank:
         for row, idx in by_row.items():
             for lo in range(0, len(idx), self.width):
                 chunk = idx[lo : lo + self.width]
-                out[chunk] = self._row(hidden[row], [self._slot(layer, pairs[i][1]) for i in chunk])
+                out[chunk] = self._row(layer, hidden[row], [self._slot(layer, pairs[i][1]) for i in chunk])
         return out
 
     def answer(self, layer: int, hidden: NDArray[np.float16], experts: NDArray[np.int64]) -> NDArray[np.float16]:
@@ -256,15 +347,13 @@ class ExpertBank:
         return self.run_pairs(layer, hidden, pairs).reshape(t, j, self.dim)
 
 
-def _stack(parts: list[Any]) -> Tensor | Packed:
-    """Blocks' expert stacks as one: packed where every one is packed in one type, else float16."""
+def _expert_stack(gguf_file: GGUFFile, name: str, ids: list[int], weights: str) -> Tensor | Packed:
+    """Experts ``ids`` of the stacked tensor ``name``: as the file packs them (``weights="packed"``, a packed type),
+    else float16."""
     from tinygrad.tensor import Tensor
 
-    if all(isinstance(p, Packed) for p in parts) and len({p.ggml_type for p in parts}) == 1:
-        raw = parts[0].raw if len(parts) == 1 else parts[0].raw.cat(*[p.raw for p in parts[1:]]).contiguous().realize()
-        return Packed(raw, parts[0].ggml_type, (int(raw.shape[0]), *parts[0].shape[1:]))
-    arrays = [p.values().cast("float16").numpy() if isinstance(p, Packed) else p for p in parts]
-    return Tensor(np.concatenate(arrays)).contiguous().realize()
+    packed = gguf_file.packed(name, rows=ids) if weights == "packed" else None
+    return packed if packed is not None else Tensor(gguf_file.tensor(name, rows=ids)).contiguous().realize()
 
 
 def _nbytes(t: Tensor | Packed) -> int:

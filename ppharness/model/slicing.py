@@ -18,6 +18,7 @@ step, which is how the tests compare the unsplit model with a split byte for byt
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -33,7 +34,7 @@ from ppharness.model.batch import Rows, widths
 from ppharness.model.direct import DecodeLinear, DirectStep, decode_context
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.kernels import pin_from_env
-from ppharness.model.moe import ExpertBank, ExpertCall, Routing, all_experts, combine, route
+from ppharness.model.moe import ExpertBank, ExpertCall, Routing, all_experts, combine_on_device, route_on_device
 from ppharness.model.packed import Packed, PackedEmbedding
 from ppharness.model.rows import BatchedRows
 
@@ -53,6 +54,12 @@ R = TypeVar("R")  # what a driven step returns
 # measure against; F16 and F32 matrices are float16 either way)
 WEIGHTS = ("packed", "f16")
 PREFILL_STEPS = 32  # compiled prefill steps a slice keeps (one per request slot and prompt length), most recent first
+
+
+def routed(layer: int, logits: NDArray[np.float32], routing: Routing) -> Routing:
+    """Where a generator step (``ModelSlice.step``, ``BatchedRows.step_rows``) hands on the routing of block ``layer``
+    that the device computed from ``logits``: the routing itself (a seam that the tests watch)."""
+    return routing
 
 
 def _local_name(name: str, lo: int) -> str:
@@ -88,10 +95,14 @@ class ModelSlice(BatchedRows):
     ``prefill(x, 0)`` and ``decode(x, pos)`` take token ids (first stage) or a hidden state, and return a hidden state
     (1, T, D) as fp16 numpy, or, on the last stage, the greedy next token id.
 
-    A mixture-of-experts model (``ppharness.model.moe``) runs block by block: ``step(x, position)`` is a generator that
-    yields an ``ExpertCall`` at each MoE block and takes back the chosen experts' outputs, so that a stage can send
-    them to the expert nodes that hold them. ``experts`` says which routed experts of its blocks the slice holds
-    itself (default: all of them); ``prefill``/``decode`` answer every call from those.
+    A mixture-of-experts slice that holds every routed expert of its blocks (``experts`` None, the default) decodes
+    like a dense one, in one compiled device step: each MoE block routes on the device, reads its chosen experts by
+    id and combines them there, with no host round trip (``fused``). Its prefill, a batched slice's rows, and a slice
+    whose experts live on other nodes run block by block: ``step(x, position)`` is a generator that yields an
+    ``ExpertCall`` at each MoE block (the routing the device computed) and takes back the chosen experts' outputs, so
+    that a stage can send them to the expert nodes that hold them; ``prefill``/``decode`` answer every call from the
+    experts the slice holds. Both ways run the same kernels for a block (``_moe_block``), so they give the same bits;
+    ``fused=False`` keeps a slice on the generator (to watch its routing).
 
     Request slots: the slice keeps ``slots`` KV caches, one per request in flight, and every call names the slot it
     computes in (``slot=``, default 0). Each slot has its own compiled decode step (a TinyJit captures the cache buffers
@@ -111,9 +122,11 @@ class ModelSlice(BatchedRows):
         slots: int = 1,
         batched: bool = False,
         weights: str = "packed",
+        fused: bool = True,
     ):
         from tinygrad import nn
         from tinygrad.engine.jit import TinyJit
+        from tinygrad.tensor import Tensor
         from tinygrad.uop.ops import UOp
 
         pin_from_env()  # a kernel table named by PPHARNESS_KERNELS: every process compiles the same kernels
@@ -171,6 +184,10 @@ class ModelSlice(BatchedRows):
             for i in range(hi - lo)
             if bias and gguf_file.has(f"blk.{lo + i}.{bias}")
         }
+        self._bias_t = {layer: Tensor(b).realize() for layer, b in self._bias.items()}  # the same, on the device
+        # a slice holding every expert of its MoE blocks decodes each in one device step, experts and all (``fused``)
+        whole = all(self.bank.whole(lo + i, cfg.experts) for i in range(hi - lo) if lo + i in cfg.moe_blocks)
+        self.fused = fused and cfg.moe and not batched and whole
         self._head_jit = TinyJit(self._head)
         self._inputs: dict[int, Tensor] = {}
         # batched: one compiled step per batch width (and, for a MoE slice, one per block and width), with the step's
@@ -301,8 +318,9 @@ class ModelSlice(BatchedRows):
         taps = []
         if self.first:
             x = self.token_embd(x).cast("float16").contiguous()  # (B,T) ids -> (B,T,D); a boundary like any other
-        for block in self.blk:
-            x = block(x, start_pos)  # (B,T,D) fp16, a buffer of its own
+        for i, block in enumerate(self.blk):
+            # (B,T,D) fp16, a buffer of its own; a MoE block's routed experts computed here too (``fused``)
+            x = self._moe_block(i, x, start_pos) if getattr(block, "routed", False) else block(x, start_pos)
             taps.append(x)
         out = self.output(self.output_norm(x))[:, -1, :].argmax(-1) if self.last else x  # (B,) or (B,T,D)
         return (out, *taps) if self.taps else out
@@ -314,8 +332,55 @@ class ModelSlice(BatchedRows):
             x = self.token_embd(x).cast("float16").contiguous()
         block = self.blk[i]
         if getattr(block, "routed", False):
-            return cast("tuple[Tensor, ...]", cast(Any, block).pre(x, start_pos))
+            return self._routed_pre(i, x, start_pos)
         return (block(x, start_pos),)
+
+    def _routed_pre(self, i: int, x: Tensor, start_pos: int | UOp | Rows) -> tuple[Tensor, ...]:
+        """A MoE block up to its routed experts, routing included: the residual (fp32), the experts' normed input
+        (fp16), the router's logits (fp32), the chosen experts (int32) and their weights (fp32), then the shared
+        experts' output (fp32) where there are some; each (B,T,...), a buffer of its own."""
+        cfg = self.config
+        residual, half, logits, *shared = cast(Any, self.blk[i]).pre(x, start_pos)
+        ids, weights = route_on_device(
+            logits.reshape(-1, cfg.experts),
+            cfg.experts_used,
+            cfg.norm_topk,
+            gating=cfg.gating,
+            bias=self._bias_t.get(self.lo + i),
+            groups=cfg.expert_groups,
+            groups_used=cfg.groups_used,
+            scale=cfg.routed_scale,
+        )
+        lead = tuple(int(d) for d in logits.shape[:-1])
+        return (residual, half, logits, ids.reshape(*lead, -1), weights.reshape(*lead, -1), *shared)
+
+    def _moe_block(self, i: int, x: Tensor, start_pos: int | UOp | Rows) -> Tensor:
+        """MoE block ``i`` at one decode position in one device step (a ``fused`` slice): its part before the
+        routed experts and the routing (``_routed_pre``), the chosen experts by the bank's own step
+        (``ExpertBank.rows``, their slots computed on the device) and the combine (``combine_on_device``): the
+        kernels that the block's generator step (``step``) runs in pieces, so the two give the same bits."""
+        cfg = self.config
+        d, k = cfg.dim, cfg.experts_used
+        residual, half, _, ids, weights, *shared = self._routed_pre(i, x, start_pos)
+        outs = self.bank.rows(self.lo + i, half.reshape(1, d), ids.reshape(k)).reshape(1, k, d)  # slot e: expert e
+        gated = shared[0].reshape(1, d) if shared else None
+        return combine_on_device(residual.reshape(1, d), outs, weights.reshape(1, k), gated).reshape(1, 1, d)
+
+    def _combine(
+        self,
+        residual: NDArray[np.float32],
+        outputs: NDArray[np.float16],
+        weights: NDArray[np.float32],
+        shared: NDArray[np.float32] | None,
+    ) -> NDArray[np.float16]:
+        """``combine_on_device`` of a generator step's (T, ...) rows, its inputs copied to the device."""
+        from tinygrad.tensor import Tensor
+
+        gated = None if shared is None else Tensor(np.ascontiguousarray(shared))
+        out = combine_on_device(
+            Tensor(np.ascontiguousarray(residual)), Tensor(np.ascontiguousarray(outputs)), Tensor(weights), gated
+        )
+        return cast("NDArray[np.float16]", out.numpy())
 
     def _head(self, x: Tensor) -> Tensor:
         return self.output(self.output_norm(x))[:, -1, :].argmax(-1)
@@ -349,19 +414,24 @@ class ModelSlice(BatchedRows):
         ``prefill``/``decode`` return."""
         cfg = self.config
         self.use(slot)
+        self._tapped = []
         h: NDArray[Any] = (
             np.asarray(x, dtype=np.int32).reshape(1, -1) if self.first else np.asarray(x, dtype=np.float16)
         )
         for i, block in enumerate(self.blk):
             outs = self._run(i, h, position)
             if getattr(block, "routed", False):
-                residual, normed, logits, *shared = outs
-                t = residual.shape[1]
-                routing = self._route(i, logits.reshape(t, cfg.experts))
+                residual, normed, logits, ids, weights, *shared = outs
+                t, k = residual.shape[1], cfg.experts_used
+                routing = routed(
+                    self.lo + i,
+                    logits.reshape(t, cfg.experts),
+                    Routing(ids=ids.reshape(t, k).astype(np.int64), weights=weights.reshape(t, k)),
+                )
                 got = yield ExpertCall(layer=self.lo + i, hidden=normed.reshape(t, cfg.dim), routing=routing)
                 self.use(slot)  # whoever answered the call may have computed in another slot meanwhile
                 gated = shared[0].reshape(t, cfg.dim) if shared else None
-                h = combine(residual.reshape(t, cfg.dim), got, routing.weights, gated).reshape(1, t, cfg.dim)
+                h = self._combine(residual.reshape(t, cfg.dim), got, routing.weights, gated).reshape(1, t, cfg.dim)
             else:
                 h = outs[0]
             if self.taps:
@@ -414,7 +484,7 @@ class ModelSlice(BatchedRows):
             self.use(self.slots)
             self._moe_step(x, 0, stand_in=True)
             self._store(slot)
-        elif self.config.moe:
+        elif self.config.moe and not (self.fused and position > 0):
             self._moe_step(x, position, stand_in=True)
         elif position == 0:
             self.prefill(x, slot)
@@ -497,12 +567,13 @@ class ModelSlice(BatchedRows):
         if self.batched:  # one request is a batch of one row: the same kernels as in any batch
             return self.decode_rows([x], [position], [slot])[0]
         self.use(slot)
-        if self.config.moe:
+        if self.config.moe and not self.fused:
             return self._moe_step(x, position)
         arr = np.asarray(x, dtype=np.int32).reshape(1, 1) if self.first else np.asarray(x, dtype=np.float16)
         direct = self._directs[slot]
         if direct is None and self._jit.captured is not None:
             direct = self._directs[slot] = DirectStep.of(self) or False
+        self._tapped_np = {}  # a fused MoE step's taps are its tensors' (``tapped``)
         if direct:
             out = direct(arr, position)
             self._tapped = direct.taps
@@ -512,21 +583,10 @@ class ModelSlice(BatchedRows):
         else:
             buf = cast("Buffer", self._decode_in.uop.base.realized)  # realized above, on one device
             buf.copyin(np.ascontiguousarray(arr).data.cast("B"))
-        with decode_context(self._decode_in.device):
+        # a MoE slice's step compiles as its generator step's pieces (and every expert bank) do: without the CPU's
+        # decode setting, so that both give the same bits
+        with decode_context(self._decode_in.device) if not self.config.moe else contextlib.nullcontext():
             return self._output(self._jit(self._decode_in, self._pos.bind(position)))
-
-    def _route(self, i: int, logits: NDArray[np.float32]) -> Routing:
-        cfg = self.config
-        return route(
-            logits,
-            cfg.experts_used,
-            cfg.norm_topk,
-            gating=cfg.gating,
-            bias=self._bias.get(self.lo + i),
-            groups=cfg.expert_groups,
-            groups_used=cfg.groups_used,
-            scale=cfg.routed_scale,
-        )
 
     def decode_kernels(self) -> list[str]:
         """The source of every kernel the compiled decode step (blocks, then the head on the last stage) runs, in order,
@@ -535,8 +595,10 @@ class ModelSlice(BatchedRows):
         return _kernel_sources([self._jits[0], *self._slot_steps[0], self._head_jit])
 
     def bank_kernels(self) -> list[str]:
-        """The kernels of this slice's expert bank step (the same step for every MoE block; empty without a bank)."""
-        return _kernel_sources([self.bank._jit]) if self.bank.n else []
+        """The kernels of this slice's expert bank step (the same code for every MoE block: the first block's that ran;
+        empty where none ran)."""
+        steps = [jit for _, jit in sorted(self.bank._jits.items()) if jit.captured is not None]
+        return _kernel_sources(steps[:1])  # every block's step is the same code
 
     def _output(self, out: Tensor | tuple[Tensor, ...]) -> NDArray[np.float16] | int:
         if isinstance(out, tuple):  # with taps: the step's output, then every block's
@@ -545,7 +607,7 @@ class ModelSlice(BatchedRows):
 
     def tapped(self) -> dict[int, NDArray[np.float16]]:
         """With ``taps``: block index (in the file) -> its output (1,T,D) at the last prefill or decode step."""
-        if self.config.moe:
+        if self._tapped_np:  # a MoE step run in pieces (``step``)
             return dict(self._tapped_np)
         return {self.lo + i: t.numpy() for i, t in enumerate(self._tapped)}
 
