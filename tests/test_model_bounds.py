@@ -9,6 +9,7 @@ import http.server
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from ppharness.errors import ModelError, ScenarioError
 from ppharness.model import spec as spec_module
 from ppharness.model.download import DEFAULT_MAX_BYTES, DownloadLimits, parse_size
 from ppharness.model.files import resolve_model
-from ppharness.model.spec import ModelSpec, memory_needed, parse_synthetic, preset_spec
+from ppharness.model.spec import ModelSpec, file_bytes, memory_needed, parse_synthetic, preset_spec
 from ppharness.model.synthetic import make_synthetic
 from ppharness.scenario.schema import load_scenario
 
@@ -263,10 +264,18 @@ def test_building_a_synthetic_model_beyond_this_machines_memory_is_refused_befor
     assert result.exit_code == 1 and "blocks = 100,000,000 is outside 1..4,096" in result.output
 
 
-def test_memory_needed_is_the_float16_weights_or_the_file_whichever_is_more():
+def test_memory_needed_is_the_weights_as_the_stages_hold_them_or_the_file_whichever_is_more():
+    """Stages hold a packed file's matrices as it stores them, so its file is what a machine needs, not the float16
+    expansion; a quantised deepseek2's attn_v_b, read whole by its block, is held as float16, more than the file."""
     f16, q4 = ModelSpec(), ModelSpec(type="q4_0", dim=64, ffn=192)
-    assert memory_needed(f16) >= 2 * f16.n_params
-    assert memory_needed(q4) == 2 * q4.n_params  # a q4_0 file is smaller than its weights in float16
+    assert memory_needed(f16) == file_bytes(f16) >= 2 * f16.n_params
+    assert memory_needed(q4) == file_bytes(q4) < 2 * q4.n_params, "a q4_0 model needs its file, not float16"
+    mla = replace(preset_spec("tiny-deepseek"), type="q8_0")
+    # each of 4 blocks' attn_v_b (4 heads x 16 x 32): Q8_0 in the file, float16 on a stage; the norms, F32 in the
+    # file, float16 there (each block's attention and KV norms, block 0's FFN norm, the final norm)
+    v_b = 4 * (4 * 16 * 32 * 2 - 4 * 16 * 32 // 32 * 34)
+    norms = 2 * (4 * (64 + 32) + 64 + 64)
+    assert memory_needed(mla) == file_bytes(mla) + v_b - norms
 
 
 def test_the_oracle_downloads_within_the_scenarios_size_and_budget(server, tmp_path):

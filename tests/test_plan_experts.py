@@ -774,7 +774,9 @@ def test_the_model_graph_of_a_moe_gguf_has_its_experts(moe_graphs: dict[str, Mod
         per_expert = 3 * g.dim * 96  # gate, up, down of width expert_ffn = 96
         for block in g.blocks:
             assert block.experts == Experts(count=8, active=2, shared=shared, bytes_per_expert=2 * per_expert)
-            dense = block.weight_bytes // 2 - 8 * per_expert
+            # float16 but for the router, the norm before it and the shared expert's gate: float32, two more bytes each
+            f32 = (8 + 1 + shared) * g.dim
+            dense = (block.weight_bytes - 2 * f32) // 2 - 8 * per_expert
             attention = 2 * 2 * 4 * 16 * 128  # q.k and p.v for 4 heads of 16 over half the context
             assert block.flops == 2 * dense + 2 * 2 * per_expert + attention
     assert moe_graphs["tiny-moe-shared"].blocks[0].weight_bytes > moe_graphs["tiny-moe"].blocks[0].weight_bytes

@@ -45,14 +45,14 @@ def kimi_q4():
         "synthetic:kimi-tiny,blocks=3",
     ],
 )
-@pytest.mark.parametrize("weights", ["f16", "q4_k"])
+@pytest.mark.parametrize("weights", ["", "f16", "q4_k"])
 def test_a_synthetic_models_graph_without_its_file_is_the_graph_its_file_gives(source, weights):
     from_file = model_graph(resolve_model(source), source, 256, digest=False, weights=weights)
     assert spec_graph(parse_synthetic(source), source, 256, weights=weights) == from_file
 
 
 def test_kimi_k2_has_about_1_03_t_parameters_and_32_b_read_per_token():
-    g = spec_graph(parse_synthetic(KIMI), KIMI, 2)  # float16: two bytes per parameter
+    g = spec_graph(parse_synthetic(KIMI), KIMI, 2)  # an f16 spec: two bytes per parameter (the routers four)
     assert g.sha256 == "" and g.arch == "deepseek2" and len(g.blocks) == 61
     total = (g.embed_bytes + g.head_bytes + sum(b.weight_bytes for b in g.blocks)) / 2
     assert total == pytest.approx(1.03e12, rel=0.01)

@@ -45,6 +45,7 @@ import gguf
 import numpy as np
 import pytest
 
+import ppharness.model.moe
 import ppharness.model.slicing
 from ppharness.errors import ModelError
 from ppharness.model.decoding import warm_up
@@ -121,7 +122,7 @@ def project_run(path: Path, prompt: str) -> ProjectRun:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model, "tapped", recording)
-        mp.setattr(ppharness.model.slicing, "routed", recording_route)
+        mp.setattr(ppharness.model.moe, "routed", recording_route)
         result = oracle_decode(path, prompt, TOKENS, MAX_CONTEXT, model=model, boundaries=True)
     moe_blocks = sorted(cfg.moe_blocks)  # each step routes once per MoE block, in block order
     routing = {b: np.concatenate(routed[n :: len(moe_blocks)]) for n, b in enumerate(moe_blocks)}

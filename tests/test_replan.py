@@ -59,3 +59,17 @@ def test_the_need_counts_weights_and_the_kv_cache_of_every_request() -> None:
     four = msgspec.structs.replace(doc, placement=msgspec.structs.replace(doc.placement, objective=objective))
     kv = doc.model.max_context * sum(b.kv_bytes for b in doc.model.blocks[3:6])
     assert kv > 0 and stage_need(four, programs[1]) - one == 3 * kv
+
+
+def test_a_stage_whose_plan_places_the_experts_needs_only_the_experts_its_program_names() -> None:
+    """As ``node_weights`` counts a node: its blocks without their routed experts, then each expert it holds, at the
+    bytes the runtime holds (Q8_0 experts here, packed)."""
+    source = "synthetic:tiny-moe,type=q8_0"
+    doc = scenario_plan(spec_graph(parse_synthetic(source), source, 256), 2, None, "local")
+    whole = StagePlan(plan_id="p", stage=0, num_stages=2, lo=0, hi=2)
+    placed = StagePlan(plan_id="p", stage=0, num_stages=2, lo=0, hi=2, experts={0: (1, 3), 1: (0,)})
+    per = [b.experts.bytes_per_expert for b in doc.model.blocks]
+    assert per[0] == 3 * 64 * 96 // 32 * 34, "a Q8_0 expert counts its bytes in the file"
+    assert stage_need(doc, whole) - stage_need(doc, placed) == (8 - 2) * per[0] + (8 - 1) * per[1], (
+        "a stage whose plan places the experts was counted with experts it does not hold"
+    )

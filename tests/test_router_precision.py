@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import pytest
 
-from ppharness.model import slicing
+from ppharness.model import moe, slicing
 from ppharness.model.files import synthetic_path
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.moe import Routing, route
@@ -97,7 +97,7 @@ def generation(preset: str) -> list[Routed]:
     args = (cfg.experts_used, cfg.norm_topk)
     kwargs = {"gating": cfg.gating, "groups": cfg.expert_groups, "groups_used": cfg.groups_used}
     kwargs["scale"] = cfg.routed_scale
-    real_combine = ModelSlice._combine
+    real_combine = slicing.combine_rows
 
     def seen_routed(layer: int, logits: NDArray[np.float32], routing: Routing) -> Routing:
         bias = cfg.architecture.router_bias
@@ -105,13 +105,13 @@ def generation(preset: str) -> list[Routed]:
         routes.append((logits.copy(), routing, args, kwargs | extra))
         return routing
 
-    def seen_combine(self: ModelSlice, h: NDArray[np.float32], *rest: Any) -> NDArray[np.float16]:
+    def seen_combine(h: NDArray[np.float32], *rest: Any) -> NDArray[np.float16]:
         residuals.append(h.copy())
-        return real_combine(self, h, *rest)
+        return real_combine(h, *rest)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(slicing, "routed", seen_routed)
-        mp.setattr(ModelSlice, "_combine", seen_combine)
+        mp.setattr(moe, "routed", seen_routed)
+        mp.setattr(slicing, "combine_rows", seen_combine)
         model = ModelSlice(f, 0, cfg.blocks, True, True, MAX_CONTEXT)
         ids = ([cfg.bos_id] if cfg.bos_id is not None else []) + f.tokenizer.encode(PROMPT)
         x: Any = ids

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ppharness.errors import HarnessError
+from ppharness.model.gguf_header import read_gguf
+from ppharness.model.spec import WEIGHT_TYPES, parse_synthetic
 
 BUILD_HINT = "bash ../shared/tools/llamacpp/build.sh ARCHIVE DEST cuda (on the GPU machine; see its README.md)"
 BENCH_TIMEOUT_S = 900
@@ -111,8 +113,6 @@ def parse_types(csv: str) -> list[str]:
 
 def file_type(path: str | os.PathLike[str]) -> str | None:
     """The file's own type by its ``general.file_type`` (e.g. ``F16``), or None where it has none or an unknown one."""
-    from ppharness.model.gguf_header import read_gguf
-
     value = read_gguf(path, arrays=False).kv.get("general.file_type")
     names = {v: k for k, v in _type_names().items()}
     return names.get(value) if isinstance(value, int) else None
@@ -121,8 +121,6 @@ def file_type(path: str | os.PathLike[str]) -> str | None:
 def synthetic_file_type(source: str) -> str | None:
     """The type (``file_type``'s names) of the file a ``synthetic:`` source would build, before it is built; None
     where it cannot be told."""
-    from ppharness.model.spec import WEIGHT_TYPES, parse_synthetic
-
     try:
         name = WEIGHT_TYPES[parse_synthetic(source).type][1]
     except (HarnessError, KeyError, IndexError, TypeError):

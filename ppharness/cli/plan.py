@@ -60,9 +60,10 @@ MODEL_HELP = (
 )
 
 
-def model_for(model: str, max_context: int, weights: str = "f16") -> ModelGraph:
+def model_for(model: str, max_context: int, weights: str = "") -> ModelGraph:
     """The plan's model part for ``model`` (a preset name, a synthetic: spec, a path or a URL), its weights counted
-    as ``weights`` says (``ppharness.plan.graph``). A synthetic model this machine does not write (``kimi-k2``) is
+    as the node runtime holds the file's own types, or with the simulator's override ``weights``
+    (``ppharness.plan.graph``). A synthetic model this machine does not write (``kimi-k2``) is
     derived from its spec, for the simulator only."""
     if model in PRESETS and simulation_only(f"synthetic:{model}"):
         source = f"synthetic:{model}"
@@ -312,10 +313,11 @@ def plan_text(plan_file: str, model: str | None, cluster: str | None) -> None:
 )
 @click.option(
     "--weights",
-    default="f16",
-    show_default=True,
-    help="How weight bytes count: f16 (what the node runtime holds), or a quantised GGUF's for the simulator only: "
-    "q8_0 (8.5 bits per weight), q4_k (4.5), q4_0 (4.5), or bits per weight (e.g. 4.85).",
+    default="",
+    help="Count weight bytes with an override instead of the file's own types (by default each tensor counts as the "
+    "node runtime holds it: packed types at their bytes in the file, F16/F32 as float16), for the simulator only "
+    "(a run refuses the plan): f16, q8_0 (8.5 bits per weight), q4_k (4.5), q4_0 (4.5), or bits per weight "
+    "(e.g. 4.85).",
 )
 @click.option(
     "--probe",

@@ -11,6 +11,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ppharness.model.kernels import INVARIANT, compiling_invariant, route_choices
+from ppharness.model.packed import Packed
 
 if TYPE_CHECKING:  # tinygrad is imported when a step is built, not with this module
     from collections.abc import Callable
@@ -18,7 +19,6 @@ if TYPE_CHECKING:  # tinygrad is imported when a step is built, not with this mo
     from tinygrad.device import Buffer
     from tinygrad.tensor import Tensor
 
-    from ppharness.model.packed import Packed
     from ppharness.model.slicing import ModelSlice
 
 
@@ -131,11 +131,9 @@ class DecodeLinear:
     def __call__(self, x: Tensor) -> Tensor:
         from tinygrad.codegen.opt import Opt, OptOps
 
-        from ppharness.model.packed import Packed
-
         if isinstance(self.weight, Packed):
-            bias = None if self.bias is None else self.bias.float()
-            y = x.float().linear(self.weight.values().transpose(), bias).cast(x.dtype)
+            y = self.weight.product(x)
+            y = (y if self.bias is None else y + self.bias.float()).cast(x.dtype)
         else:
             y = x.linear(self.weight.transpose(), self.bias)
         rows = int(self.weight.shape[0])

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -16,11 +16,9 @@ from ppharness.errors import ModelError
 from ppharness.model.arch.llama import ROPE_FACTORS
 from ppharness.model.config import ModelConfig
 from ppharness.model.gguf_header import GGML_TYPES, GGUFContents, read_gguf
+from ppharness.model.packed import Packed, held_type, packs
 from ppharness.model.support import check_file
 from ppharness.model.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from ppharness.model.packed import Packed
 
 
 class GGUFFile:
@@ -81,8 +79,6 @@ class GGUFFile:
         """A matrix kept as the file packs it, on tinygrad's default device (``ppharness.model.packed``), in the
         blocks' (out, in) layout (``Architecture.file_tensor``'s row order); ``rows`` as ``tensor``'s. None for a
         tensor whose type is held as float16 (F16, F32) or that is not a matrix."""
-        from ppharness.model.packed import Packed, held_type, packs
-
         t = self._tensor(name)
         held_type(int(t.tensor_type), name)
         if not packs(int(t.tensor_type)) or len(t.shape) < 2:

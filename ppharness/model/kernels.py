@@ -21,6 +21,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,10 +34,12 @@ from ppharness.document.reader import LIMITS, read_text_file
 from ppharness.errors import ModelError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from tinygrad.codegen.opt import Opt
     from tinygrad.codegen.opt.postrange import Scheduler
+    from tinygrad.engine.jit import TinyJit
+    from tinygrad.engine.realize import ExecItem
     from tinygrad.uop.ops import UOp
 
 log = logging.getLogger(__name__)
@@ -363,3 +366,29 @@ def table_for_nodes() -> str:
 
 def new_table(device: str, renderer: str, beam: int) -> KernelTable:
     return KernelTable(FORMAT, device, renderer, tinygrad_version(), beam)
+
+
+def kernel_sources(jits: Sequence[TinyJit[Any]]) -> list[str]:
+    """The source of every kernel ``jits`` captured, in order. Kernel names are left out (they number identical
+    kernels apart within one process), and so are the buffer lengths that the renderer writes into parameter names
+    (``data1_196608``): a bank of 64 experts and one of 32 run the same code over buffers of different length."""
+    out: list[str] = []
+
+    def walk(items: list[ExecItem]) -> None:
+        for item in items:
+            prg = item.prg
+            if prg is not None and hasattr(prg, "jit_cache"):  # a device graph (CUDA graph, ...) batching kernels
+                walk(prg.jit_cache)
+                continue
+            program = getattr(prg, "p", None)  # a compiled kernel's ProgramSpec
+            src = getattr(program, "src", None)
+            if program is None or not src:
+                out.append(type(prg).__name__)
+                continue
+            src = re.sub(rf"\b{re.escape(program.function_name)}\b", "kernel", src)
+            out.append(re.sub(r"\b(data\d+)_\d+\b", r"\1", src))
+
+    for jit in jits:
+        captured = jit.captured
+        walk(captured.jit_cache if captured is not None else [])
+    return out

@@ -124,6 +124,12 @@ def combine(
     return (h.astype(F32) + moe).astype(F16)
 
 
+def routed(layer: int, logits: NDArray[np.float32], routing: Routing) -> Routing:
+    """Where a generator step (``ModelSlice.step``, ``BatchedRows.step_rows``) hands on the routing of block ``layer``
+    that the device computed from ``logits``: the routing itself (a seam that the tests watch)."""
+    return routing
+
+
 def route_on_device(
     logits: Tensor,
     k: int,
@@ -207,6 +213,23 @@ def combine_on_device(residual: Tensor, outputs: Tensor, weights: Tensor, shared
     moe = _sum_terms(terms + ([shared] if shared is not None else []))
     out: Tensor = (residual.float() + moe).cast("float16").contiguous()
     return out
+
+
+def combine_rows(
+    residual: NDArray[np.float32],
+    outputs: NDArray[np.float16],
+    weights: NDArray[np.float32],
+    shared: NDArray[np.float32] | None = None,
+) -> NDArray[np.float16]:
+    """``combine_on_device`` of a generator step's (T, ...) rows, its inputs copied to the device: the kernel a
+    fused step runs, so the same bits."""
+    from tinygrad.tensor import Tensor
+
+    gated = None if shared is None else Tensor(np.ascontiguousarray(shared))
+    out = combine_on_device(
+        Tensor(np.ascontiguousarray(residual)), Tensor(np.ascontiguousarray(outputs)), Tensor(weights), gated
+    )
+    return cast("NDArray[np.float16]", out.numpy())
 
 
 def expert_ffn(gate: Tensor | Packed, up: Tensor | Packed, down: Tensor | Packed, x: Tensor, slots: Tensor) -> Tensor:

@@ -11,9 +11,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
+from ppharness.model import moe
 from ppharness.model.batch import store_prefill, width_for
 from ppharness.model.direct import invariant
-from ppharness.model.moe import ExpertCall, Routing
+from ppharness.model.moe import ExpertCall, Routing, combine_rows
 
 if TYPE_CHECKING:
     from collections.abc import Generator, Sequence
@@ -58,13 +59,6 @@ class BatchedRows:
             self, x: list[int] | NDArray[np.float16], position: int, slot: int = 0
         ) -> Generator[ExpertCall, NDArray[np.float16], NDArray[np.float16] | int]: ...
 
-        def _combine(
-            self,
-            residual: NDArray[np.float32],
-            outputs: NDArray[np.float16],
-            weights: NDArray[np.float32],
-            shared: NDArray[np.float32] | None,
-        ) -> NDArray[np.float16]: ...
 
         def _answered(self, gen: Generator[ExpertCall, NDArray[np.float16], R], stand_in: bool = False) -> R: ...
 
@@ -164,11 +158,9 @@ class BatchedRows:
                 outs = self._row_steps[w][i](x_in, pos_in, length)
             outs_np = [t.numpy() for t in outs]
             if getattr(block, "routed", False):
-                from ppharness.model.slicing import routed
-
                 residual, normed, logits, chosen, weights, *shared = (o.reshape(w, -1)[active] for o in outs_np)
                 t, k = len(active), cfg.experts_used
-                routing = routed(
+                routing = moe.routed(
                     self.lo + i,
                     logits.reshape(t, cfg.experts),
                     Routing(ids=chosen.reshape(t, k).astype(np.int64), weights=weights.reshape(t, k)),
@@ -176,7 +168,7 @@ class BatchedRows:
                 got = yield ExpertCall(layer=self.lo + i, hidden=normed.reshape(t, cfg.dim), routing=routing)
                 gated = shared[0] if shared else None
                 h = np.zeros((w, 1, cfg.dim), dtype=np.float16)
-                h[active] = self._combine(residual, got, routing.weights, gated).reshape(t, 1, cfg.dim)
+                h[active] = combine_rows(residual, got, routing.weights, gated).reshape(t, 1, cfg.dim)
             else:
                 h = outs_np[0]
             if self.taps:

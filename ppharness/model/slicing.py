@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import re
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
@@ -29,21 +28,29 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
+from ppharness.model import moe
 from ppharness.model.arch.base import BLOCK_TENSOR
 from ppharness.model.batch import Rows, widths
 from ppharness.model.direct import DecodeLinear, DirectStep, decode_context
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.kernels import pin_from_env
-from ppharness.model.moe import ExpertBank, ExpertCall, Routing, all_experts, combine_on_device, route_on_device
+from ppharness.model.kernels import kernel_sources, pin_from_env
+from ppharness.model.moe import (
+    ExpertBank,
+    ExpertCall,
+    Routing,
+    all_experts,
+    combine_on_device,
+    combine_rows,
+    route_on_device,
+)
 from ppharness.model.packed import Packed, PackedEmbedding
 from ppharness.model.rows import BatchedRows
 
 if TYPE_CHECKING:  # tinygrad is imported when a slice is built, not with this module
-    from collections.abc import Generator, Iterable, Mapping, Sequence
+    from collections.abc import Generator, Iterable, Mapping
 
     from tinygrad.device import Buffer
     from tinygrad.engine.jit import TinyJit
-    from tinygrad.engine.realize import ExecItem
     from tinygrad.tensor import Tensor
     from tinygrad.uop.ops import UOp
 
@@ -54,12 +61,6 @@ R = TypeVar("R")  # what a driven step returns
 # measure against; F16 and F32 matrices are float16 either way)
 WEIGHTS = ("packed", "f16")
 PREFILL_STEPS = 32  # compiled prefill steps a slice keeps (one per request slot and prompt length), most recent first
-
-
-def routed(layer: int, logits: NDArray[np.float32], routing: Routing) -> Routing:
-    """Where a generator step (``ModelSlice.step``, ``BatchedRows.step_rows``) hands on the routing of block ``layer``
-    that the device computed from ``logits``: the routing itself (a seam that the tests watch)."""
-    return routing
 
 
 def _local_name(name: str, lo: int) -> str:
@@ -366,22 +367,6 @@ class ModelSlice(BatchedRows):
         gated = shared[0].reshape(1, d) if shared else None
         return combine_on_device(residual.reshape(1, d), outs, weights.reshape(1, k), gated).reshape(1, 1, d)
 
-    def _combine(
-        self,
-        residual: NDArray[np.float32],
-        outputs: NDArray[np.float16],
-        weights: NDArray[np.float32],
-        shared: NDArray[np.float32] | None,
-    ) -> NDArray[np.float16]:
-        """``combine_on_device`` of a generator step's (T, ...) rows, its inputs copied to the device."""
-        from tinygrad.tensor import Tensor
-
-        gated = None if shared is None else Tensor(np.ascontiguousarray(shared))
-        out = combine_on_device(
-            Tensor(np.ascontiguousarray(residual)), Tensor(np.ascontiguousarray(outputs)), Tensor(weights), gated
-        )
-        return cast("NDArray[np.float16]", out.numpy())
-
     def _head(self, x: Tensor) -> Tensor:
         return self.output(self.output_norm(x))[:, -1, :].argmax(-1)
 
@@ -423,7 +408,7 @@ class ModelSlice(BatchedRows):
             if getattr(block, "routed", False):
                 residual, normed, logits, ids, weights, *shared = outs
                 t, k = residual.shape[1], cfg.experts_used
-                routing = routed(
+                routing = moe.routed(
                     self.lo + i,
                     logits.reshape(t, cfg.experts),
                     Routing(ids=ids.reshape(t, k).astype(np.int64), weights=weights.reshape(t, k)),
@@ -431,7 +416,7 @@ class ModelSlice(BatchedRows):
                 got = yield ExpertCall(layer=self.lo + i, hidden=normed.reshape(t, cfg.dim), routing=routing)
                 self.use(slot)  # whoever answered the call may have computed in another slot meanwhile
                 gated = shared[0].reshape(t, cfg.dim) if shared else None
-                h = self._combine(residual.reshape(t, cfg.dim), got, routing.weights, gated).reshape(1, t, cfg.dim)
+                h = combine_rows(residual.reshape(t, cfg.dim), got, routing.weights, gated).reshape(1, t, cfg.dim)
             else:
                 h = outs[0]
             if self.taps:
@@ -592,13 +577,13 @@ class ModelSlice(BatchedRows):
         """The source of every kernel the compiled decode step (blocks, then the head on the last stage) runs, in order,
         with kernel names left out (they number identical kernels apart within one process). Empty before the step is
         compiled. The expert bank's step is apart: ``bank_kernels``."""
-        return _kernel_sources([self._jits[0], *self._slot_steps[0], self._head_jit])
+        return kernel_sources([self._jits[0], *self._slot_steps[0], self._head_jit])
 
     def bank_kernels(self) -> list[str]:
         """The kernels of this slice's expert bank step (the same code for every MoE block: the first block's that ran;
         empty where none ran)."""
         steps = [jit for _, jit in sorted(self.bank._jits.items()) if jit.captured is not None]
-        return _kernel_sources(steps[:1])  # every block's step is the same code
+        return kernel_sources(steps[:1])  # every block's step is the same code
 
     def _output(self, out: Tensor | tuple[Tensor, ...]) -> NDArray[np.float16] | int:
         if isinstance(out, tuple):  # with taps: the step's output, then every block's
@@ -610,29 +595,3 @@ class ModelSlice(BatchedRows):
         if self._tapped_np:  # a MoE step run in pieces (``step``)
             return dict(self._tapped_np)
         return {self.lo + i: t.numpy() for i, t in enumerate(self._tapped)}
-
-
-def _kernel_sources(jits: Sequence[TinyJit[Any]]) -> list[str]:
-    """The source of every kernel ``jits`` captured, in order. Kernel names are left out (they number identical
-    kernels apart within one process), and so are the buffer lengths that the renderer writes into parameter names
-    (``data1_196608``): a bank of 64 experts and one of 32 run the same code over buffers of different length."""
-    out: list[str] = []
-
-    def walk(items: list[ExecItem]) -> None:
-        for item in items:
-            prg = item.prg
-            if prg is not None and hasattr(prg, "jit_cache"):  # a device graph (CUDA graph, ...) batching kernels
-                walk(prg.jit_cache)
-                continue
-            program = getattr(prg, "p", None)  # a compiled kernel's ProgramSpec
-            src = getattr(program, "src", None)
-            if program is None or not src:
-                out.append(type(prg).__name__)
-                continue
-            src = re.sub(rf"\b{re.escape(program.function_name)}\b", "kernel", src)
-            out.append(re.sub(r"\b(data\d+)_\d+\b", r"\1", src))
-
-    for jit in jits:
-        captured = jit.captured
-        walk(captured.jit_cache if captured is not None else [])
-    return out

@@ -25,6 +25,7 @@ from ppharness.model.gguf_metadata import (
     MAX_VOCAB,
     MAX_WIDTH,
 )
+from ppharness.model.held import TYPE_IDS, Stored, model_bytes, moe_blocks
 from ppharness.model.tokenizer import pre_tokenizer
 from ppharness.model.vocab import DEFAULT_TOKENIZER, special_tokens
 
@@ -268,6 +269,12 @@ def tensor_types(spec: ModelSpec) -> dict[str, str]:
     return {name: tensor_type(spec, name, shape) for name, shape in spec.tensors().items()}
 
 
+def stored_tensors(spec: ModelSpec) -> dict[str, Stored]:
+    """Every tensor of ``spec``'s file as the writer stores it, without writing it: its shape (tinygrad's order) and
+    its ggml type (``tensor_type``)."""
+    return {name: Stored(shape, TYPE_IDS[tensor_type(spec, name, shape)]) for name, shape in spec.tensors().items()}
+
+
 def file_bytes(spec: ModelSpec) -> int:
     """About the bytes of ``spec``'s GGUF file (its tensors' data; the metadata is small): each tensor in its own
     type (``tensor_type``)."""
@@ -280,8 +287,11 @@ def file_bytes(spec: ModelSpec) -> int:
 
 def memory_needed(spec: ModelSpec) -> int:
     """About the bytes a machine needs to build and run ``spec``: the whole file, held while it is written, or its
-    weights in float16, as the stages compute with them, whichever is more."""
-    return max(file_bytes(spec), 2 * spec.n_params)
+    weights as the stages hold them (``ppharness.model.held``), whichever is more. The stages hold a packed type as
+    the file stores it (F16 matrices too; F32 ones and the norms in half), so that is mostly the file; a quantised
+    deepseek2's per-head ``attn_k_b`` / ``attn_v_b`` are held as float16, more than their bytes in the file."""
+    tensors = stored_tensors(spec)
+    return max(file_bytes(spec), model_bytes(architecture(spec.arch), moe_blocks(tensors), tensors))
 
 
 def machine_memory() -> int | None:

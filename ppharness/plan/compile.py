@@ -92,7 +92,8 @@ def _compiled(path: str, mtime_ns: int, size: int) -> tuple[PlanDoc, Compiled]:
 
 def compile_plan(doc: PlanDoc) -> Compiled:
     """The run's view of a checked plan: nodes in loop order, their devices and block ranges. Refuses a plan whose
-    devices come from more than one provider (a run has one), or one made for the simulator only (``check_model``)."""
+    devices come from more than one provider (a run has one), or one whose weights are counted with the simulator's
+    override (``check_model``)."""
     if doc.model.weights:
         check_model(doc, doc.model.sha256, doc.model.source)
     order = loop(doc)
@@ -246,11 +247,13 @@ def scenario_plan(
 
 def check_model(doc: PlanDoc, sha256: str, path: str, source: str = "") -> None:
     """Refuse a plan made for another model than the file the run resolved, or made for the simulator only (its
-    weights counted as a quantised GGUF's, which the node runtime does not hold)."""
+    weights counted with an override, ``--weights``, instead of the file's own types, which the node runtime
+    holds)."""
     if doc.model.weights:
         raise PlanError(
             f"{source or 'the plan'}: $.model.weights: the plan counts weights as {doc.model.weights}, for the "
-            "simulator only — the node runtime holds float16 weights; make the plan again without --weights to run it"
+            "simulator only — an override (--weights) instead of the file's own types, which are what the node "
+            "runtime holds; make the plan again without --weights to run it"
         )
     if doc.model.sha256 and doc.model.sha256 != sha256:
         raise PlanError(

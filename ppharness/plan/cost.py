@@ -8,11 +8,12 @@ cluster's fixed cost per hop (what the trace measures for the transport).
 A mixture-of-experts block (``experts.count`` above 0) is two parts: its dense part (attention, router, any shared
 expert: the block's FLOPs less ``active`` routed experts', its weights less all ``count`` routed experts') and the
 ``active`` routed experts a token is sent to, each reading its ``bytes_per_expert`` and doing its ``expert_flops``
-(as many as its bytes for float16 weights, two of each per parameter; a quantised graph reads fewer bytes for the
-same FLOPs). Each part is the larger of FLOPs over speed and bytes over bandwidth, and a block whose
-experts stay with it costs the sum (``routed``). Where a plan places the experts on nodes of their own, the block's
-owner computes the dense part and the experts' time is the fan-out's (``ppharness.plan.fanout``): one message per
-expert node chosen (``request_bytes`` out, ``reply_bytes`` back, ``remote_experts_ms`` for the round trip).
+(as many as its bytes for float16 experts, two of each per parameter; experts held packed, as a quantised file
+stores them, read fewer bytes for the same FLOPs). Each part is the larger of FLOPs over speed and bytes over
+bandwidth, and a block whose experts stay with it costs the sum (``routed``). Where a plan places the experts on
+nodes of their own, the block's owner computes the dense part and the experts' time is the fan-out's
+(``ppharness.plan.fanout``): one message per expert node chosen (``request_bytes`` out, ``reply_bytes`` back,
+``remote_experts_ms`` for the round trip).
 
 A device with a CPU quota (docker's ``cpus``, below 1) runs at full speed while its share lasts, so one token still
 takes ``node_ms`` there, but the node cannot be busy more than ``cpus`` of the time: it is busy ``node_ms / cpus`` per

@@ -69,7 +69,8 @@ class Experts(_Doc, frozen=True):
     active: ExpertCount = 0  # experts each token is routed to
     shared: ExpertCount = 0  # experts every token goes through
     bytes_per_expert: Bytes = 0  # one routed expert's weights (gate, up and down), as the runtime holds them
-    # one routed expert's FLOPs per token; 0: as many as its bytes (float16 weights: two of each per parameter)
+    # one routed expert's FLOPs per token; 0: as many as its bytes (float16 experts: two of each per parameter; the
+    # graph gives it for experts held packed)
     flops_per_expert: Flops = 0
     # how often each routed expert is among a token's chosen ones (a probe run's measure, summing to ``active``);
     # empty: uniform, ``active / count`` each
@@ -112,8 +113,9 @@ class ModelGraph(_Doc, frozen=True):
     activation_bytes: Bytes  # one token's hidden state on an activation edge
     token_bytes: Bytes  # one token on the feedback edge
     blocks: Annotated[tuple[Block, ...], at_most(limits.MAX_BLOCKS, "blocks", 1)]
-    # how the weight bytes are counted: "" as the node runtime holds them (float16); a quantised GGUF type (q4_k, ...)
-    # or bits per weight: for the simulator only (ppharness.plan.graph), a run refuses the plan
+    # how the weight bytes are counted: "" as the node runtime holds them (each tensor in the file's own type, packed
+    # or float16: ppharness.model.held); an override (--weights: a quantised GGUF type, q4_k, ..., or bits per
+    # weight): for the simulator only (ppharness.plan.graph), a run refuses the plan
     weights: str = ""
 
 

@@ -1,13 +1,19 @@
 """The plan's ``model`` part: what each block weighs and costs per token, read from a GGUF file (``model_graph``) or
 derived from a synthetic model's spec without writing it (``spec_graph``).
 
-Weights count as the node runtime holds them (float16, two bytes per parameter, whatever the file's quantisation),
-unless ``weights`` names a quantised weight type (``WEIGHT_BITS``): every weight matrix (the router's excepted, which
-llama.cpp's quantiser keeps in float) then counts at that type's bits per weight, the vectors (norms, biases) at two
-bytes. Such a graph is for the simulator: the node runtime dequantises every tensor to float16 on load, so a plan
-made with it cannot run (``ppharness.plan.compile.check_model`` refuses it). A block's FLOPs per token are two per
-weight (one multiply-add) plus attention over half the context; its KV cache per token is keys and values for every
-KV head.
+Weights count as the node runtime holds them (``ppharness.model.held``): each matrix the file stores in a packed type
+(BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) at its bytes in the file, F16 and F32 matrices, norms and biases as
+float16 (two bytes an element), what the architecture keeps in float32 (a MoE block's router and the norm before it)
+at four bytes an element, and a routed expert's gate, up and down matrices at their block's stacks' bytes over its
+experts (packed or float16 as the stacks are stored). A plan made so is a plan whose memory check is the run's.
+
+``weights`` overrides that count, for the simulator only: a quantised weight type (``WEIGHT_BITS``) or bits per
+weight at which every weight matrix (the router's excepted, which llama.cpp's quantiser keeps in float) counts, the
+vectors (norms, biases) at two bytes, whatever types the file stores (e.g. Kimi K2 at 4.5 bits per weight from its
+unwritten spec). The graph records the override (``ModelGraph.weights``), and a run refuses a plan made with it
+(``ppharness.plan.compile.check_model``): the runtime holds the file's own types. A block's FLOPs per token are two
+per weight (one multiply-add) plus attention over half the context; its KV cache per token is keys and values for
+every KV head, float16.
 
 What a block caches per token and what attending to one cached position costs is the architecture's
 (``Architecture.attention_cost`` in ``ppharness.model.arch``): keys and values of every KV head for llama's attention;
@@ -19,12 +25,13 @@ experts' banks (``ffn_{gate,up,down}_exps``) included, but a token goes through 
 experts only: its FLOPs per token are two per dense weight (attention, router, any shared expert) and two per weight
 of ``experts_used`` experts (3 x dim x expert_ffn each), plus attention. Its ``experts`` say how many routed experts
 it has, how many a token uses, how many shared experts it has (``*_shexp`` tensors: as the architecture counts
-them, ``Architecture.shared_experts``) and what one routed expert weighs (its gate, up and down matrices) and costs
-per token.
+them, ``Architecture.shared_experts``) and what one routed expert weighs (its gate, up and down matrices, as held)
+and costs per token (``flops_per_expert`` given wherever that differs from its bytes).
 
-A synthetic model's graph comes from its tensors as its architecture lists them (``ModelSpec.tensors``, what
-``ppharness.model.synthetic`` writes), so the graph of a model too large to write here (``SIMULATION_ONLY``, e.g.
-``kimi-k2``) is the graph its file would give; such a graph has no sha256 and its plans are for simulation only.
+A synthetic model's graph comes from its tensors and their types as its architecture and the writer list them
+(``ModelSpec.tensors``, ``ppharness.model.spec.tensor_type``: what ``ppharness.model.synthetic`` writes), so the
+graph of a model too large to write here (``SIMULATION_ONLY``, e.g. ``kimi-k2``) is the graph its file would give;
+such a graph has no sha256 and its plans are for simulation only.
 """
 
 from __future__ import annotations
@@ -42,19 +49,20 @@ from ppharness.model.arch import architecture
 from ppharness.model.arch.base import Architecture
 from ppharness.model.files import sha256_file
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.spec import SIMULATION_ONLY, ModelSpec
+from ppharness.model.held import FLOAT16, Stored, file_tensors, held_bytes, moe_blocks
+from ppharness.model.packed import F16
+from ppharness.model.spec import SIMULATION_ONLY, ModelSpec, stored_tensors
 from ppharness.plan.doc import Block, Experts, ModelGraph
 
 WIRE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
-RUNTIME_BYTES = 2  # float16 weights and KV cache in the node runtime
+KV_BYTES = 2  # the node runtime's KV cache is float16
 TOKEN_MESSAGE_BYTES = 64  # a NextToken message on the wire (ids, position, request id, header)
-# bits per weight of a weight matrix stored in a GGUF type: ggml's block layouts (Q8_0: 32 int8 + one fp16 scale per
-# 32 weights; Q4_0: 32 nibbles + one fp16 scale; Q4_K: super-blocks of 256 weights in 144 bytes — two fp16 scales,
-# 12 bytes of 6-bit sub-block scales and mins, 128 bytes of nibbles)
+# the simulator's override (``--weights``): bits per weight of a weight matrix stored in a GGUF type, ggml's block
+# layouts (Q8_0: 32 int8 + one fp16 scale per 32 weights; Q4_0: 32 nibbles + one fp16 scale; Q4_K: super-blocks of
+# 256 weights in 144 bytes — two fp16 scales, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of nibbles)
 WEIGHT_BITS = {"f16": 16.0, "q8_0": 8.5, "q4_k": 4.5, "q4_0": 4.5}
 _BLK = re.compile(r"^blk\.(\d+)\.")
 _ROUTER = re.compile(r"\.ffn_gate_inp(_shexp)?\.weight$")
-_ROUTED = re.compile(r"\.ffn_gate_inp\.weight$")  # a block with routed experts has this router
 
 
 @functools.cache
@@ -69,8 +77,9 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 
 
 def weight_bits(weights: str) -> float:
-    """Bits per weight of a weight matrix for ``weights``: a GGUF type of ``WEIGHT_BITS`` (``f16``, ``q8_0``,
-    ``q4_k``, ``q4_0``) or a number of bits (``4.5``, from 1 to 32). PlanError naming the choices otherwise."""
+    """Bits per weight of a weight matrix for the override ``weights`` (``--weights``): a GGUF type of
+    ``WEIGHT_BITS`` (``f16``, ``q8_0``, ``q4_k``, ``q4_0``) or a number of bits (``4.5``, from 1 to 32). PlanError
+    naming the choices otherwise."""
     key = weights.strip().lower()
     if key in WEIGHT_BITS:
         return WEIGHT_BITS[key]
@@ -108,46 +117,56 @@ class _Shape:
 
 def _graph(
     shape: _Shape,
-    tensors: Mapping[str, tuple[int, ...]],
+    tensors: Mapping[str, Stored],
     source: str,
     sha256: str,
     max_context: int,
     wire_dtype: str,
     weights: str,
 ) -> ModelGraph:
-    bits = weight_bits(weights)
-    quantised = bits != WEIGHT_BITS["f16"]
+    override = weights.strip().lower()
+    bits = weight_bits(override) if override else None
+    held = held_bytes(shape.architecture, shape.moe_blocks, tensors) if bits is None else {}
 
     def nbytes(name: str, dims: tuple[int, ...]) -> int:
-        n = math.prod(dims)
-        if quantised and len(dims) >= 2 and not _ROUTER.search(name):
-            return math.ceil(n * bits / 8)
-        return n * RUNTIME_BYTES
+        """Tensor ``name``'s bytes (``dims``: a float16 stand-in's, where the model lacks it)."""
+        t = tensors.get(name, Stored(dims, F16))
+        if bits is None:
+            return held.get(name, t.elements * FLOAT16)
+        if len(t.dims) >= 2 and not _ROUTER.search(name):
+            return math.ceil(t.elements * bits / 8)
+        return t.elements * FLOAT16
 
     per_expert = 3 * shape.dim * shape.expert_ffn  # one routed expert's parameters: gate, up, down
-    expert_bytes = math.ceil(per_expert * bits / 8) if quantised else per_expert * RUNTIME_BYTES
     params = [0] * shape.blocks
     dense_bytes = [0] * shape.blocks
+    routed_bytes = [0] * shape.blocks  # each block's routed experts, all of them, as held
     shexp = [0] * shape.blocks
-    for name, dims in tensors.items():
+    for name, t in tensors.items():
         m = _BLK.match(name)
         if m is None:
             continue
         i = int(m[1])
-        params[i] += math.prod(dims)
-        if not name.endswith("_exps.weight"):
-            dense_bytes[i] += nbytes(name, dims)
+        params[i] += t.elements
+        if name.endswith("_exps.weight"):
+            routed_bytes[i] += nbytes(name, t.dims)
+        else:
+            dense_bytes[i] += nbytes(name, t.dims)
         if name.endswith(".ffn_gate_shexp.weight"):
-            shexp[i] = math.prod(dims) // shape.dim
+            shexp[i] = t.elements // shape.dim
     ctx = max_context // 2  # decode attends over half the context on average
     cached, per_position = shape.architecture.attention_cost(shape)
-    kv = cached * RUNTIME_BYTES
+    kv = cached * KV_BYTES
     attention_flops = per_position * ctx
     blocks = []
     for i, n in enumerate(params):
         if i not in shape.moe_blocks:
             blocks.append(Block(weight_bytes=dense_bytes[i], flops=2 * n + attention_flops, kv_bytes=kv))
             continue
+        if bits is not None:
+            expert_bytes = math.ceil(per_expert * bits / 8)
+        else:  # a stack holds every expert alike: its bytes divide by the experts
+            expert_bytes = routed_bytes[i] // shape.experts if routed_bytes[i] else per_expert * FLOAT16
         dense = n - shape.experts * per_expert
         shared = shape.architecture.shared_experts(shexp[i], shape.expert_ffn) if shexp[i] else 0
         experts = Experts(
@@ -155,7 +174,8 @@ def _graph(
             active=shape.experts_used,
             shared=shared,
             bytes_per_expert=expert_bytes,
-            flops_per_expert=2 * per_expert if quantised else 0,
+            # 0: as many as its bytes, which only a float16 expert's are
+            flops_per_expert=2 * per_expert if expert_bytes != per_expert * FLOAT16 else 0,
         )
         flops = 2 * dense + 2 * shape.experts_used * per_expert + attention_flops
         blocks.append(
@@ -166,9 +186,9 @@ def _graph(
                 experts=experts,
             )
         )
-    embed_dims = tensors.get("token_embd.weight", (shape.vocab, shape.dim))
-    out_dims = tensors.get("output.weight", embed_dims)
-    norm_dims = tensors.get("output_norm.weight", (shape.dim,))
+    embed = tensors.get("token_embd.weight", Stored((shape.vocab, shape.dim), F16))
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied: the embedding again
+    out_dims = tensors[head].dims if head in tensors else embed.dims
     return ModelGraph(
         source=source,
         sha256=sha256,
@@ -176,13 +196,13 @@ def _graph(
         dim=shape.dim,
         vocab=shape.vocab,
         max_context=max_context,
-        embed_bytes=nbytes("token_embd.weight", embed_dims),
-        head_bytes=nbytes("output.weight", out_dims) + nbytes("output_norm.weight", norm_dims),
+        embed_bytes=nbytes("token_embd.weight", embed.dims),
+        head_bytes=nbytes(head, out_dims) + nbytes("output_norm.weight", (shape.dim,)),
         head_flops=2 * math.prod(out_dims),
         activation_bytes=shape.dim * WIRE_BYTES[wire_dtype],
         token_bytes=TOKEN_MESSAGE_BYTES,
         blocks=tuple(blocks),
-        weights="" if not quantised else weights.strip().lower(),
+        weights=override,
     )
 
 
@@ -192,11 +212,12 @@ def model_graph(
     max_context: int,
     wire_dtype: str = "f16",
     digest: bool = True,
-    weights: str = "f16",
+    weights: str = "",
 ) -> ModelGraph:
     """The ``model`` part of a plan for the GGUF file at ``path`` (``source``: how a run finds it again). Without
-    ``digest`` the file's sha256 is left empty (a plan made for one run, not saved); ``weights``: how weight bytes
-    count (the module's docstring)."""
+    ``digest`` the file's sha256 is left empty (a plan made for one run, not saved). Weights count as the runtime
+    holds the file's tensors, in their own types; ``weights`` (``--weights``): the simulator's override (the
+    module's docstring)."""
     f = GGUFFile(path)
     cfg = f.config
     shape = _Shape(
@@ -216,17 +237,18 @@ def model_graph(
         rope_dim=cfg.rope_dim,
     )
     sha = file_sha256(path) if digest else ""
-    return _graph(shape, f.shapes(), source, sha, max_context, wire_dtype, weights)
+    return _graph(shape, file_tensors(f), source, sha, max_context, wire_dtype, weights)
 
 
 def spec_graph(
-    spec: ModelSpec, source: str, max_context: int, wire_dtype: str = "f16", weights: str = "f16"
+    spec: ModelSpec, source: str, max_context: int, wire_dtype: str = "f16", weights: str = ""
 ) -> ModelGraph:
-    """The ``model`` part of a plan for the synthetic model ``spec``, derived from its tensors (``ModelSpec.tensors``)
-    without writing it: what ``model_graph`` gives for its file, but with no sha256 (a plan made with it is for the
-    simulator; a run resolves the model and checks nothing against it)."""
+    """The ``model`` part of a plan for the synthetic model ``spec``, derived from its tensors and the types the
+    writer stores them in (``ModelSpec.tensors``, ``tensor_type``) without writing it: what ``model_graph`` gives for
+    its file, but with no sha256 (a plan made with it is for the simulator; a run resolves the model and checks
+    nothing against it)."""
     arch = architecture(spec.arch)
-    tensors = spec.tensors()
+    tensors = stored_tensors(spec)
     shape = _Shape(
         architecture=arch,
         arch=spec.arch,
@@ -239,7 +261,7 @@ def spec_graph(
         experts=spec.experts,
         experts_used=spec.experts_used,
         expert_ffn=spec.expert_ffn,
-        moe_blocks=frozenset(int(m[1]) for name in tensors if (m := _BLK.match(name)) and _ROUTED.search(name)),
+        moe_blocks=moe_blocks(tensors),
         kv_lora_rank=spec.kv_lora_rank,
         rope_dim=spec.rope_dim,
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ppharness.plan.check import gib
+from ppharness.plan.check import gib, routed_bytes
 
 if TYPE_CHECKING:
     from ppharness.plan.doc import Device, PlanDoc
@@ -21,11 +21,19 @@ if TYPE_CHECKING:
 
 
 def stage_need(doc: PlanDoc, program: StagePlan) -> int:
-    """The memory a stage's program takes on its device: its weights (blocks, the embedding on the first stage, the
-    head on the last) and the KV cache of its blocks for ``max_context`` tokens of every request the plan serves."""
+    """The memory a stage's program takes on its device: its weights as the runtime holds them (the plan's bytes:
+    ``ppharness.plan.graph``; blocks, the embedding on the first stage, the head on the last; where the plan places
+    the experts, its blocks without their routed experts and each expert its program names, as
+    ``ppharness.plan.check.node_weights`` counts them) and the KV cache of its blocks for ``max_context`` tokens of
+    every request the plan serves."""
     model = doc.model
     blocks = model.blocks[program.lo : program.hi]
     weights = sum(b.weight_bytes for b in blocks)
+    if program.experts is not None:  # the plan places the experts: the stage loads those its program names
+        weights -= routed_bytes(model, program.lo, program.hi)
+        weights += sum(
+            len(ids) * model.blocks[layer].experts.bytes_per_expert for layer, ids in program.experts.items()
+        )
     weights += (model.embed_bytes if program.first else 0) + (model.head_bytes if program.last else 0)
     kv = doc.placement.objective.requests * model.max_context * sum(b.kv_bytes for b in blocks)
     return weights + kv
