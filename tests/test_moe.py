@@ -25,7 +25,15 @@ from ppharness.errors import ModelError
 from ppharness.model.exactness import digest
 from ppharness.model.files import synthetic_path
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.moe import ExpertBank, ExpertCall, combine, route, routing_entropy
+from ppharness.model.moe import (
+    ExpertBank,
+    ExpertCall,
+    combine,
+    combine_rows,
+    route,
+    route_on_device,
+    routing_entropy,
+)
 from ppharness.model.oracle import oracle_decode
 from ppharness.model.slicing import ModelSlice
 from ppharness.model.spec import parse_synthetic, preset_spec
@@ -147,18 +155,21 @@ def block_weights(f: GGUFFile, layer: int) -> Callable[[str], NDArray[np.float32
 def ppharness_moe(
     model: ModelSlice, layer: int, h: NDArray[np.float16], renormalise: bool | None = None, shared: bool = True
 ) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
-    """ppharness's path: the block's ``moe_inputs`` (tinygrad) -> ``route`` -> the bank's ``answer`` -> ``combine``."""
+    """ppharness's path: the block's ``moe_inputs`` and ``route_on_device`` (tinygrad) -> the bank's ``answer`` ->
+    ``combine_rows`` (the device's combine)."""
     from tinygrad.tensor import Tensor
 
     cfg = model.config
     t = h.shape[0]
-    residual, normed, logits, *gated = (o.numpy() for o in model.blk[layer].moe_inputs(Tensor(h[None])))
-    routing = route(
+    residual, normed, logits, *gated = model.blk[layer].moe_inputs(Tensor(h[None]))
+    ids, weights = route_on_device(
         logits.reshape(t, cfg.experts), cfg.experts_used, cfg.norm_topk if renormalise is None else renormalise
     )
-    outputs = model.bank.answer(layer, normed.reshape(t, cfg.dim), routing.ids)
-    extra = gated[0].reshape(t, cfg.dim) if gated and shared else None
-    return routing.ids, combine(residual.reshape(t, cfg.dim), outputs, routing.weights, extra).astype(np.float32)
+    chosen = ids.numpy().astype(np.int64)
+    outputs = model.bank.answer(layer, normed.numpy().reshape(t, cfg.dim), chosen)
+    extra = gated[0].numpy().reshape(t, cfg.dim) if gated and shared else None
+    out = combine_rows(residual.numpy().reshape(t, cfg.dim), outputs, weights.numpy(), extra)
+    return chosen, out.astype(np.float32)
 
 
 def excess(ours: NDArray[np.float32], reference: NDArray[np.float32]) -> float:

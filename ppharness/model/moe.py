@@ -1,15 +1,19 @@
 """Mixture-of-experts blocks: the router, the combine, and a bank of expert FFNs that any node can hold.
 
-A MoE block's feed-forward part is computed in three steps, so that its experts can live on other nodes:
+A MoE block's feed-forward part is computed in three steps, all on the device, so that its experts can live on
+other nodes:
 
-1. on the block's owner, in tinygrad: attention, the residual ``h``, the normed ``h_norm`` (fp16: what goes to the
-   experts), the router's logits (fp32) and, for an architecture with one, the shared expert's gated output;
-2. on the host: the routing (``route``): softmax over every expert, the ``k`` largest (ties to the lower index),
-   their weights renormalised to sum 1 where the architecture says so; then each chosen expert's FFN
-   ``down(silu(gate(x)) * up(x))`` of its row, computed by whichever node holds that expert (an ``ExpertBank``) as
-   an fp16 vector;
-3. on the host again: ``combine``: ``h + sum_j w_j * y_j (+ shared)`` in float32, in the routing's order, rounded to
-   the fp16 block boundary.
+1. on the block's owner: attention, the residual ``h``, the normed ``h_norm`` (fp16: what goes to the experts), the
+   router's logits (fp32), the routing (``route_on_device``: the ``k`` best experts, ties to the lower index, and
+   their weights) and, for an architecture with one, the shared expert's gated output;
+2. each chosen expert's FFN ``down(silu(gate(x)) * up(x))`` of its row (``expert_ffn``), computed by whichever node
+   holds that expert (an ``ExpertBank``) as an fp16 vector;
+3. ``combine_on_device``: ``h + sum_j w_j * y_j (+ shared)`` in float32, in the routing's order, rounded to the fp16
+   block boundary.
+
+A slice holding every expert of its blocks runs the three in one compiled step (``ModelSlice._moe_block``); a stage
+with expert nodes runs them in pieces with the same kernels, handing the device's routing to the nodes.
+``route`` and ``combine`` are the same definitions in numpy, on the host: the tests hold the device's against them.
 
 What each architecture computes, as llama.cpp's ``build_moe_ffn`` and HF transformers do:
 
@@ -21,7 +25,8 @@ What each architecture computes, as llama.cpp's ``build_moe_ffn`` and HF transfo
 
 Split == unsplit, bit for bit, by the same construction as the block boundary (``ppharness.model.slicing``): an
 expert's output is its own fp16 buffer computed by one compiled kernel sequence whatever node runs it, and the
-routing and the combine are numpy float32 element-wise arithmetic in a fixed order, which every machine rounds alike.
+routing and the combine reduce only by maxima and add their terms in a fixed order, so a row's bits do not depend on
+the kernels that compute them (``route_on_device``).
 """
 
 from __future__ import annotations

@@ -47,7 +47,6 @@ class BatchedRows:
     _row_steps: dict[int, list[TinyJit[Any]]]
     _row_heads: dict[int, TinyJit[Any]]
     _row_in: dict[tuple[int, int], tuple[Tensor, Tensor]]
-    _bias: dict[int, NDArray[np.float32]]
     _tapped: list[Tensor]
     _tapped_np: dict[int, NDArray[np.float16]]
 
@@ -58,7 +57,6 @@ class BatchedRows:
         def step(
             self, x: list[int] | NDArray[np.float16], position: int, slot: int = 0
         ) -> Generator[ExpertCall, NDArray[np.float16], NDArray[np.float16] | int]: ...
-
 
         def _answered(self, gen: Generator[ExpertCall, NDArray[np.float16], R], stand_in: bool = False) -> R: ...
 

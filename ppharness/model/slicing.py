@@ -241,7 +241,7 @@ class ModelSlice(BatchedRows):
         self.n_params = sum(sizes.values())
         self.tied_params = sizes["token_embd.weight"] if self.last and self.config.tied and not self.first else 0
         self.n_params -= self.tied_params
-        held = {name: p.nbytes for local, p in packed.items() for name in (owned[local],)}
+        held = {owned[local]: p.nbytes for local, p in packed.items()}
         held |= {owned[k]: v.nbytes() for k, v in params.items() if k in owned}
         self.weight_bytes = sum(held.values())  # the device bytes of this slice's weights, each file tensor once
 
