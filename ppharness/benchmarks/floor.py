@@ -74,20 +74,21 @@ def _block_to_time(f: GGUFFile) -> int:
 
 def torch_floor_ms(gemvs: list[GEMV]) -> tuple[float | None, str]:
     """Median ms per block of ``gemvs`` as fp16 cuBLAS GEMVs replayed from a CUDA graph; (None, why) without a CUDA
-    PyTorch. Measured in a process of its own: tinygrad's CUDA context, current in this one, is not PyTorch's."""
+    PyTorch."""
+    return measured_apart("ppharness.benchmarks.floor", json.dumps(gemvs), "the floor's measurement", 600)
+
+
+def measured_apart(module: str, arg: str, what: str, timeout_s: float) -> tuple[float | None, str]:
+    """``python -m module arg`` run in a process of its own (tinygrad's CUDA context, current in this one, is not
+    PyTorch's), whose last line of output is ``[value, note]`` as JSON; (None, why) where it fails or overruns."""
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "ppharness.benchmarks.floor", json.dumps(gemvs)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        done = subprocess.run([sys.executable, "-m", module, arg], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return None, "the floor's measurement did not finish in 600 s"
+        return None, f"{what} did not finish in {timeout_s:g} s"
     if done.returncode != 0:
-        return None, f"the floor's measurement failed: {done.stderr.strip()[-400:]}"
-    ms, note = json.loads(done.stdout.strip().splitlines()[-1])
-    return ms, note
+        return None, f"{what} failed: {done.stderr.strip()[-400:]}"
+    value, note = json.loads(done.stdout.strip().splitlines()[-1])
+    return value, note
 
 
 def _torch_floor_here(gemvs: list[GEMV], replays: int = 50, trials: int = 7) -> tuple[float | None, str]:

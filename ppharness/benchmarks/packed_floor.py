@@ -23,13 +23,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ppharness.benchmarks.floor import measured_apart
 from ppharness.model.gguf_header import read_gguf
 
 COPY_BYTES = 1 << 30  # each of the copy's two buffers on an accelerator: far above any L2 cache
@@ -150,20 +150,8 @@ def copy_bandwidth(
 
 
 def _torch_copy(n_bytes: int) -> tuple[float | None, str]:
-    """In a process of its own: tinygrad's CUDA context, current in this one, is not PyTorch's."""
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "ppharness.benchmarks.packed_floor", str(n_bytes)],
-            capture_output=True,
-            text=True,
-            timeout=COPY_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        return None, f"PyTorch's copy did not finish in {COPY_TIMEOUT_S} s"
-    if done.returncode != 0:
-        return None, f"PyTorch's copy failed: {done.stderr.strip()[-400:]}"
-    gb_s, note = json.loads(done.stdout.strip().splitlines()[-1])
-    return gb_s, note
+    """PyTorch's copy bandwidth, measured in a process of its own (``floor.measured_apart``)."""
+    return measured_apart("ppharness.benchmarks.packed_floor", str(n_bytes), "PyTorch's copy", COPY_TIMEOUT_S)
 
 
 def _torch_copy_here(n_bytes: int, copies: int = 10, trials: int = 7) -> tuple[float | None, str]:
