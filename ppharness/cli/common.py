@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 import click
 
+from ppharness.cli.stream import AnswerStream
 from ppharness.errors import HarnessError
 from ppharness.registry import provider_class
 from ppharness.run.locks import RunLabelInUse
@@ -153,24 +154,17 @@ def run_json(result: RunResult, trace_files: list[str]) -> dict[str, Any]:
 
 
 def print_summary(result: RunResult, err: bool = False) -> None:
-    """The run's answer and figures on stdout (stderr with ``err``: stdout is then the JSON's)."""
+    """The chain's answer and figures on stdout (stderr with ``err``: stdout is then the JSON's), before the oracle
+    has run: the text, its tokens, the chain's time to first token and decode rate, the stages."""
     echo = functools.partial(click.echo, err=err)
     r = result.response
     echo(f"\ntext: {r.text!r}")
     echo(f"tokens ({len(r.token_ids)}, {ending(r.finish_reason, r.stop_token_id, r.stop_token)}): {r.token_ids}")
     n = len(result.plan.ranges)
     echo(
-        f"chain: {plural(n, 'stage')}, time to first token {result.ttft_s * 1000:.0f} ms, "
-        f"decode {result.decode_tok_s:.1f} tok/s"
+        f"chain ({plural(n, 'stage')}, as the tokens reached this process): time to first token "
+        f"{result.ttft_s * 1000:.0f} ms, decode {result.decode_tok_s:.1f} tok/s"
     )
-    if result.oracle is not None:
-        o = result.oracle
-        echo(
-            f"oracle (unsplit, one process): first token {o.ttft_s * 1000:.0f} ms, decode {o.decode_tok_s:.1f} "
-            f"tok/s; chain/single decode ratio {result.decode_tok_s / o.decode_tok_s:.2f}"
-            if o.decode_tok_s
-            else ""
-        )
     echo(f"\n{'stage':>5} {'blocks':>9} {'params':>12} {'tied':>10} {'load+compile':>13} {'peak RSS':>9}")
     for s in result.stages:
         blocks = f"[{s.lo},{s.hi})" if s.hi > s.lo else "experts"  # an expert node runs no block range
@@ -178,9 +172,7 @@ def print_summary(result: RunResult, err: bool = False) -> None:
             f"{s.index:>5} {blocks:>9} {s.params:>12,} {s.tied_params:>10,} {s.load_s:>12.1f}s "
             f"{human_bytes(s.peak_rss_bytes):>9}"
         )
-    total = sum(s.params for s in result.stages)
-    model = f"   (model: {result.oracle.n_params:,})" if result.oracle else ""
-    echo(f"{'sum':>5} {'':>9} {total:>12,}{model}")
+    echo(f"{'sum':>5} {'':>9} {sum(s.params for s in result.stages):>12,}")
     if result.policy != "none":
         echo(f"\nfault tolerance: {result.policy}; {result.resends} message(s) the orchestrator sent again")
     for rec in result.recoveries:
@@ -189,6 +181,21 @@ def print_summary(result: RunResult, err: bool = False) -> None:
             f"failover: stage {rec.stage} ({rec.cause}) -> spare {rec.spare}, epoch {rec.epoch}: reload "
             f"{rec.reload_s:.2f} s (loading {rec.load_s:.2f} s), replay to the next token {replay}"
         )
+
+
+def print_verdict(result: RunResult, err: bool = False) -> None:
+    """The oracle's figures beside the chain's and, when they agree, the MATCH line (a mismatch fails the command
+    in ``run_and_report``); nothing when the oracle did not run."""
+    echo = functools.partial(click.echo, err=err)
+    r, o, n = result.response, result.oracle, len(result.plan.ranges)
+    if o is None:
+        echo("\nnot compared with the unsplit model (the oracle did not run)")
+        return
+    ratio = f"; chain/oracle decode {result.decode_tok_s / o.decode_tok_s:.2f}" if o.decode_tok_s else ""
+    echo(
+        f"\noracle (the unsplit model, {o.n_params:,} parameters, in this process): time to first token "
+        f"{o.ttft_s * 1000:.0f} ms, decode {o.decode_tok_s:.1f} tok/s{ratio}"
+    )
     if result.matches_oracle is True and result.verdict is not None:
         v = result.verdict
         boundaries = (
@@ -197,7 +204,7 @@ def print_summary(result: RunResult, err: bool = False) -> None:
             else "with no stage boundary to compare (one stage)"
         )
         echo(
-            f"\nMATCH: the {n}-stage chain's {len(r.token_ids)} tokens equal the unsplit model's, token for token, "
+            f"MATCH: the {n}-stage chain's {len(r.token_ids)} tokens equal the unsplit model's, token for token, "
             + boundaries
             + (
                 f" (those of stage(s) {v.unverified} went with the node a spare replaced: not compared)"
@@ -227,16 +234,30 @@ def run_and_report(
     trace: bool | None = None,
     json_out: bool = False,
 ) -> None:
-    """Run ``scenario``; print the summary; exit 1 on failure or mismatch. ``json_out``: the summary goes to stderr
-    and stdout holds only the run's JSON (``run_json``), printed whether or not it matched."""
+    """Run ``scenario``: its answer printed as the tokens arrive, then the chain's summary, then the oracle's verdict
+    once it has run; exit 1 on failure or mismatch. ``json_out``: the summary goes to stderr and stdout holds only the
+    run's JSON (``run_json``), printed whether or not it matched."""
     run_label = run_label or f"pp-{uuid.uuid4().hex[:8]}"
     trace_path = trace_path or scenario.trace.path
     trace_on = bool(trace_path) or (scenario.trace.enabled if trace is None else trace)
+    answer = AnswerStream(err=json_out)
+
+    def answered(result: RunResult) -> None:  # the chain's part, before the oracle runs
+        answer.end()
+        print_summary(result, err=json_out)
+
     with exit_1_on_failure(lambda: reap_own(scenario.provider.kind, run_label)):
-        result = run_scenario(scenario, progress=Progress(quiet=quiet), run_label=run_label, trace=trace_on)
+        result = run_scenario(
+            scenario,
+            progress=Progress(quiet=quiet),
+            run_label=run_label,
+            trace=trace_on,
+            shown=answer.start,
+            answered=answered,
+        )
     if reap_own(scenario.provider.kind, run_label):
         fail(f"resources of run {run_label} outlived it and were reaped")
-    print_summary(result, err=json_out)
+    print_verdict(result, err=json_out)
     files: list[str] = []
     if result.trace is not None:
         click.echo("\n" + result.trace.summary(), err=json_out)

@@ -8,12 +8,18 @@ import time
 from pathlib import Path
 
 import click
+import msgspec
 
 from ppharness.cli.common import SCENARIO_HELP, fail, load_scenario_or_fail, run_and_report, version_option
-from ppharness.model.files import cache_dir
+from ppharness.errors import HarnessError
+from ppharness.model.chat import chat_prompt
+from ppharness.model.files import cache_dir, resolve_model
+from ppharness.model.gguf_header import read_gguf
 from ppharness.plan.doc import load_plan
 from ppharness.plan.simulate import compare, simulate
 from ppharness.plan.validation import jsonl_path, read_trace
+from ppharness.run.realise import model_source as source_of
+from ppharness.scenario.schema import Scenario
 
 
 @click.command(name="pp-smoke-run")
@@ -26,6 +32,21 @@ from ppharness.plan.validation import jsonl_path, read_trace
     type=click.Path(dir_okay=False),
     help="Run a plan file (JSON or YAML, e.g. from `ppharness plan make`): the model, devices and placement "
     "come from it.",
+)
+@click.option(
+    "--model",
+    "model_source",
+    metavar="SOURCE",
+    help="The model to run: a GGUF path, an http(s) URL, or synthetic:PRESET[,blocks=N,...] (in place of the "
+    "scenario's model section).",
+)
+@click.option("--chat", is_flag=True, help="Put the prompt in the model file's own chat template (a user turn).")
+@click.option("--no-oracle", is_flag=True, help="Do not run the unsplit model to compare the answer with.")
+@click.option(
+    "--max-context",
+    type=click.IntRange(16),
+    help="KV cache positions every stage allocates (default: the scenario's, else 256; with --model, enough for "
+    "the prompt and --max-tokens).",
 )
 @click.option("--transport", help="Transport kind between processes: zmq or iroh.")
 @click.option("--provider", help="Provider kind (local, ...).")
@@ -69,6 +90,10 @@ def smoke_run(
     num_stages: int | None,
     scenario_file: str | None,
     plan_file: str | None,
+    model_source: str | None,
+    chat: bool,
+    no_oracle: bool,
+    max_context: int | None,
     transport: str | None,
     provider: str | None,
     prompt: str | None,
@@ -89,6 +114,12 @@ def smoke_run(
         fail("--api-key and --vastai-url apply only with --vastai")
     if plan_file is not None and trace_path is None and not no_trace:
         trace_path = str(_default_trace(plan_file))
+    if model_source is not None and plan_file is not None:
+        fail("--model and --plan both name the model — the plan's is the one it was made for; leave out --model")
+    if model_source is not None:
+        refuse_unloadable(model_source)
+    if chat:
+        prompt = chat_or_fail(scenario_file, model_source, prompt, plan_file)
     scenario = load_scenario_or_fail(
         scenario_file,
         num_stages=num_stages,
@@ -97,7 +128,12 @@ def smoke_run(
         prompt=prompt,
         max_tokens=max_tokens,
         plan=plan_file,
+        model=model_source,
+        max_context=max_context,
+        match_oracle=False if no_oracle else None,
     )
+    if model_source is not None and max_context is None:
+        scenario = _room_for_answer(scenario)
     started = time.time()
     run_and_report(
         scenario,
@@ -143,6 +179,40 @@ def _default_trace(plan_file: str) -> Path:
     """Where a plan run's trace goes unless --trace says: the cache directory's traces/, named after the plan and
     the time (a plan run always leaves its per-token trace behind, outside the working tree)."""
     return cache_dir() / "traces" / f"{Path(plan_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def refuse_unloadable(source: str) -> None:
+    """Exit 1, before anything starts, when ``source`` is a local path that is not a file."""
+    if source.startswith("synthetic:") or "://" in source:
+        return
+    path = Path(source).expanduser()
+    if not path.is_file():
+        fail(
+            f"--model {source}: no such file ({path.resolve()}) — give the path of a GGUF file, an http(s) URL "
+            "or synthetic:PRESET"
+        )
+
+
+def chat_or_fail(scenario_file: str | None, source: str | None, prompt: str | None, plan_file: str | None) -> str:
+    """The prompt (``--prompt``, else the scenario's) as a user turn in the chat template of the model the run will
+    load (``--model``, else the scenario's or the plan's)."""
+    base = load_scenario_or_fail(scenario_file, model=source, plan=plan_file)
+    try:
+        where, sha256 = source_of(base)
+        path = resolve_model(where, sha256, size=base.model.size, deadline_s=base.budget.total_s)
+        return chat_prompt(read_gguf(path).kv, base.request.prompt if prompt is None else prompt, source=str(path))
+    except HarnessError as exc:
+        fail(f"--chat: {exc}")
+
+
+def _room_for_answer(scenario: Scenario) -> Scenario:
+    """``scenario`` with a KV cache long enough for its prompt and answer: a prompt has at most one token per byte,
+    and a BOS (``--model`` without ``--max-context``)."""
+    needed = len(scenario.request.prompt.encode()) + scenario.request.max_tokens + 2
+    if needed <= scenario.model.max_context:
+        return scenario
+    section = msgspec.structs.replace(scenario.model, max_context=-(-needed // 64) * 64)
+    return msgspec.structs.replace(scenario, model=section)
 
 
 # the acceptance request on vast.ai (llama3.2:1b, "Say hello", 64 tokens): what --vastai runs by default

@@ -114,8 +114,10 @@ def warm_up(model: ModelSlice) -> None:
             for pos in (0, 1, 2, 3):
                 model.warm(x, pos, width - 1)
         model.use(0)
+        model.warm_prefill(1)
         return
     for slot in range(model.slots):  # each request slot has its own compiled step (the same kernels)
         for pos in (0, 1, 2, 3):
             model.warm(x, pos, slot)
     model.use(0)
+    model.warm_prefill(1)  # the prefill's chunk step, captured: a prompt of any length replays it

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import numpy as np
@@ -31,6 +30,7 @@ from ppharness.errors import ModelError
 from ppharness.model import moe
 from ppharness.model.arch.base import BLOCK_TENSOR
 from ppharness.model.batch import Rows, widths
+from ppharness.model.chunks import Prefill
 from ppharness.model.direct import DecodeLinear, DirectStep, decode_context
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.kernels import kernel_sources, pin_from_env
@@ -60,7 +60,6 @@ R = TypeVar("R")  # what a driven step returns
 # that reads it (``ppharness.model.packed``), or dequantised to float16 at load (the engine's former way, kept to
 # measure against; F16 and F32 matrices are float16 either way)
 WEIGHTS = ("packed", "f16")
-PREFILL_STEPS = 32  # compiled prefill steps a slice keeps (one per request slot and prompt length), most recent first
 
 
 def _local_name(name: str, lo: int) -> str:
@@ -160,11 +159,9 @@ class ModelSlice(BatchedRows):
         self._load(gguf_file)
         self._pos = UOp.variable("start_pos", 1, self.max_context - 1)
         self._jits = [TinyJit(self._forward) for _ in range(slots)]
-        # prefill steps by prompt length: building and scheduling a prefill's graph costs far more than running it, so
-        # a length that comes again replays the step compiled for it (the same kernels as a plain run). A prefill
-        # computes in a scratch slot of its own, whose cache is then copied byte for byte into the request's slot, so
-        # that one compiled step serves every slot.
-        self._prefills: OrderedDict[int, TinyJit[Any]] = OrderedDict()
+        # the prefill: chunks of one size through one compiled step (``ppharness.model.chunks``), in a scratch slot
+        # of its own whose cache is then copied byte for byte into the request's slot, so that it serves every slot
+        self._prefill = Prefill(self)
         self._decode_in: Tensor | None = None  # (1,1) ids or (1,1,D) hidden, reused by every decode step
         self._directs: list[DirectStep | Literal[False] | None] = [
             None
@@ -490,19 +487,12 @@ class ModelSlice(BatchedRows):
             raise ModelError(f"request slot {slot} is outside this slice's {self.slots} slot(s)")
         if self.config.moe:
             return self._answered(self.prefill_step(x, slot))
-        from tinygrad.engine.jit import TinyJit
         from tinygrad.tensor import Tensor
 
-        t = self._input(x)
-        length = int(t.shape[1])
-        jit = self._prefills.pop(length, None)
-        if jit is None:
-            if len(self._prefills) >= PREFILL_STEPS:  # the least recently used length goes
-                self._prefills.popitem(last=False)
-            jit = TinyJit(self._forward)
-        self._prefills[length] = jit
-        self.use(self.slots)
-        out = self._output(jit(t, 0))
+        self.use(self.slots)  # the chunks compute in the scratch slot
+        out: NDArray[np.float16] | int
+        out, taps = self._prefill.run(x)
+        self._tapped, self._tapped_np = [], {self.lo + i: t for i, t in enumerate(taps)}
         if self.batched:
             self._store(slot)
             return out
@@ -516,29 +506,17 @@ class ModelSlice(BatchedRows):
         return out
 
     def warm_prefill(self, length: int) -> bool:
-        """Build, compile and capture the prefill step for prompts of ``length`` positions before one comes, in the
-        scratch slot only: no request's cache is touched. The step is the one ``prefill`` runs for that length, so a
-        warmed prefill computes the same bytes, sooner. False where there is nothing to warm (a mixture-of-experts
-        slice, whose prefill is not one captured step, or a length outside the context)."""
-        from tinygrad.engine.jit import TinyJit
-
+        """Compile and capture the prefill chunk step before a prompt comes, in the scratch slot only: no request's
+        cache is touched (``ppharness.model.chunks``: one step serves every prompt length). False where there is
+        nothing to warm (a mixture-of-experts slice, whose prefill is not one captured step, or a length outside the
+        context)."""
         if self.config.moe or not 0 < length < self.max_context:
             return False
-        x: list[int] | NDArray[np.float16] = (
-            [0] * length if self.first else np.zeros((1, length, self.config.dim), np.float16)
-        )
-        t = self._input(x)
-        jit = self._prefills.pop(length, None)
-        if jit is None:
-            if len(self._prefills) >= PREFILL_STEPS:
-                self._prefills.popitem(last=False)
-            jit = TinyJit(self._forward)
-        self._prefills[length] = jit
-        previous = self._slot
-        self.use(self.slots)
-        while jit.cnt < 2:  # the JIT runs its first call as it comes and captures on the second
-            self._output(jit(t, 0))
-        self.use(previous)
+        if not self._prefill.compiled:
+            previous = self._slot
+            self.use(self.slots)
+            self._prefill.warm()
+            self.use(previous)
         return True
 
     def decode(self, x: list[int] | NDArray[np.float16], position: int, slot: int = 0) -> NDArray[np.float16] | int:

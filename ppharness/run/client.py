@@ -117,6 +117,8 @@ class Client:
         self.active: InferenceRequest | None = None
         self.request_started = 0.0  # when the request in progress was sent, on the orchestrator's clock
         self.on_token: Callable[[], None] = lambda: None
+        # told of every new token of a request that streams to the user: (request, its first position, what came)
+        self.on_stream: Callable[[str, int, dict[int, tuple[int, float]]], None] | None = None
         # told of the prompts of a request (or of a load) before the first of them goes
         self.on_prompts: Callable[[list[str]], None] = lambda prompts: None
         self._again = _Again()
@@ -124,7 +126,7 @@ class Client:
         self._streamed_said = time.monotonic()
         self._stream_acks = StreamAcks()
 
-    def request(self, prompt: str, max_tokens: int) -> tuple[InferenceResponse, float]:
+    def request(self, prompt: str, max_tokens: int, stream: bool = False) -> tuple[InferenceResponse, float]:
         """Send one request to pp-entry; return the response and its round trip in seconds on our clock.
 
         A request sent right after another may find stage 0 still waiting for that one's last token (over a slow
@@ -135,7 +137,7 @@ class Client:
         sent: list[tuple[InferenceRequest, float]] = []  # each send: the request and when it went
 
         def send() -> None:
-            sent.append(self._send_new(prompt, max_tokens))
+            sent.append(self._send_new(prompt, max_tokens, stream))
 
         def answered() -> bool:
             return sent[-1][0].request_id in self.responses
@@ -169,15 +171,18 @@ class Client:
         request, t0 = sent[-1]
         return self.responses.pop(request.request_id), time.monotonic() - t0
 
-    def _send_new(self, prompt: str, max_tokens: int) -> tuple[InferenceRequest, float]:
-        """Send the request in progress, under a new id; returns it and when it went."""
+    def _send_new(self, prompt: str, max_tokens: int, stream: bool = False) -> tuple[InferenceRequest, float]:
+        """Send the request in progress, under a new id (``stream``: its tokens come back as they are sampled);
+        returns it and when it went."""
         s = self.session
         assert s.transport is not None, "the chain is not started"
         self.on_prompts([prompt])
         self._start_network()
         t0 = time.monotonic()
         request_id = uuid.uuid4().hex[:12]
-        request = InferenceRequest(reply_to=s.seed, prompt=prompt, max_tokens=max_tokens, request_id=request_id)
+        request = InferenceRequest(
+            reply_to=s.seed, prompt=prompt, max_tokens=max_tokens, request_id=request_id, stream=stream
+        )
         self.active = request
         self._send(request)
         return request, t0
@@ -290,7 +295,9 @@ class Client:
                 if through is not None:
                     self._ack(sender, "stream", msg.request_id, through)
                 if fresh:
-                    if time.monotonic() - self._streamed_said >= STREAM_PROGRESS_S:
+                    if self.on_stream is not None:  # the user sees the tokens themselves: no count of them
+                        self.on_stream(msg.request_id, msg.first, got)
+                    elif time.monotonic() - self._streamed_said >= STREAM_PROGRESS_S:
                         self._streamed_said = time.monotonic()
                         self.session.progress(f"decoding: {len(got)} token(s) streamed so far")
                     self.on_token()

@@ -145,9 +145,10 @@ class Chain:
 
     # --- the client and the observer --------------------------------------------------------------------------------
 
-    def request(self, prompt: str, max_tokens: int) -> tuple[InferenceResponse, float]:
-        """Send one request to pp-entry; return the response and its round trip in seconds (``Client.request``)."""
-        return self.client.request(prompt, max_tokens)
+    def request(self, prompt: str, max_tokens: int, stream: bool = False) -> tuple[InferenceResponse, float]:
+        """Send one request to pp-entry; return the response and its round trip in seconds (``Client.request``;
+        ``stream``: its tokens come back as they are sampled, to ``client.on_stream``)."""
+        return self.client.request(prompt, max_tokens, stream)
 
     def serve(self, jobs: list[Job]) -> list[Served]:
         """Serve an open-loop load (``Client.serve``); the results are in job order."""
@@ -241,13 +242,20 @@ def run_scenario(
     run_label: str | None = None,
     log_dir: str | None = None,
     trace: bool = False,
+    shown: Callable[[str], Callable[[list[int]], None]] | None = None,
+    answered: Callable[[RunResult], None] | None = None,
 ) -> RunResult:
-    """Run ``scenario`` end to end; raise a HarnessError (after destroying everything) on any failure."""
+    """Run ``scenario`` end to end; raise a HarnessError (after destroying everything) on any failure.
+
+    ``shown(model_path)``, where given, makes the function that is told the answer's token ids so far each time a
+    token arrives (the request streams them). ``answered(result)`` is told the chain's answer before the oracle runs."""
     req = scenario.request
     progress = progress or Progress()
     with Chain(scenario, progress, run_label, log_dir, trace=trace) as chain:
+        if shown is not None:
+            chain.client.on_stream = streamed(shown(chain.model_path))
         progress(f"request: {req.max_tokens} tokens after {req.prompt!r}")
-        response, request_s = chain.request(req.prompt, req.max_tokens)
+        response, request_s = chain.request(req.prompt, req.max_tokens, stream=shown is not None)
         traced = None
         if trace and chain.recoveries:
             progress("no trace for this request: the replaced stage's spans went with it")
@@ -271,6 +279,8 @@ def run_scenario(
     )
     if scenario.expect.non_empty and not response.token_ids:
         raise StageError(f"stage {n - 1} (last) reported done with no text ({response.finish_reason})")
+    if answered is not None:
+        answered(result)
     if scenario.expect.match_oracle:
         progress(f"running the unsplit model in this process (the oracle): {req.max_tokens} tokens, compiled first")
         with ticking("running the oracle", progress):
@@ -287,3 +297,19 @@ def run_scenario(
         if pinning is not None:  # the nodes read the same table (PPHARNESS_KERNELS travels in their environment)
             progress(f"the oracle's {pinning.summary()}")
     return result
+
+
+def streamed(show: Callable[[list[int]], None]) -> Callable[[str, int, dict[int, tuple[int, float]]], None]:
+    """``Client.on_stream`` for ``show``: the answer's ids from its first position on, as far as they have come
+    without a gap (a token that overtook the one before it waits for it), each time that prefix grows."""
+    seen: dict[str, int] = {}
+
+    def on_stream(request_id: str, first: int, got: dict[int, tuple[int, float]]) -> None:
+        n = seen.get(request_id, 0)
+        while first + n in got:
+            n += 1
+        if n > seen.get(request_id, 0):
+            seen[request_id] = n
+            show([got[first + i][0] for i in range(n)])
+
+    return on_stream

@@ -270,10 +270,24 @@ def scenario_from_args(
     prompt: str | None = None,
     max_tokens: int | None = None,
     plan: str | None = None,
+    model: str | None = None,
+    max_context: int | None = None,
+    match_oracle: bool | None = None,
 ) -> Scenario:
     """``base`` (default: the built-in scenario) with the given overrides; ``None`` keeps the base value. ``plan``:
-    a plan file the run realises (``with_plan``)."""
+    a plan file the run realises (``with_plan``); ``model``: a source (``model_section``)."""
     s = base if base is not None else Scenario(version=SCENARIO_VERSION)
+    if model is not None:
+        section = model_section(model, s.model.max_context)
+        s = _set(s, "$", model=section)
+        if name is None and base is None:
+            name = (
+                f"{Path(model).stem if section.gguf else model.removeprefix('synthetic:')}-{s.stages.num_stages}stage"
+            )
+    if max_context is not None:
+        s = _set(s, "$", model=_set(s.model, "$.model", max_context=max_context))
+    if match_oracle is not None:
+        s = _set(s, "$", expect=_set(s.expect, "$.expect", match_oracle=match_oracle))
     if num_stages is not None:
         s = _set(s, "$", stages=Stages(count=num_stages, split_rule=s.stages.split_rule))
     if provider is not None:  # before the transport, whose checks name the provider
@@ -298,10 +312,41 @@ def scenario_from_args(
         return with_plan(checked, str(Path(plan).resolve()), provider=provider)
     if checked.plan is not None:
         return checked
-    model = known_model(checked, source="<arguments>")
-    if model is not None:
-        check_against_model(checked, model, source="<arguments>")
+    facts = known_model(checked, source="<arguments>")
+    if facts is not None:
+        check_against_model(checked, facts, source="<arguments>")
     return checked
+
+
+# the fields of ``synthetic:PRESET,key=value`` a scenario's model section takes
+_SYNTHETIC_KEYS = ("seed", "blocks", "dim", "tied_embeddings", "type")
+
+
+def model_section(source: str, max_context: int) -> ModelSection:
+    """A model section for ``--model SOURCE``: ``synthetic:PRESET[,key=value...]`` (keys: seed, blocks, dim,
+    tied_embeddings, type), an http(s) URL, or a local path (``~`` expanded, made absolute)."""
+    where = f"<arguments>: --model {source}"
+    if source.startswith("synthetic:"):
+        preset, *pairs = source.removeprefix("synthetic:").split(",")
+        fields: dict[str, object] = {"preset": preset or "tiny"}
+        for pair in pairs:
+            key, _, value = pair.partition("=")
+            if key not in _SYNTHETIC_KEYS:
+                raise ScenarioError(
+                    f"{where}: unknown field {key!r}; a run's synthetic model takes {', '.join(_SYNTHETIC_KEYS)}"
+                )
+            fields[key] = (
+                value if key == "type" else value.lower() in ("1", "true", "yes") if key == "tied_embeddings" else value
+            )
+        raw = {"synthetic": fields, "max_context": max_context}
+    elif "://" in source:
+        raw = {"gguf": source, "max_context": max_context}
+    else:
+        raw = {"gguf": str(Path(source).expanduser().resolve()), "max_context": max_context}
+    try:
+        return msgspec.convert(raw, type=ModelSection, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ScenarioError(f"{where}: {exc}") from None
 
 
 _S = TypeVar("_S", bound=msgspec.Struct)

@@ -23,6 +23,7 @@ import numpy as np
 from ppharness.errors import ModelError
 from ppharness.model.arch.base import BLOCK_TENSOR, Architecture, Shape, check_no_mla
 from ppharness.model.batch import Rows, rope_rows
+from ppharness.model.chunks import Chunk, attention_chunk
 from ppharness.model.direct import DecodeLinear
 
 if TYPE_CHECKING:
@@ -90,12 +91,14 @@ def block_class() -> type[TransformerBlock]:
             for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
                 setattr(self, name, DecodeLinear(getattr(self, name)))
 
-        def __call__(self, x: Tensor, start_pos: int | UOp | Rows) -> Tensor:
+        def __call__(self, x: Tensor, start_pos: int | UOp | Rows | Chunk) -> Tensor:
             return self._feed_forward(self._attention(x, start_pos)).cast("float16").contiguous()
 
-        def _attention(self, x: Tensor, start_pos: int | UOp | Rows) -> Tensor:
+        def _attention(self, x: Tensor, start_pos: int | UOp | Rows | Chunk) -> Tensor:
             if isinstance(start_pos, Rows):  # a batch of decode rows, each at its own position
                 return attention_rows(self, x, start_pos)
+            if isinstance(start_pos, Chunk):  # a prefill chunk at a bound position
+                return attention_chunk(self, x, start_pos)
             if not self.rope_factors:
                 return super()._attention(x, start_pos)
             return self._attention_with(x, start_pos)
