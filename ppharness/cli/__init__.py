@@ -13,6 +13,7 @@ import importlib
 import click
 
 from ppharness.cli.common import version_option
+from ppharness.cli.fetch import model_fetch
 from ppharness.cli.model import model, oracle, split_check, tune
 from ppharness.cli.ops import reap, vastai_emulator
 from ppharness.cli.plan import plan
@@ -50,3 +51,4 @@ def main() -> None:
 
 for command in (scenario, plan, model, split_check, tune, oracle, vastai_emulator, reap):
     main.add_command(command)
+model.add_command(model_fetch)
