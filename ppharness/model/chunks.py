@@ -52,11 +52,6 @@ class Chunk:
     at: UOp
 
 
-def pieces(length: int, size: int) -> list[tuple[int, int]]:
-    """(start, real rows) of each chunk of a prompt of ``length`` positions."""
-    return [(at, min(size, length - at)) for at in range(0, length, size)]
-
-
 def causal(at: UOp, rows: int, context: int) -> Tensor:
     """(1, 1, rows, context) bool: row i of a chunk starting at ``at`` sees cache position j when j <= at + i."""
     from tinygrad.tensor import Tensor
@@ -94,11 +89,13 @@ def attention_chunk(block: Any, x: Tensor, chunk: Chunk) -> Tensor:
         block.cache_kv = Tensor.zeros(*shape, dtype=k.dtype, device=k.device).contiguous().realize()
     block.cache_kv[:, :, :, chunk.at : chunk.at + t, :].assign(Tensor.stack(k, v)).realize()
     ctx = int(block.cache_kv.shape[3])
-    keys, values = block.cache_kv[0], block.cache_kv[1]  # (B,KvH,context,Hd)
+    span = chunk.at + t  # the positions up to the chunk's last: a symbolic length
+    keys, values = block.cache_kv[0, :, :, 0:span, :], block.cache_kv[1, :, :, 0:span, :]  # (B,KvH,S,Hd)
     g = h // kvh
     qg = q.reshape(b, kvh, g * t, hd)  # query head j of KV head i is head i*G + j (tinygrad's repeat_interleave)
-    scores = qg.matmul(keys.transpose(-2, -1)) / math.sqrt(hd)  # (B,KvH,G*C,context)
+    scores = qg.matmul(keys.transpose(-2, -1)) / math.sqrt(hd)  # (B,KvH,G*C,S)
     seen = causal(chunk.at, t, ctx).reshape(1, 1, 1, t, ctx).expand(1, 1, g, t, ctx).reshape(1, 1, g * t, ctx)
+    seen = seen[:, :, :, 0:span]
     # masked with where, not added: a masked position's cache holds whatever an earlier request left there
     attn = seen.where(scores, -math.inf).softmax(-1) @ values  # (B,KvH,G*C,Hd)
     attn = attn.reshape(b, h, t, hd).transpose(1, 2).reshape(b, t, h * hd)
