@@ -81,7 +81,7 @@ def test_a_one_stage_run_says_stage_and_that_there_is_no_boundary():
     )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
-    assert "chain: 1 stage," in out
+    assert "chain (1 stage, as the tokens reached this process)" in out
     assert "with no stage boundary to compare (one stage)" in out and "all 0 stage-boundary" not in out
     assert "model: synthetic:tiny (building" in out
     joined = [line for line in out.splitlines() if " joined from " in line]
