@@ -1,28 +1,36 @@
-"""An independent reference model for the tests: the llama, qwen3moe and qwen2moe architectures in numpy, float32,
-written from their definitions and read from the GGUF file with the ``gguf`` package alone. Nothing here comes from
-``ppharness.model`` or tinygrad: it is what the project's model is checked against (``tests/test_reference_model.py``).
+"""An independent reference model for the tests: the llama, qwen2, qwen3, qwen3moe and qwen2moe architectures in numpy,
+float32, written from their definitions and read from the GGUF file with the ``gguf`` package alone. Nothing here comes
+from ``ppharness.model`` or tinygrad: it is what the project's model is checked against
+(``tests/test_reference_model.py``).
 
 The definitions, as llama.cpp computes them (``src/llama-model.cpp``: ``llm_build_llama``, ``llm_build_qwen3moe``,
-``llm_build_qwen2moe``, ``llama_model_rope_type``; ``src/llama-graph.cpp``: ``build_norm``, ``build_ffn``,
-``build_moe_ffn``, ``build_attn``; ggml's ``rope`` with its ``freq_factors``), and as HF transformers'
-``LlamaForCausalLM``, ``Qwen3MoeForCausalLM`` and ``Qwen2MoeForCausalLM`` do:
+``llm_build_qwen2moe``, ``llama_model_rope_type``; ``src/models/qwen2.cpp``, ``src/models/qwen3.cpp``;
+``src/llama-graph.cpp``: ``build_norm``, ``build_ffn``, ``build_moe_ffn``, ``build_attn``; ggml's ``rope`` with its
+``freq_factors``), and as HF transformers' ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``Qwen3MoeForCausalLM`` and ``Qwen2MoeForCausalLM`` do:
 
 - every block: ``h = x + attention(rmsnorm(x))``, ``out = h + ffn(rmsnorm(h))``; then ``rmsnorm`` with
   ``output_norm`` and the head ``output`` (``token_embd`` when the file ties them). RMS norm:
   ``x / sqrt(mean(x^2) + eps) * w`` with the file's ``attention.layer_norm_rms_epsilon``.
-- attention: ``q, k, v`` projections (plus their biases where the file has them: qwen2moe), qwen3moe's RMS norm of each
-  head's queries and keys (``attn_q_norm``, ``attn_k_norm``) before the rotation, the rotary embedding, causal softmax
-  attention with scale ``1/sqrt(head_dim)``, query head ``h`` reading key/value head ``h // (heads / kv_heads)``
-  (grouped-query attention: HF's ``repeat_kv``, ggml's broadcast), the output projection.
+- attention: ``q, k, v`` projections (plus their biases where the file has them: qwen2, qwen2moe; HF's
+  ``q_proj``/``k_proj``/``v_proj`` with ``bias=True``, llama.cpp's ``build_qkv`` adding ``wq_b``/``wk_b``/``wv_b``),
+  qwen3's and qwen3moe's RMS norm of each head's queries and keys (``attn_q_norm``, ``attn_k_norm``: one weight of
+  the head's width, over each head's ``head_dim`` values, HF's ``q_norm``/``k_norm`` on the
+  ``(..., heads, head_dim)`` view) before the rotation, the rotary embedding, causal softmax attention with scale
+  ``1/sqrt(head_dim)``, query head ``h`` reading key/value head ``h // (heads / kv_heads)`` (grouped-query
+  attention: HF's ``repeat_kv``, ggml's broadcast), the output projection from ``heads * head_dim``. ``head_dim`` is
+  the file's ``attention.key_length`` where it has one (HF's ``head_dim``: Qwen3-0.6B's 128 with 16 heads in a width
+  of 1024), else ``embedding_length / head_count``.
 - the rotary embedding: pair ``i`` of a head (``i < n_rot/2``) turns by ``position * base^(-2i/n_rot) / factor_i``,
   ``factor_i`` the file's ``rope_freqs.weight[i]`` (Llama-3's frequency factors; 1 without the tensor): ggml divides
   each pair's angle by its factor. Which coordinates make a pair is the architecture's ``rope_type``: llama is
-  ``LLAMA_ROPE_TYPE_NORM``, the pair ``(x[2i], x[2i+1])``; qwen2moe and qwen3moe are ``LLAMA_ROPE_TYPE_NEOX``, the pair
-  ``(x[i], x[i + n_rot/2])``, HF's ``rotate_half``. A llama GGUF is made that way: llama.cpp's converter permutes
-  HF's query and key rows (``LlamaModel.permute``: ``(heads, 2, hd/2) -> (heads, hd/2, 2)``) so that adjacent pairs
-  in the file are HF's ``(i, i + hd/2)``; the file's rows are used as they are here (``tests/test_reference_model.py``
-  checks the equivalence with HF's convention on the un-permuted rows).
-- dense feed-forward (llama): ``down(silu(gate x) * up x)``.
+  ``LLAMA_ROPE_TYPE_NORM``, the pair ``(x[2i], x[2i+1])``; qwen2, qwen3, qwen2moe and qwen3moe are
+  ``LLAMA_ROPE_TYPE_NEOX``, the pair ``(x[i], x[i + n_rot/2])``, HF's ``rotate_half`` (their converters store HF's
+  rows as they are). A llama GGUF is made that way: llama.cpp's converter permutes HF's query and key rows
+  (``LlamaModel.permute``: ``(heads, 2, hd/2) -> (heads, hd/2, 2)``) so that adjacent pairs in the file are HF's
+  ``(i, i + hd/2)``; the file's rows are used as they are here (``tests/test_reference_model.py`` checks the
+  equivalence with HF's convention on the un-permuted rows).
+- dense feed-forward (llama, qwen2, qwen3): ``down(silu(gate x) * up x)``.
 - mixture of experts (qwen3moe, qwen2moe; ``build_moe_ffn`` with softmax gating): router logits from
   ``ffn_gate_inp`` (stored F32, used F32), softmax over every expert, the top ``expert_used_count`` (ties to the lower
   index), their probabilities as weights -- renormalised to sum 1 for qwen3moe (``norm_w = true`` in
@@ -62,10 +70,13 @@ class Arch:
     qk_norm: bool  # RMS norm of each head's queries and keys before the rotation
     shared_expert: bool  # a shared expert gated by sigmoid(ffn_gate_inp_shexp . x)
     rope_factors: bool  # reads rope_freqs.weight (llama.cpp's llama graph does; the qwen graphs do not)
+    biases: bool = True  # adds the projections' biases where the file has them (every graph here does)
 
 
 ARCHS = {
     "llama": Arch(neox=False, moe=False, renormalise=False, qk_norm=False, shared_expert=False, rope_factors=True),
+    "qwen2": Arch(neox=True, moe=False, renormalise=False, qk_norm=False, shared_expert=False, rope_factors=False),
+    "qwen3": Arch(neox=True, moe=False, renormalise=False, qk_norm=True, shared_expert=False, rope_factors=False),
     "qwen3moe": Arch(neox=True, moe=True, renormalise=True, qk_norm=True, shared_expert=False, rope_factors=False),
     "qwen2moe": Arch(neox=True, moe=True, renormalise=False, qk_norm=False, shared_expert=True, rope_factors=False),
 }
@@ -199,13 +210,13 @@ class ReferenceModel:
         w = self.block_weights[i]
         t, hd = x.shape[0], self.head_dim
 
-        def project(name: str) -> NDArray[np.float32]:
-            y = x @ w[f"{name}.weight"].T
-            return y + w[f"{name}.bias"] if f"{name}.bias" in w else y
+        def project(name: str, inp: NDArray[np.float32]) -> NDArray[np.float32]:
+            y = inp @ w[f"{name}.weight"].T
+            return y + w[f"{name}.bias"] if self.arch.biases and f"{name}.bias" in w else y
 
-        q = project("attn_q").reshape(t, self.heads, hd)
-        k = project("attn_k").reshape(t, self.kv_heads, hd)
-        v = project("attn_v").reshape(t, self.kv_heads, hd)
+        q = project("attn_q", x).reshape(t, self.heads, hd)
+        k = project("attn_k", x).reshape(t, self.kv_heads, hd)
+        v = project("attn_v", x).reshape(t, self.kv_heads, hd)
         if self.arch.qk_norm:
             q, k = rmsnorm(q, w["attn_q_norm.weight"], self.eps), rmsnorm(k, w["attn_k_norm.weight"], self.eps)
         angles = rope_angles(np.arange(t), self.n_rot, self.base, self.factors)
@@ -215,8 +226,7 @@ class ReferenceModel:
         scores = np.einsum("thd,shd->hts", q, k) * F32(1.0 / np.sqrt(hd))
         scores = np.where(np.tril(np.ones((t, t), dtype=bool))[None], scores, F32(-np.inf))
         o = np.einsum("hts,shd->thd", softmax(scores), v).reshape(t, self.heads * hd)
-        out = o @ w["attn_output.weight"].T
-        return (out + w["attn_output.bias"] if "attn_output.bias" in w else out).astype(F32)
+        return project("attn_output", o).astype(F32)
 
     def route(self, i: int, x: NDArray[np.float32]) -> tuple[NDArray[np.int64], NDArray[np.float32]]:
         """Block ``i``'s routing of the normed rows ``x``: (T, k) expert ids, best first, and their weights.

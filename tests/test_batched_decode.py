@@ -183,10 +183,13 @@ def test_rows_that_share_a_slot_or_leave_the_context_are_refused(tiny_gguf):
         free.decode_rows([[1]], [3], [0])
 
 
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-deepseek"])
+@pytest.mark.parametrize(
+    "preset", [pytest.param("tiny-qwen2", marks=pytest.mark.slow), "tiny-qwen3", "tiny-moe", "tiny-deepseek"]
+)
 def test_every_architecture_batches_rows_exactly(preset):
-    """qwen3moe and deepseek2 (MLA attention, sigmoid routing, shared experts): a batch's rows route, call their
-    experts and combine as each request alone does, split in two."""
+    """qwen2 (q/k/v biases), qwen3 (per-head q/k norms), qwen3moe and deepseek2 (MLA attention, sigmoid routing,
+    shared experts): a batch's rows compute (route, call their experts and combine) as each request alone does, split
+    in two."""
     from ppharness.model.files import synthetic_path
     from ppharness.model.gguf_file import GGUFFile
     from ppharness.model.spec import PRESETS

@@ -157,3 +157,47 @@ def test_bad_spec_is_explained():
         ModelSpec(dim=30, heads=4)
     with pytest.raises(ModelError, match="too small"):
         ModelSpec(vocab=100)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3"])
+def test_dense_qwen_files_are_written_as_llama_cpps_converter_writes_them(preset):
+    """Every tensor of a dense Qwen file is one that gguf-py (llama.cpp's converter) names for its architecture, with
+    the shapes llama.cpp's loader asks for: qwen2's q/k/v biases; qwen3's per-head q/k norms and its head width in
+    ``attention.key_length``, wider than dim / heads. The engine reads them back as such."""
+    import re
+
+    import gguf
+
+    spec = PRESETS[preset]
+    path = resolve_model(f"synthetic:{preset}")
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    assert arch == spec.arch
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[model_arch]}
+    tensors = {t.name: t.shape.tolist() for t in reader.tensors}  # ne: the fastest-varying dimension first
+    for name in tensors:
+        base, _, kind = name.rpartition(".")
+        assert re.sub(r"^blk\.\d+\.", "blk.{bid}.", base) in known and kind in ("weight", "bias"), name
+    d, hd, q, kv = spec.dim, spec.hd, spec.heads * spec.hd, spec.kv_heads * spec.hd
+    biases = {n for n in tensors if n.endswith(".bias")}
+    norms = {n for n in tensors if n.endswith(("attn_q_norm.weight", "attn_k_norm.weight"))}
+    assert tensors["blk.0.attn_q.weight"] == [d, q] and tensors["blk.0.attn_k.weight"] == [d, kv]
+    assert tensors["blk.0.attn_output.weight"] == [q, d]
+    cfg = GGUFFile(path).config
+    key_length = gguf.Keys.Attention.KEY_LENGTH.format(arch=arch)
+    if arch == "qwen2":
+        assert biases == {f"blk.{i}.attn_{p}.bias" for i in range(spec.blocks) for p in "qkv"} and not norms
+        assert (tensors["blk.0.attn_q.bias"], tensors["blk.0.attn_k.bias"], tensors["blk.0.attn_v.bias"]) == (
+            [q],
+            [kv],
+            [kv],
+        )
+        assert key_length not in reader.fields and q == d
+        assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == (True, 0, d // spec.heads)
+    else:
+        assert not biases and norms == {f"blk.{i}.attn_{p}_norm.weight" for i in range(spec.blocks) for p in "qk"}
+        assert tensors["blk.0.attn_q_norm.weight"] == [hd] and tensors["blk.0.attn_k_norm.weight"] == [hd]
+        assert reader.fields[key_length].contents() == hd and q != d
+        assert (cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == (False, hd, hd)
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "qwen2"

@@ -59,7 +59,7 @@ from tests.reference_model import ReferenceModel, rope, rope_angles
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-PRESETS = ["tiny", "tiny-llama3", "small", "tiny-moe", "tiny-moe-shared", "small-moe"]
+PRESETS = ["tiny", "tiny-llama3", "small", "tiny-qwen2", "tiny-qwen3", "tiny-moe", "tiny-moe-shared", "small-moe"]
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",
     "Pipeline parallel inference: héllo wörld, naïve café 1234.",
@@ -223,6 +223,8 @@ MISTAKES = {
     "tiny": {"neox": True},  # the llama file's rows rotated as HF's halves (the row permutation forgotten)
     "tiny-llama3": {"rope_factors": False},  # Llama-3's rope_freqs ignored, as tinygrad's loader drops them
     "small": {"neox": True},
+    "tiny-qwen2": {"biases": False},  # qwen2's q/k/v biases left out
+    "tiny-qwen3": {"qk_norm": False},  # qwen3's per-head query and key norms left out
     "tiny-moe": {"renormalise": False},  # qwen3moe's top-k weights not renormalised
     "tiny-moe-shared": {"shared_expert": False},  # qwen2moe's shared expert left out
     "small-moe": {"renormalise": False},
@@ -398,3 +400,15 @@ def test_a_tensor_or_key_the_engine_does_not_compute_is_refused_at_load(tmp_path
     wrong = copy_gguf(src, tmp_path / "few.gguf", np.ones(3, dtype=F32))
     with pytest.raises(ModelError, match="rope_freqs.weight holds 3 factors"):
         GGUFFile(wrong)
+
+
+def test_a_dense_qwen_file_with_a_tensor_its_graph_does_not_read_is_refused(tmp_path):
+    """llama.cpp's qwen2 and qwen3 graphs read no ``rope_freqs.weight`` and no per-head norms in qwen2: a file with
+    them is refused at load, naming the tensor, as llama.cpp's loader refuses it."""
+    qwen2, qwen3 = resolve_model("synthetic:tiny-qwen2"), resolve_model("synthetic:tiny-qwen3")
+    factors = copy_gguf(qwen3, tmp_path / "factors.gguf", np.ones(16, dtype=F32))
+    with pytest.raises(ModelError, match=r"rope_freqs\.weight are not part of qwen3"):
+        GGUFFile(factors)
+    norms = copy_gguf(qwen2, tmp_path / "norms.gguf", None, extra_tensors={"blk.0.attn_q_norm.weight": 16})
+    with pytest.raises(ModelError, match=r"blk\.0\.attn_q_norm\.weight are not part of qwen2"):
+        GGUFFile(norms)

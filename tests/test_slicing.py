@@ -156,3 +156,15 @@ def test_moe_splits_run_the_unsplit_models_kernels(model):
     for check in checks:
         assert check.verdict.exact, check.verdict.describe(check.token_ids, oracle.token_ids)
         assert check.same_kernels, f"split {check.ranges} compiles other kernels than the whole model"
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3"])
+def test_dense_qwen_splits_run_the_unsplit_models_kernels(preset):
+    """qwen2 (q/k/v biases) and qwen3 (per-head q/k norms, heads wider than dim / heads), split: tokens and every
+    stage-boundary hidden state equal the unsplit model's, byte for byte, through the same compiled kernels."""
+    path = str(resolve_model(f"synthetic:{preset}"))
+    oracle, checks = check_splits(path, "Héllo qwen, 1234 naïve café", 24, [[(0, 1), (1, 6), (6, 8)]])
+    assert len(oracle.token_ids) >= 8, "the answer is too short to compare many decode steps"
+    for check in checks:
+        assert check.verdict.exact, check.verdict.describe(check.token_ids, oracle.token_ids)
+        assert check.same_kernels, f"split {check.ranges} compiles other kernels than the whole model"

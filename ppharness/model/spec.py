@@ -77,6 +77,8 @@ class ModelSpec:
     tied_embeddings: bool = False
     seed: int = 0
     type: str = "f16"
+    # the architecture (``ppharness.model.arch``): llama, the dense qwen2 (q/k/v biases) and qwen3 (per-head q/k
+    # norms), or a mixture of experts
     # mixture of experts (``arch`` qwen3moe or qwen2moe): routed experts per block, how many each token uses, one
     # expert's FFN width, and the shared expert's width (qwen2moe; 0 for none); every block is a MoE block
     arch: str = "llama"
@@ -398,6 +400,42 @@ PRESETS: dict[str, ModelSpec] = {
         context=8192,
         rope_theta=500000.0,
         tied_embeddings=True,
+    ),
+    # the dense Qwen architectures for CI, tiny's dimensions with Qwen's rope base, epsilon and tokenizer type: qwen2
+    # (q/k/v biases), and qwen3 (per-head q/k norms) with heads of 32, wider than dim / heads as in Qwen3's models
+    "tiny-qwen2": ModelSpec(arch="qwen2", rope_theta=1000000.0, norm_eps=1e-6, tokenizer="qwen2"),
+    "tiny-qwen3": ModelSpec(arch="qwen3", head_dim=32, rope_theta=1000000.0, norm_eps=1e-6, tokenizer="qwen2"),
+    # Qwen2.5-0.5B's shape (its config.json): 24 blocks, 14/2 heads of 64, tied embeddings; about 0.49 B parameters
+    "qwen2.5-0.5b": ModelSpec(
+        blocks=24,
+        dim=896,
+        ffn=4864,
+        heads=14,
+        kv_heads=2,
+        vocab=151936,
+        context=32768,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        tied_embeddings=True,
+        arch="qwen2",
+        tokenizer="qwen2",
+    ),
+    # Qwen3-0.6B's shape (its config.json): 28 blocks, 16/8 heads of 128 in a width of 1024, tied embeddings; about
+    # 0.6 B parameters
+    "qwen3-0.6b": ModelSpec(
+        blocks=28,
+        dim=1024,
+        ffn=3072,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151936,
+        context=40960,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        tied_embeddings=True,
+        arch="qwen3",
+        tokenizer="qwen2",
     ),
     # mixture of experts for CI: qwen3moe with 4 blocks of 8 experts, 2 per token
     "tiny-moe": ModelSpec(blocks=4, arch="qwen3moe", experts=8, experts_used=2, expert_ffn=96),

@@ -13,9 +13,10 @@ from ppharness.errors import ModelError
 from ppharness.model.arch.base import Architecture
 from ppharness.model.arch.deepseek2 import DEEPSEEK2
 from ppharness.model.arch.llama import LLAMA
+from ppharness.model.arch.qwen import QWEN2, QWEN3
 from ppharness.model.arch.qwen_moe import QWEN2MOE, QWEN3MOE
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN3MOE, QWEN2MOE, DEEPSEEK2)}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3, QWEN3MOE, QWEN2MOE, DEEPSEEK2)}
 
 
 def architecture(name: str) -> Architecture:

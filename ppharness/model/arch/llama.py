@@ -193,9 +193,18 @@ def block_args(cfg: ModelConfig, max_context: int) -> tuple[int, int, int, int, 
 
 
 def dense_block(cfg: ModelConfig, max_context: int) -> Any:
-    """A llama block of ``cfg``'s dimensions (and Llama-3 rope factors, where the file has them)."""
-    block: Any = block_class()  # with factors, its constructor takes them beside tinygrad's arguments
-    return block(*block_args(cfg, max_context), **({"rope_factors": cfg.rope_factors} if cfg.rope_factors else {}))
+    """A llama block of ``cfg``'s dimensions, with what the file has of Llama-3 rope factors, a per-head RMS norm of
+    the queries and keys (qwen3) and biases on the query, key and value projections (qwen2)."""
+    from tinygrad import nn
+
+    block_type: Any = block_class()  # with factors, its constructor takes them beside tinygrad's arguments
+    factors = {"rope_factors": cfg.rope_factors} if cfg.rope_factors else {}
+    block = block_type(*block_args(cfg, max_context), cfg.qk_norm, **factors)
+    if cfg.qkv_bias:
+        q_rows, kv_rows = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        for name, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
+            setattr(block, name, DecodeLinear(nn.Linear(cfg.dim, rows, bias=True)))
+    return block
 
 
 def attention_tensors(spec: ModelSpec, i: int) -> dict[str, Shape]:
@@ -218,6 +227,26 @@ def write_attention(spec: ModelSpec, i: int, out: TensorWriter) -> None:
     out.matrix(f"blk.{i}.attn_k.weight", out.rand(spec.kv_heads * hd, spec.dim, std=lin))
     out.matrix(f"blk.{i}.attn_v.weight", out.rand(spec.kv_heads * hd, spec.dim, std=lin))
     out.matrix(f"blk.{i}.attn_output.weight", out.rand(spec.dim, spec.heads * hd, std=lin))
+
+
+def ffn_tensors(spec: ModelSpec, i: int) -> dict[str, Shape]:
+    """Block ``i``'s feed-forward norm and SwiGLU projections."""
+    d, b = spec.dim, f"blk.{i}."
+    return {
+        b + "ffn_norm.weight": (d,),
+        b + "ffn_gate.weight": (spec.ffn, d),
+        b + "ffn_up.weight": (spec.ffn, d),
+        b + "ffn_down.weight": (d, spec.ffn),
+    }
+
+
+def write_ffn(spec: ModelSpec, i: int, out: TensorWriter) -> None:
+    """``ffn_tensors``' weights: the norm F32, gate and up scaled 1/sqrt(dim), down 1/sqrt(ffn)."""
+    lin = 1.0 / np.sqrt(spec.dim)
+    out.add(f"blk.{i}.ffn_norm.weight", out.norm(spec.dim))
+    out.matrix(f"blk.{i}.ffn_gate.weight", out.rand(spec.ffn, spec.dim, std=lin))
+    out.matrix(f"blk.{i}.ffn_up.weight", out.rand(spec.ffn, spec.dim, std=lin))
+    out.matrix(f"blk.{i}.ffn_down.weight", out.rand(spec.dim, spec.ffn, std=1.0 / np.sqrt(spec.ffn)))
 
 
 def write_rope_keys(spec: ModelSpec, w: Any) -> None:
@@ -259,26 +288,16 @@ class Llama(Architecture):
         return out
 
     def block_tensors(self, spec: ModelSpec, i: int) -> dict[str, Shape]:
-        d, b = spec.dim, f"blk.{i}."
-        out = attention_tensors(spec, i)
-        out[b + "ffn_norm.weight"] = (d,)
-        out[b + "ffn_gate.weight"] = (spec.ffn, d)
-        out[b + "ffn_up.weight"] = (spec.ffn, d)
-        out[b + "ffn_down.weight"] = (d, spec.ffn)
-        return out
+        return attention_tensors(spec, i) | ffn_tensors(spec, i)
 
     def write_keys(self, spec: ModelSpec, w: Any) -> None:
         write_rope_keys(spec, w)
 
     def write_block(self, spec: ModelSpec, i: int, out: TensorWriter) -> None:
-        lin = 1.0 / np.sqrt(spec.dim)
         if i == 0 and spec.rope_scaling:
             out.add(ROPE_FACTORS, llama3_rope_factors(spec))
         write_attention(spec, i, out)
-        out.add(f"blk.{i}.ffn_norm.weight", out.norm(spec.dim))
-        out.matrix(f"blk.{i}.ffn_gate.weight", out.rand(spec.ffn, spec.dim, std=lin))
-        out.matrix(f"blk.{i}.ffn_up.weight", out.rand(spec.ffn, spec.dim, std=lin))
-        out.matrix(f"blk.{i}.ffn_down.weight", out.rand(spec.dim, spec.ffn, std=1.0 / np.sqrt(spec.ffn)))
+        write_ffn(spec, i, out)
 
     def file_tensor(self, cfg: ModelConfig, name: str, arr: NDArray[np.float16]) -> NDArray[np.float16]:
         m = BLOCK_TENSOR.match(name)

@@ -30,12 +30,11 @@ from ppharness.model.arch.llama import (
     ATTENTION_PARTS,
     FFN_PARTS,
     attention_rows,
-    attention_tensors,
     block_args,
     dense_block,
-    write_attention,
     write_rope_keys,
 )
+from ppharness.model.arch.qwen import qwen_attention_tensors, write_qwen_attention
 from ppharness.model.batch import Rows
 
 if TYPE_CHECKING:
@@ -45,6 +44,9 @@ if TYPE_CHECKING:
     from ppharness.model.config import ModelConfig
     from ppharness.model.spec import ModelSpec
     from ppharness.model.synthetic import TensorWriter
+
+
+MOE_BIAS_STD = 0.02  # the spread of a qwen2moe file's q/k/v biases
 
 
 @functools.cache
@@ -154,15 +156,8 @@ class QwenMoE(Architecture):
             check_no_shared_ffn(spec)
 
     def block_tensors(self, spec: ModelSpec, i: int) -> dict[str, Shape]:
-        d, h, hd, e, f, b = spec.dim, spec.heads, spec.hd, spec.experts, spec.expert_ffn, f"blk.{i}."
-        out = attention_tensors(spec, i)
-        if self.qk_norm:
-            out[b + "attn_q_norm.weight"] = (hd,)
-            out[b + "attn_k_norm.weight"] = (hd,)
-        if self.qkv_bias:
-            out[b + "attn_q.bias"] = (h * hd,)
-            out[b + "attn_k.bias"] = (spec.kv_heads * hd,)
-            out[b + "attn_v.bias"] = (spec.kv_heads * hd,)
+        d, e, f, b = spec.dim, spec.experts, spec.expert_ffn, f"blk.{i}."
+        out = qwen_attention_tensors(spec, i, self.qk_norm, self.qkv_bias)
         out[b + "ffn_norm.weight"] = (d,)
         out[b + "ffn_gate_inp.weight"] = (e, d)
         out[b + "ffn_gate_exps.weight"] = (e, f, d)
@@ -180,14 +175,7 @@ class QwenMoE(Architecture):
         write_expert_keys(spec, w)
 
     def write_block(self, spec: ModelSpec, i: int, out: TensorWriter) -> None:
-        hd = spec.hd
-        write_attention(spec, i, out)
-        if self.qk_norm:
-            out.add(f"blk.{i}.attn_q_norm.weight", out.norm(hd))
-            out.add(f"blk.{i}.attn_k_norm.weight", out.norm(hd))
-        if self.qkv_bias:
-            for name, n in (("q", spec.heads), ("k", spec.kv_heads), ("v", spec.kv_heads)):
-                out.add(f"blk.{i}.attn_{name}.bias", out.vector(n * hd, 0.02))
+        write_qwen_attention(spec, i, out, self.qk_norm, self.qkv_bias, MOE_BIAS_STD)
         out.add(f"blk.{i}.ffn_norm.weight", out.norm(spec.dim))
         write_experts(spec, i, out)
 
