@@ -32,6 +32,8 @@ SPECS = {
     "qwen2moe-q8_0": replace(PRESETS["tiny-moe-shared"], blocks=3, type="q8_0"),
     "deepseek2-q8_0": replace(PRESETS["tiny-deepseek"], blocks=3, type="q8_0"),
     "qwen3moe-q4_k": replace(MOE, type="q4_k"),  # ffn_down_exps Q4_K in blocks 0 and 1, Q6_K in block 2
+    "qwen2-q4_k": replace(DENSE, arch="qwen2", type="q4_k"),  # q/k/v biases: F32 in the file, float16 held
+    "qwen3-q4_k": replace(DENSE, arch="qwen3", head_dim=128, type="q4_k"),  # per-head norms; heads wider than 64
 }
 SPLITS = ([], [1], [2], [1, 2])  # every way to cut 3 blocks into stages
 CONTEXT = 64

@@ -39,6 +39,8 @@ def kimi_q4():
     "source",
     [
         "synthetic:tiny",
+        "synthetic:tiny-qwen2",
+        "synthetic:tiny-qwen3",
         "synthetic:tiny-moe",
         "synthetic:tiny-moe-shared",
         "synthetic:tiny-deepseek",
