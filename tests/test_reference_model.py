@@ -25,7 +25,8 @@ margin above ``2 * LOGIT_ATOL`` cannot flip within the logit tolerance, so ``MAR
 logits (from the fp16 residual stream) lie within about 2e-3 of the reference's; ``ROUTE_MARGIN = 0.01`` leaves five
 times that. Mistakes the
 comparison must catch move logits by far more: Llama-3's RoPE factors left out by 0.5 and more, a wrong rotary
-pairing, a missing renormalisation or a missing shared expert (each tested below).
+pairing, a missing renormalisation or a missing shared expert, qwen2's q/k/v biases (by 4.4) or qwen3's per-head q/k
+norms (by 0.87) left out (each tested below).
 
 Llama-3 RoPE frequency factors (``rope_freqs.weight``): the ``tiny-llama3`` preset (written by the project's own
 writer) and a copy of ``tiny`` with the tensor added by this file (Llama-3.2's formula, its original context scaled
