@@ -133,8 +133,13 @@ class Prefill:
 
     def warm(self) -> None:
         """Compile and capture the chunk step (in the slice's current slot: the caller picks the scratch slot)."""
-        while self.jit.cnt < 2:  # the JIT runs its first call as it comes and captures on the second
-            self._call(self._pad([0] * self.size if self.model.first else None), 0, 0)
+        from tinygrad.device import Device
+
+        while self.jit.cnt < 3:  # the JIT runs its first call as it comes, captures on the second, replays after
+            out, _ = self._call(self._pad([0] * self.size if self.model.first else None), 0, 0)
+        cast(
+            Any, Device[out.device]
+        ).synchronize()  # done when it returns: a request that comes next does not wait for it
 
     def _pad(self, x: Any) -> Any:
         import numpy as np

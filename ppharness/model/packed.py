@@ -232,13 +232,20 @@ class Packed:
         return out
 
     def product(self, x: Tensor) -> Tensor:
-        """``x`` (..., in) times the matrix's transpose: (..., out) float32. Q4_0 and Q4_1 are unpacked as the two
+        """``x`` (..., in) times the matrix's transpose: (..., out) float32. Several positions on the CPU multiply the
+        matrix unpacked into a buffer of its own. Else Q4_0 and Q4_1 are unpacked as the two
         halves of each block (low nibbles: its first 16 values, high: its last 16), each half summed against its
         half of ``x`` and the two sums added: the same values as ``values()``, without interleaving the halves into
         one row (which tinygrad compiles to a select per value: about twice the time on the CPU). Other types multiply
         ``values()``."""
         from tinygrad.dtype import dtypes
 
+        device = self.raw.device
+        if len(self.shape) == 2 and x.shape[-2] != 1 and isinstance(device, str) and device.split(":")[0] == "CPU":
+            # several positions on the CPU (a prefill chunk): unpacked once into a float32 matrix of its own, then a
+            # plain product; unpacking inside the product would unpack each weight again for every tile of rows
+            out_rows: Tensor = x.float().matmul(self.values().contiguous().transpose())
+            return out_rows
         if self.ggml_type not in (2, 3) or len(self.shape) != 2:
             out: Tensor = x.float().matmul(self.values().transpose())
             return out
