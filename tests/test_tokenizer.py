@@ -1,8 +1,12 @@
 """A GGUF file's tokenizer (ppharness.model.tokenizer) against the models' own tokenizers, each given the synthetic
-file's vocabulary as tiktoken's mergeable ranks (rank = token id): Kimi K2's (tiktoken with its tokenization_kimi.py
-pat_str), Llama 3's (tiktoken with Meta's pattern) and DeepSeek-V3's (its tokenizer.json's three splits, run here by the
-``regex`` module, then tiktoken's byte-pair merge of each piece). The patterns below are copied from those sources,
-not from the module under test."""
+file's vocabulary as tiktoken's mergeable ranks (rank = token id): Llama 3's (tiktoken with Meta's pattern) and
+DeepSeek-V3's (its tokenizer.json's three splits, run here by the ``regex`` module, then tiktoken's byte-pair merge of
+each piece). The patterns below are copied from those sources, not from the module under test.
+
+Kimi K2's own tokenizer (tiktoken with its tokenization_kimi.py pat_str) is not the reference: llama.cpp cuts kimi-k2
+text with code of its own that differs from that pattern (no letter-case classes, marks not letters), and ppharness
+tokenizes as llama.cpp does (tests/test_tokenizer_llamacpp.py); ``test_kimi_cuts_as_llamacpp_not_as_tiktoken`` shows
+where. Decoding is compared before llama.cpp's clean-up of spaces (``cleanup=False``), which llama-3 asks for."""
 
 from __future__ import annotations
 
@@ -102,7 +106,6 @@ def _synthetic(tmp_path_factory, tokenizer: str, vocab: int) -> GGUFFile:
 # a larger one adds seeded concatenations, which tiktoken's merge by id and the merge list split differently
 # (test_merges_by_rank_not_by_id); every other type's vocabulary is built for tiktoken's merge at any size.
 CASES = {
-    "kimi-k2": (4096, lambda kv: _tiktoken_reference(kv, KIMI_PAT)),
     "deepseek-v3": (4096, _deepseek_v3_reference),
     "llama3": (4096, lambda kv: _tiktoken_reference(kv, LLAMA3_PAT)),
     "llama-bpe": (512, lambda kv: _tiktoken_reference(kv, LLAMA3_PAT)),
@@ -122,7 +125,7 @@ def test_text_tokenizes_as_the_models_own_tokenizer(case):
     ids = f.tokenizer.encode(TEXT)
     assert ids == reference(TEXT)
     assert len(ids) < len(TEXT.encode())  # merges happened
-    assert f.tokenizer.decode(ids) == TEXT
+    assert f.tokenizer.decode(ids, cleanup=False) == TEXT
 
 
 @given(text=st.text(st.sampled_from(ALPHABET), max_size=80))
@@ -130,7 +133,7 @@ def test_any_text_tokenizes_as_the_models_own_tokenizer(case, text):
     f, reference = case
     ids = f.tokenizer.encode(text)
     assert ids == reference(text)
-    assert f.tokenizer.decode(ids) == text
+    assert f.tokenizer.decode(ids, cleanup=False) == text
 
 
 def test_special_tokens_written_in_the_text_are_those_tokens(case):
@@ -142,7 +145,7 @@ def test_special_tokens_written_in_the_text_are_those_tokens(case):
     text = f"{specials[0]}Hi 你好{specials[2]}x{specials[1]}"
     ids = f.tokenizer.encode(text)
     assert ids[0] == bos and ids[-1] == eos and tokens.index(specials[2]) in ids
-    assert f.tokenizer.decode(ids) == text
+    assert f.tokenizer.decode(ids, cleanup=False) == text
 
 
 def _pieces(pre: str, text: str) -> list[str]:
@@ -150,7 +153,6 @@ def _pieces(pre: str, text: str) -> list[str]:
 
 
 SPLITS = {  # the pieces each model's own pre-tokenizer cuts (regex.V1: Kimi's class intersections)
-    "kimi-k2": lambda text: regex.findall(KIMI_PAT, text, flags=regex.V1),
     "llama-bpe": lambda text: regex.findall(LLAMA3_PAT, text),
     "deepseek-v3": _deepseek_v3_pieces,
 }
@@ -184,36 +186,46 @@ def test_merges_by_rank_not_by_id():
     assert tok.encode("abc") == [258]  # a piece that is a token is that token (llama-bpe ignores merges for it)
 
 
+def test_kimi_cuts_as_llamacpp_not_as_tiktoken():
+    """Where llama.cpp's kimi-k2 code and Kimi's own pattern part: letter case and combining marks."""
+    for text, llamacpp in (("HelloWorld", ["HelloWorld"]), ("cafe\u0301", ["cafe", "\u0301"])):
+        assert _pieces("kimi-k2", text) == llamacpp
+        assert regex.findall(KIMI_PAT, text, flags=regex.V1) != llamacpp
+
+
 def test_kimi_file_without_merges_tokenizes_by_rank(tmp_path_factory):
     """llama.cpp reads a kimi-k2 file without a merge list; its vocabulary is ranked by id, like tiktoken's."""
     f = _synthetic(tmp_path_factory, "kimi-k2", 1024)
     kv = {k: v for k, v in f.kv.items() if k != "tokenizer.ggml.merges"}
-    assert tokenizer_from(kv).encode(TEXT) == f.tokenizer.encode(TEXT) == _tiktoken_reference(kv, KIMI_PAT)(TEXT)
+    assert tokenizer_from(kv).encode(TEXT) == f.tokenizer.encode(TEXT)
     with pytest.raises(ModelError, match="no merge list"):
         tokenizer_from(kv | {"tokenizer.ggml.pre": "deepseek-v3"})
 
 
-def test_unknown_pre_tokenizer_is_refused_naming_the_known_ones(tiny_model_path):
+def test_unknown_pre_tokenizer_is_refused_saying_where_the_known_ones_are(tiny_model_path):
     f = GGUFFile(tiny_model_path)
-    f.kv["tokenizer.ggml.pre"] = "gpt-4o"
-    with pytest.raises(ModelError, match="unknown tokenizer pre-tokenizer 'gpt-4o'") as err:
+    f.kv["tokenizer.ggml.pre"] = "gpt-5"
+    with pytest.raises(ModelError, match="unknown tokenizer pre-tokenizer 'gpt-5'") as err:
         _ = f.tokenizer
     assert tiny_model_path in str(err.value)
-    assert all(name in str(err.value) for name in PRE_TOKENIZERS)
-    with pytest.raises(ModelError, match="'gpt-4o'"):
-        ModelSpec(tokenizer="gpt-4o")
+    assert f"the {len(PRE_TOKENIZERS)} names llama.cpp knows" in str(err.value) and "docs/models.md" in str(err.value)
+    with pytest.raises(ModelError, match="'gpt-5'"):
+        ModelSpec(tokenizer="gpt-5")
 
 
-def test_sentencepiece_file_is_refused(tiny_gguf):
-    with pytest.raises(ModelError, match="tokenizer.ggml.model 'llama'"):
-        tokenizer_from(tiny_gguf.kv | {"tokenizer.ggml.model": "llama"})
+def test_sentencepiece_without_byte_tokens_stops_at_a_character_it_lacks(tiny_gguf):
+    """The tiny file's vocabulary read as SentencePiece: it has no ``<0xXX>`` tokens, so a character no token holds
+    (U+2581, the escaped space) stops it, as it stops llama.cpp."""
+    tok = tokenizer_from(tiny_gguf.kv | {"tokenizer.ggml.model": "llama"})
+    with pytest.raises(ModelError, match="no byte token <0xE2>"):
+        tok.encode("the stage")
 
 
 @pytest.mark.parametrize("pre", ["qwen2", "deepseek-llm", "deepseek-coder"])
 def test_other_tokenizer_types_round_trip(tmp_path_factory, pre):
     f = _synthetic(tmp_path_factory, pre, 1024)
     ids = f.tokenizer.encode(TEXT)
-    assert f.tokenizer.decode(ids) == TEXT
+    assert f.tokenizer.decode(ids, cleanup=False) == TEXT
     assert len(ids) < len(TEXT.encode()) and all(0 <= i < f.config.vocab for i in ids)
 
 

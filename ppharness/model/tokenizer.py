@@ -1,11 +1,17 @@
-"""A GGUF file's tokenizer: byte-level BPE over the file's vocabulary (``tokenizer.ggml.tokens``) that merges by the
-rank of the file's merge list (``tokenizer.ggml.merges``), as llama.cpp does, after the pre-tokenizer that
-``tokenizer.ggml.pre`` names; control and user-defined tokens written in the text are those tokens.
+"""A GGUF file's tokenizer, as llama.cpp tokenizes a prompt with special tokens parsed (src/llama-vocab.cpp):
 
-The pre-tokenizers are those llama.cpp selects in ``llama_vocab::impl::load`` (src/llama-vocab.cpp) for the models
-this harness loads, each written as its model's own tokenizer writes it (tokenizer.json's Split patterns, or Kimi's
-tiktoken ``pat_str``), which llama.cpp transcribes for its own regex engine. Hugging Face ``tokenizers`` runs them:
-its regexes are Oniguruma's, which reads those patterns as written (Kimi's ``&&`` class intersections included).
+- ``tokenizer.ggml.model = "gpt2"``: BPE that merges by the rank of the file's merge list (``tokenizer.ggml.merges``)
+  within the pieces the pre-tokenizer ``tokenizer.ggml.pre`` names cuts the text into; byte-level (GPT-2's byte
+  alphabet), or for the SentencePiece-style types (gemma4, sarvam-moe) over the text's own characters with spaces as
+  U+2581 and ``<0xXX>`` byte tokens. ``"gemma4"`` is the same with gemma4's pre-tokenizer.
+- ``tokenizer.ggml.model = "llama"``: SentencePiece (``ppharness.model.spm``).
+
+Control, user-defined and unknown tokens written in the text are those tokens, matched longest first as llama.cpp
+does, and text between them is tokenized apart. ``decode`` is llama.cpp's ``llama_detokenize`` with special tokens
+rendered: bytes of the tokens, the first token's leading space dropped where the file adds a space prefix, and the
+clean-up of spaces before punctuation for the types that ask for it.
+
+The pre-tokenizers (``ppharness.model.pretokenizers``) run on Hugging Face ``tokenizers``' Oniguruma regexes.
 """
 
 from __future__ import annotations
@@ -14,112 +20,124 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ppharness.errors import ModelError
+from ppharness.model.pretokenizers import (
+    PRE_TOKENIZERS,
+    TOKENIZER_FAMILIES,
+    PreTokenizer,
+    oniguruma,
+    pre_tokenizer,
+)
+from ppharness.model.spm import SPACE, spm_encode
 
 if TYPE_CHECKING:  # tokenizers is imported when a tokenizer is built, not with this module
     import tokenizers
 
-CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values of the tokens matched in the text as themselves
+__all__ = ["PRE_TOKENIZERS", "TOKENIZER_FAMILIES", "Tokenizer", "pre_tokenize", "pre_tokenizer", "tokenizer_problem"]
 
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+SPECIAL = (UNKNOWN, CONTROL, USER_DEFINED)  # the kinds matched in the text as themselves and decoded as their text
 
-@dataclass(frozen=True)
-class PreTokenizer:
-    """How one ``tokenizer.ggml.pre`` type cuts text into the pieces BPE merges within: each regex in turn cuts the
-    pieces the one before left (every match and every stretch between matches a piece). ``ignore_merges``: a piece that
-    is itself a token is that token, whatever the merges would make of it (llama.cpp's ``ignore_merges``, tiktoken's
-    rule)."""
+# GPT-2's byte <-> character table, the byte-level vocabulary's alphabet
+_BS = [*range(33, 127), *range(161, 173), *range(174, 256)]
+BYTE_TO_CHAR = {b: chr(b) for b in _BS} | {b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _BS)}
+CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
 
-    splits: tuple[str, ...]
-    ignore_merges: bool = False
-
-
-# tokenizer.json's patterns (llama.cpp spells the case-insensitive contractions out as '[sS] etc.)
-_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_CJK_KOREAN = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"  # DeepSeek LLM and Coder: Han, the blocks up to it, Hangul
-# DeepSeek LLM's letters: the cased letters (Lu, Ll, Lt) of Latin, Greek, Cyrillic, Armenian, Georgian, Cherokee and
-# a few more scripts
-_DEEPSEEK_LETTERS = (
-    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
-    "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f"
-    "\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77"
-    "\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d"
-    "\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4"
-    "\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139"
-    "\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
-    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a"
-    "\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
-    "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943"
-)
-_DEEPSEEK_LLM = (
-    r"[\r\n]",
-    rf"\s?[{_DEEPSEEK_LETTERS}]+",
-    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
-    r"\s+$",
-    _CJK_KOREAN,
-    r"\p{N}+",
-)
-_DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_KOREAN, r"\p{N}")
-_DEEPSEEK_V3 = (  # DeepSeek-V3's tokenizer.json: a Sequence of three Splits, digits, then Han and kana, then the rest
-    r"\p{N}{1,3}",
-    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*"""
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-)
-# Kimi K2's tokenization_kimi.py pat_str: Han runs apart, letters and marks other than Han by case
-_KIMI_K2 = "|".join(
-    (
-        r"[\p{Han}]+",
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
-        + _CONTRACTIONS
-        + "?",
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
-        + _CONTRACTIONS
-        + "?",
-        r"\p{N}{1,3}",
-        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-        r"\s*[\r\n]+",
-        r"\s+(?!\S)",
-        r"\s+",
-    )
-)
-
-# tokenizer.ggml.pre -> its pre-tokenizer, several names where llama.cpp treats them alike. Kimi's own tokenizer is
-# tiktoken, hence ignore_merges (llama.cpp does not set it for kimi-k2: the two differ only on a piece that is a token
-# its merges cannot build)
-PRE_TOKENIZERS: dict[str, PreTokenizer] = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), PreTokenizer((_LLAMA3,), True)),
-    "smaug-bpe": PreTokenizer((_LLAMA3,)),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), PreTokenizer((_QWEN2,))),
-    "deepseek-llm": PreTokenizer(_DEEPSEEK_LLM),
-    "deepseek-coder": PreTokenizer(_DEEPSEEK_CODER),
-    "deepseek-v3": PreTokenizer(_DEEPSEEK_V3),
-    "kimi-k2": PreTokenizer((_KIMI_K2,), True),
+# the tokenizer models llama.cpp reads and this module does not
+_NOT_HERE = {
+    "bert": "WordPiece",
+    "t5": "Unigram",
+    "rwkv": "RWKV's trie",
+    "plamo2": "PLaMo-2's",
+    "whitespace": "the whitespace-split BPE of embedding models",
+    "hybriddna": "DNA k-mers",
+    "no_vocab": "no vocabulary",
+    "none": "no vocabulary",
 }
+SUPPORTED_MODELS = ("gpt2", "gemma4", "llama")
+
+# token texts llama.cpp makes control tokens whatever the file says (end of generation, end of turn)
+_CONTROL_TEXTS = frozenset(
+    (
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+        "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+        "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+    )
+)  # fmt: skip
+# fill-in-the-middle texts llama.cpp makes control tokens where the file names no token of their kind (llama.cpp
+# takes one text of a kind, the first its hash map yields; a vocabulary has at most one of each kind in practice)
+_FIM_TEXTS = {
+    ("fim_pre", "prefix"): ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                            "<|code_prefix|>", "<|prefix|>"),
+    ("fim_suf", "suffix"): ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                            "<|code_suffix|>", "<|suffix|>"),
+    ("fim_mid", "middle"): ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                            "<|code_middle|>", "<|middle|>"),
+    ("fim_pad",): ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    ("fim_rep",): ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    ("fim_sep",): ("<|file_sep|>",),
+}  # fmt: skip
+_USER_DEFINED_TEXTS = frozenset(("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"))  # gpt-oss's
+_ISSPACE = " \t\n\v\f\r"  # C's isspace, what llama.cpp strips beside a token that strips
 
 
-def pre_tokenizer(pre: str) -> PreTokenizer:
-    """The pre-tokenizer of a ``tokenizer.ggml.pre`` value; ``ModelError`` naming the known ones for any other."""
-    try:
-        return PRE_TOKENIZERS[pre]
-    except KeyError:
-        raise ModelError(
-            f"unknown tokenizer pre-tokenizer {pre!r} (tokenizer.ggml.pre); known: {', '.join(PRE_TOKENIZERS)}"
-        ) from None
+def tokenizer_problem(kv: dict[str, Any]) -> str | None:
+    """Why ``Tokenizer.from_kv(kv)`` would refuse the file's tokenizer, in one line; None when it builds. Reads only
+    the header's scalars and which arrays are there (a header read past its arrays will do)."""
+    model = kv.get("tokenizer.ggml.model")
+    if model is None:
+        return "the file has no tokenizer (tokenizer.ggml.model)"
+    if model not in SUPPORTED_MODELS:
+        what = f" ({_NOT_HERE[model]})" if model in _NOT_HERE else ""
+        return (
+            f"tokenizer.ggml.model {model!r}{what} is not supported: the tokenizers here are 'gpt2' (BPE over a "
+            "pre-tokenizer), 'gemma4' and 'llama' (SentencePiece)"
+        )
+    if "tokenizer.ggml.tokens" not in kv:
+        return "the file has no vocabulary (tokenizer.ggml.tokens)"
+    if model == "llama":
+        return None
+    pre = _pre_name(kv)
+    if pre not in PRE_TOKENIZERS:
+        return _unknown_pre(pre)
+    if "tokenizer.ggml.merges" not in kv and pre != "kimi-k2":  # llama.cpp reads kimi-k2 without merges, no other
+        return "the file has no merge list (tokenizer.ggml.merges)"
+    return None
 
 
-def _hf_pre_tokenizer(pre: str) -> Any:
-    """``pre``'s splits then the byte-level mapping (GPT-2's byte -> character table), as a ``tokenizers``
+def _pre_name(kv: dict[str, Any]) -> str:
+    """The pre-tokenizer llama.cpp takes for a BPE file: gemma4's for the gemma4 model, "default" where none is
+    named."""
+    if kv.get("tokenizer.ggml.model") == "gemma4":
+        return "gemma4"
+    return str(kv.get("tokenizer.ggml.pre") or "default")
+
+
+def _unknown_pre(pre: str) -> str:
+    return (
+        f"unknown tokenizer pre-tokenizer {pre!r} (tokenizer.ggml.pre): the {len(PRE_TOKENIZERS)} names llama.cpp "
+        f"knows are known here, in {len(TOKENIZER_FAMILIES)} families (docs/models.md lists them)"
+    )
+
+
+def _hf_pre_tokenizer(how: PreTokenizer) -> Any:
+    """The pre-tokenizer's splits, then for a byte-level type the byte -> character mapping, as a ``tokenizers``
     pre-tokenizer."""
     from tokenizers import Regex, pre_tokenizers
 
-    splits = [pre_tokenizers.Split(Regex(r), "isolated") for r in pre_tokenizer(pre).splits]
-    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    steps: list[Any] = [pre_tokenizers.Split(Regex(oniguruma(r)), "isolated") for r in how.splits]
+    if how.byte_level:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(steps)
 
 
 def pre_tokenize(pre: str, text: str) -> list[str]:
-    """``text`` cut into the pieces ``pre`` gives BPE, each written in the byte-level alphabet of the vocabulary."""
-    return [piece for piece, _ in _hf_pre_tokenizer(pre).pre_tokenize_str(text)]
+    """``text`` cut into the pieces ``pre`` gives BPE, each in the vocabulary's alphabet (byte-level characters, or
+    the text's own with spaces as U+2581 for the SentencePiece-style types)."""
+    how = pre_tokenizer(pre)
+    if how.escape_spaces:
+        text = text.replace(" ", SPACE)
+    return [piece for piece, _ in _hf_pre_tokenizer(how).pre_tokenize_str(text)]
 
 
 def rank_split(piece: str, ranks: dict[str, int], max_rank: int | None = None) -> list[str]:
@@ -150,58 +168,269 @@ def merges_from_ranks(ranks: dict[str, int]) -> list[str]:
     return merges
 
 
+@dataclass(frozen=True)
+class _Specials:
+    """The tokens matched in the text as themselves, longest first (llama.cpp's ``cache_special_tokens``), and
+    those that swallow the whitespace on their left (``lstrip``) or right (``rstrip``)."""
+
+    tokens: tuple[tuple[str, int], ...]
+    lstrip: frozenset[int] = frozenset()
+    rstrip: frozenset[int] = frozenset()
+
+    def split(self, text: str) -> list[str | int]:
+        """``text`` as its special tokens' ids and the stretches of text between them, in order."""
+        parts: list[str | int] = [text] if text else []
+        for s, tid in self.tokens:
+            if s not in text:
+                continue
+            out: list[str | int] = []
+            for part in parts:
+                if isinstance(part, int) or s not in part:
+                    out.append(part)
+                    continue
+                pieces = part.split(s)
+                for i, piece in enumerate(pieces):
+                    if i:
+                        out.append(tid)
+                    if i and tid in self.rstrip:
+                        piece = piece.lstrip(_ISSPACE)
+                    if i < len(pieces) - 1 and tid in self.lstrip:
+                        piece = piece.rstrip(_ISSPACE)
+                    if piece:
+                        out.append(piece)
+            parts = out
+        return parts
+
+
+def _attributes(tokens: list[str], types: list[int], kv: dict[str, Any]) -> list[int]:
+    """Each token's kind as llama.cpp holds it after loading: the file's type, with the end-of-generation and
+    fill-in-the-middle texts made control tokens and gpt-oss's markers user-defined (``llama_vocab::impl::load``)."""
+    kinds = [t if t in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE) else 0 for t in types]
+    named = {t: i for i, t in enumerate(tokens)}
+    promote = set(_CONTROL_TEXTS)
+    for keys, texts in _FIM_TEXTS.items():
+        if not any(f"tokenizer.ggml.{k}_token_id" in kv for k in keys):
+            promote.update(texts)
+    for text in promote & named.keys():
+        if kinds[named[text]] not in SPECIAL:
+            kinds[named[text]] = CONTROL
+    for text in _USER_DEFINED_TEXTS & named.keys():
+        kinds[named[text]] = USER_DEFINED
+    if "</s>" in named and named.keys() & {"<|tool_response>", "<|plamo:eos|>"}:  # gemma4's and plamo's "</s>"
+        kinds[named["</s>"]] = NORMAL
+    return kinds
+
+
+def _specials(tokens: list[str], kinds: list[int], kv: dict[str, Any]) -> _Specials:
+    order = sorted((i for i, k in enumerate(kinds) if k in SPECIAL), key=lambda i: -len(tokens[i].encode()))
+    ids = {tokens[i]: i for i in order}
+    lstrip: set[int] = set()
+    rstrip: set[int] = set()
+    name = str(kv.get("general.name", "")).lower()
+    pre, arch = str(kv.get("tokenizer.ggml.pre", "")), str(kv.get("general.architecture", ""))
+    jina = any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code"))
+    if jina or arch in ("nomic-bert-moe", "jina-bert-v3"):
+        lstrip.update(ids[t] for t in ("<mask>",) if t in ids)
+    elif "phi-3" in name or "phi3" in name:  # every special token but these swallows the whitespace after it
+        rstrip.update(i for t, i in ids.items() if t not in ("<unk>", "<s>", "<|endoftext|>"))
+    elif "modern-bert" in name:
+        lstrip.update(ids[t] for t in ("[MASK]",) if t in ids)
+    return _Specials(tuple((tokens[i], i) for i in order), frozenset(lstrip), frozenset(rstrip))
+
+
 class Tokenizer:
-    """Text to token ids and back, as llama.cpp tokenizes a prompt with special tokens parsed: control and
-    user-defined tokens (``tokenizer.ggml.token_type`` 3 and 4) written in the text are those tokens, the text
-    between them is pre-tokenized and byte-pair merged. ``decode`` joins the tokens' bytes and reads them as UTF-8,
-    an invalid sequence as U+FFFD."""
+    """Text to token ids and back, as llama.cpp tokenizes a prompt with special tokens parsed and detokenizes with
+    them rendered (the module's docstring).
 
-    def __init__(self, tokens: list[str], token_types: list[int], merges: list[str] | None, pre: str) -> None:
-        from tokenizers import AddedToken, decoders, models
+    ``Tokenizer(tokens, token_types, merges, pre)`` builds a BPE tokenizer; ``from_kv`` builds any the file
+    describes."""
+
+    def __init__(
+        self,
+        tokens: list[str],
+        token_types: list[int],
+        merges: list[str] | None,
+        pre: str,
+        *,
+        model: str = "gpt2",
+        scores: list[float] | None = None,
+        add_space_prefix: bool | None = None,
+        kv: dict[str, Any] | None = None,
+    ) -> None:
+        kv = kv or {}
+        # llama.cpp names an empty token "[EMPTY_<id>]"; of equal texts the last holds the id
+        tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        types = list(token_types) + [NORMAL] * (len(tokens) - len(token_types))
+        self.tokens = tokens
+        self.model = model
+        self._ids = {t: i for i, t in enumerate(tokens)}
+        self._kinds = _attributes(tokens, types, kv)
+        self._specials = _specials(tokens, self._kinds, kv)
+        self.spm = model == "llama"
+        self.how: PreTokenizer | None = None
+        if self.spm:
+            self.pre = ""
+            self._scores = [float(s) for s in scores] if scores is not None else [0.0] * len(tokens)
+            self.add_space_prefix = True if add_space_prefix is None else add_space_prefix
+            self.clean_spaces = False
+        else:
+            self.pre = pre
+            self.how = pre_tokenizer(pre)
+            self.add_space_prefix = bool(add_space_prefix)
+            self.clean_spaces = self.how.clean_spaces
+            self._hf = self._build_bpe(self.how, merges)
+        self._pieces: list[bytes | None] = [None] * len(tokens)
+
+    def _build_bpe(self, how: PreTokenizer, merges: list[str] | None) -> tokenizers.Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import models
 
-        self.pre = pre
-        how = pre_tokenizer(pre)
         if merges is None:  # llama.cpp reads a kimi-k2 file without merges (its vocabulary is ranked by id), no other
-            if pre != "kimi-k2":
+            if self.pre != "kimi-k2":
                 raise ModelError("tokenizer: the file has no merge list (tokenizer.ggml.merges)")
-            normal = (k not in (CONTROL, USER_DEFINED) for k in token_types)
-            merges = merges_from_ranks({t: i for i, (t, n) in enumerate(zip(tokens, normal)) if n})
-        pairs = []
+            ranks = {t: i for i, (t, k) in enumerate(zip(self.tokens, self._kinds)) if k not in SPECIAL}
+            merges = merges_from_ranks(ranks)
+        pairs: dict[tuple[str, str], None] = {}  # of a merge listed twice, the first rank holds (as in llama.cpp)
         for m in merges:
             cut = m.find(" ", 1)  # as llama.cpp reads a merge: the first space after the first character
             if cut > 0:  # llama.cpp ranks a merge without one as two empty parts, which never meet
-                pairs.append((m[:cut], m[cut + 1 :]))
-        vocab: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            vocab.setdefault(t, i)
+                pairs.setdefault((m[:cut], m[cut + 1 :]))
         try:
-            model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=how.ignore_merges)
+            model = models.BPE(
+                vocab=self._ids, merges=list(pairs), ignore_merges=how.ignore_merges, byte_fallback=not how.byte_level
+            )
         except Exception as exc:  # tokenizers raises its own Exception for a merge of tokens not in the vocabulary
             raise ModelError(f"tokenizer: the merge list does not fit the vocabulary ({exc})") from exc
-        self._hf: tokenizers.Tokenizer = HFTokenizer(model)
-        self._hf.pre_tokenizer = _hf_pre_tokenizer(pre)
-        self._hf.decoder = decoders.ByteLevel()
-        special = [t for t, k in zip(tokens, token_types) if k in (CONTROL, USER_DEFINED)]
-        self._hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+        hf = HFTokenizer(model)
+        hf.pre_tokenizer = _hf_pre_tokenizer(how)
+        return hf
 
     @classmethod
     def from_kv(cls, kv: dict[str, Any]) -> Tokenizer:
-        """The tokenizer a GGUF file's metadata describes; ``ModelError`` for one this module does not implement."""
-        model = kv.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ModelError(
-                f"tokenizer.ggml.model {model!r} is not supported: only byte-level BPE ('gpt2') tokenizes here"
-            )
+        """The tokenizer a GGUF file's metadata describes; ``ModelError`` with ``tokenizer_problem``'s reason for one
+        this module does not build."""
+        problem = tokenizer_problem(kv)
+        if problem is not None:
+            raise ModelError(problem)
+        model = str(kv["tokenizer.ggml.model"])
         tokens = list(kv["tokenizer.ggml.tokens"])
-        types = [int(k) for k in kv.get("tokenizer.ggml.token_type", [1] * len(tokens))]
+        types = [int(k) for k in kv.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
         merges = kv.get("tokenizer.ggml.merges")
-        return cls(tokens, types, None if merges is None else list(merges), str(kv.get("tokenizer.ggml.pre", "")))
+        scores = kv.get("tokenizer.ggml.scores")
+        prefix = kv.get("tokenizer.ggml.add_space_prefix")
+        return cls(
+            tokens,
+            types,
+            None if merges is None else list(merges),
+            "" if model == "llama" else _pre_name(kv),
+            model=model,
+            scores=None if scores is None else [float(s) for s in scores],
+            add_space_prefix=None if prefix is None else bool(prefix),
+            kv=kv,
+        )
 
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = self._hf.encode(text, add_special_tokens=False).ids
-        return ids
+        """``text``'s token ids, with no BOS or EOS added."""
+        out: list[int] = []
+        after_special = True  # SentencePiece adds its space prefix at the start and after each special token
+        for part in self._specials.split(text):
+            if isinstance(part, int):
+                out.append(part)
+                after_special = True
+            elif self.spm:
+                prefix = " " if self.add_space_prefix and after_special else ""
+                out += spm_encode((prefix + part).replace(" ", SPACE), self._ids, self._scores)
+                after_special = False
+            else:
+                out += self._encode_bpe(part)
+                after_special = False
+        return out
 
-    def decode(self, ids: list[int]) -> str:
-        text: str = self._hf.decode(ids, skip_special_tokens=False)
-        return text
+    def _encode_bpe(self, text: str) -> list[int]:
+        assert self.how is not None
+        if self.how.escape_spaces:
+            text = text.replace(" ", SPACE)
+        if self.how.family != "gemma4":
+            ids: list[int] = self._hf.encode(text, add_special_tokens=False).ids
+            return ids
+        # gemma4: a run of newlines that is itself a token is that token, whatever the merges would make of it
+        out: list[int] = []
+        for piece, _ in self._hf.pre_tokenizer.pre_tokenize_str(text):
+            whole = self._ids.get(piece) if not piece.strip("\n") else None
+            out += [whole] if whole is not None else [t.id for t in self._hf.model.tokenize(piece)]
+        return out
+
+    def piece(self, token: int) -> bytes:
+        """The bytes llama.cpp renders one token as (``token_to_piece`` with special tokens rendered)."""
+        cached = self._pieces[token]
+        if cached is None:
+            cached = self._pieces[token] = self._render(token)
+        return cached
+
+    def _render(self, token: int) -> bytes:
+        text, kind = self.tokens[token], self._kinds[token]
+        if kind in SPECIAL:
+            return text.encode()
+        if kind == BYTE:
+            try:
+                return bytes([int(text[3:5], 16)])
+            except ValueError:
+                return b"\x00"
+        if kind != NORMAL:
+            return b""
+        if self.spm or (self.how is not None and self.how.escape_spaces):
+            return text.replace(SPACE, " ").encode()
+        out = bytearray()
+        for c in text:
+            if c in CHAR_TO_BYTE:
+                out.append(CHAR_TO_BYTE[c])
+            else:  # what llama.cpp writes for a character outside the byte-level alphabet
+                out += b"[UNK_BYTE_0x" + c.encode().hex().encode() + text.encode() + b"]"
+        return bytes(out)
+
+    def decode(self, ids: list[int], cleanup: bool = True) -> str:
+        """The text of ``ids`` (an invalid UTF-8 sequence as U+FFFD). ``cleanup``: as llama.cpp's ``llama_detokenize``
+        writes it (the leading space of a space prefix dropped, spaces before punctuation cleaned where the type
+        asks); without, the tokens' bytes as they are, as llama.cpp prints tokens while it generates."""
+        pieces = [self.piece(t) for t in ids]
+        if cleanup and pieces and self.add_space_prefix and pieces[0].startswith(b" "):
+            pieces[0] = pieces[0][1:]  # of the first token only, as llama.cpp strips it
+        data = b"".join(pieces)
+        if cleanup and self.clean_spaces:
+            data = clean_spaces(data)
+        return data.decode("utf-8", errors="replace")
+
+
+def clean_spaces(data: bytes) -> bytes:
+    """llama.cpp's clean-up of detokenized text (``clean_spaces``), pass for pass: the space before ``? ! . ,``
+    dropped, `` ' `` between spaces joined to both sides, and the space before the contractions ``'s 'm 're 've``
+    dropped."""
+    text = bytearray(data)
+    n = len(text)
+    total = 1 if n else 0
+    for i in range(1, n):
+        x = text[i]
+        if text[i - 1] == 0x20 and x in b"?!.,":
+            total -= 1
+        text[total] = x
+        total += 1
+    n, total, i = total, 1 if total else 0, 1
+    while i < n:
+        x = text[i]
+        if x == 0x27 and i + 1 < n and text[i - 1] == 0x20 and text[i + 1] == 0x20:
+            total -= 1
+            i += 1
+            text[i] = 0
+        text[total] = x
+        total += 1
+        i += 1
+    n, total = total, 1 if total else 0
+    for i in range(1, n):
+        x = text[i]
+        if text[i - 1] == 0x20 and x == 0x27 and i + 1 < n:
+            x1 = text[i + 1]
+            if x1 in b"sm" or (i + 2 < n and (x1, text[i + 2]) in ((0x72, 0x65), (0x76, 0x65))):  # 's 'm 're 've
+                total -= 1
+        text[total] = x
+        total += 1
+    return bytes(text[:total])
