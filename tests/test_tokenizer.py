@@ -22,8 +22,8 @@ from ppharness.errors import ModelError
 from ppharness.model.gguf_file import GGUFFile, tokenizer_from
 from ppharness.model.spec import ModelSpec
 from ppharness.model.synthetic import make_synthetic
-from ppharness.model.tokenizer import PRE_TOKENIZERS, Tokenizer, pre_tokenize
-from ppharness.model.vocab import BYTE_TO_CHAR, special_tokens
+from ppharness.model.tokenizer import PRE_TOKENIZERS, TOKENIZER_FAMILIES, Tokenizer, pre_tokenize
+from ppharness.model.vocab import BYTE_TO_CHAR, build_vocab, special_tokens
 
 LLAMA3_PAT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501
 KIMI_PAT = "|".join(
@@ -193,11 +193,12 @@ def test_kimi_cuts_as_llamacpp_not_as_tiktoken():
         assert regex.findall(KIMI_PAT, text, flags=regex.V1) != llamacpp
 
 
-def test_kimi_file_without_merges_tokenizes_by_rank(tmp_path_factory):
-    """llama.cpp reads a kimi-k2 file without a merge list; its vocabulary is ranked by id, like tiktoken's."""
+def test_kimi_file_without_merges_is_read_as_llamacpp_reads_it(tmp_path_factory):
+    """llama.cpp reads a kimi-k2 file without a merge list, and then merges nothing: a byte token per byte
+    (tests/test_tokenizer_llamacpp.py holds its ids); any other type needs the list."""
     f = _synthetic(tmp_path_factory, "kimi-k2", 1024)
     kv = {k: v for k, v in f.kv.items() if k != "tokenizer.ggml.merges"}
-    assert tokenizer_from(kv).encode(TEXT) == f.tokenizer.encode(TEXT)
+    assert tokenizer_from(kv).encode(TEXT) == list(TEXT.encode())  # byte b is token b in a synthetic vocabulary
     with pytest.raises(ModelError, match="no merge list"):
         tokenizer_from(kv | {"tokenizer.ggml.pre": "deepseek-v3"})
 
@@ -237,3 +238,18 @@ def test_default_tokenizer_tokenizes_the_tiny_model_as_before(tiny_gguf):
     before = SimpleTokenizer.from_gguf_kv(tiny_gguf.kv)
     for text in (TEXT, "the pipeline stage sends the token", "<|begin_of_text|>Hello<|eot_id|>"):
         assert tiny_gguf.tokenizer.encode(text) == before.encode(text)
+
+
+@pytest.mark.parametrize("family", list(TOKENIZER_FAMILIES))
+def test_every_byte_level_family_has_a_synthetic_vocabulary(family):
+    """A synthetic vocabulary is learned for any byte-level type (its merges fit the vocabulary, the text comes back);
+    a type that reads the text's own characters is refused by name."""
+    name = TOKENIZER_FAMILIES[family][0]
+    if not PRE_TOKENIZERS[name].byte_level:
+        with pytest.raises(ModelError, match=f"tokenizer type {name!r} reads the text's own characters"):
+            build_vocab(200, 0, name)
+        return
+    tokens, merges = build_vocab(200, 0, name)
+    tok = Tokenizer(tokens, [1] * len(tokens), merges, name)
+    ids = tok.encode(TEXT)
+    assert tok.decode(ids, cleanup=False) == TEXT and len(ids) < len(TEXT.encode())

@@ -40,9 +40,11 @@ SPECIAL_KINDS = (2, 3, 4)
 PROMOTED = ("<|eot_id|>", "<fim_prefix>")  # normal in the vocabulary, control tokens to llama.cpp by their text
 
 
-def _kv(vocabulary: str, model: str, pre: str | None, add_space_prefix: bool | None) -> dict[str, Any]:
+def _kv(
+    vocabulary: str, model: str, pre: str | None, add_space_prefix: bool | None, merges: bool = True
+) -> dict[str, Any]:
     """The metadata of the vocabulary-only file llama.cpp read."""
-    v = VOCABULARIES[vocabulary]
+    v = {k: x for k, x in VOCABULARIES[vocabulary].items() if merges or k != "merges"}
     kv: dict[str, Any] = {
         "general.architecture": "llama",
         "tokenizer.ggml.model": model,
@@ -62,8 +64,14 @@ def _kv(vocabulary: str, model: str, pre: str | None, add_space_prefix: bool | N
 
 
 @cache
-def _tokenizer(vocabulary: str, model: str, pre: str | None, add_space_prefix: bool | None) -> Tokenizer:
-    return Tokenizer.from_kv(_kv(vocabulary, model, pre, add_space_prefix))
+def _tokenizer(
+    vocabulary: str, model: str, pre: str | None, add_space_prefix: bool | None, merges: bool = True
+) -> Tokenizer:
+    return Tokenizer.from_kv(_kv(vocabulary, model, pre, add_space_prefix, merges))
+
+
+def _case_tokenizer(case: dict[str, Any], pre: str | None) -> Tokenizer:
+    return _tokenizer(case["vocabulary"], case["model"], pre, case["add_space_prefix"], case["merges"])
 
 
 def _label(case: dict[str, Any], pre: str | None) -> str:
@@ -71,7 +79,8 @@ def _label(case: dict[str, Any], pre: str | None) -> str:
         return f"SentencePiece (add_space_prefix {case['add_space_prefix']})"
     family = PRE_TOKENIZERS[pre].family if pre else "default"
     name = "no tokenizer.ggml.pre" if pre is None else f"tokenizer.ggml.pre {pre!r}"
-    return f"{case['model']} {name} (family {family}, {case['vocabulary']} vocabulary)"
+    merges = "" if case["merges"] else ", no merge list"
+    return f"{case['model']} {name} (family {family}, {case['vocabulary']} vocabulary{merges})"
 
 
 def _differ(what: str, i: int, text: str, ours: list[int], theirs: list[int], tokens: list[str]) -> str:
@@ -92,13 +101,14 @@ CASES = [(case, pre) for case in FIXTURE["cases"] for pre in case["pre"]]
 
 def _case_id(case_pre: tuple[dict[str, Any], str | None]) -> str:
     case, pre = case_pre
-    return f"{case['model']}-{pre or case['add_space_prefix']}"
+    merges = "" if case["merges"] or case["model"] == "llama" else "-no-merges"
+    return f"{case['model']}-{pre or case['add_space_prefix']}{merges}"
 
 
 @pytest.mark.parametrize("case_pre", CASES, ids=[_case_id(c) for c in CASES])
 def test_ids_equal_llamacpps(case_pre: tuple[dict[str, Any], str | None]) -> None:
     case, pre = case_pre
-    tok = _tokenizer(case["vocabulary"], case["model"], pre, case["add_space_prefix"])
+    tok = _case_tokenizer(case, pre)
     what = _label(case, pre)
     for i, (text, theirs) in enumerate(zip(TEXTS, case["ids"], strict=True)):
         if theirs is None:  # llama.cpp aborts on it (test_whitespace_type_where_llamacpp_aborts)
@@ -108,7 +118,7 @@ def test_ids_equal_llamacpps(case_pre: tuple[dict[str, Any], str | None]) -> Non
 
 
 def test_every_name_llamacpp_knows_is_held() -> None:
-    held = {pre for case in FIXTURE["cases"] if case["model"] == "gpt2" for pre in case["pre"]}
+    held = {pre for case in FIXTURE["cases"] if case["model"] == "gpt2" and case["merges"] for pre in case["pre"]}
     assert held == set(PRE_TOKENIZERS) | {None}, (
         f"names without llama.cpp's ids in the fixture: {sorted(set(PRE_TOKENIZERS) - held)}; names the fixture "
         f"holds that ppharness does not know: {sorted(held - set(PRE_TOKENIZERS) - {None})} — make the fixture again"
@@ -166,7 +176,7 @@ def _round_trips(case: dict[str, Any], pre: str | None, text: str) -> bool:
 @pytest.mark.parametrize("case_pre", CASES, ids=[_case_id(c) for c in CASES])
 def test_decode_gives_the_text_back(case_pre: tuple[dict[str, Any], str | None]) -> None:
     case, pre = case_pre
-    tok = _tokenizer(case["vocabulary"], case["model"], pre, case["add_space_prefix"])
+    tok = _case_tokenizer(case, pre)
     back = [(i, t) for i, t in enumerate(TEXTS) if _round_trips(case, pre, t)]
     assert len(back) >= len(TEXTS) // 2 or (pre and PRE_TOKENIZERS[pre].family == "whitespace")
     for i, text in back:

@@ -221,10 +221,15 @@ def pre_tokenizer(pre: str) -> PreTokenizer:
     try:
         return PRE_TOKENIZERS[pre]
     except KeyError:
-        raise ModelError(
-            f"unknown tokenizer pre-tokenizer {pre!r} (tokenizer.ggml.pre): the {len(PRE_TOKENIZERS)} names llama.cpp "
-            f"knows are known here, in {len(TOKENIZER_FAMILIES)} families (docs/models.md lists them)"
-        ) from None
+        raise ModelError(unknown_pre(pre)) from None
+
+
+def unknown_pre(pre: str) -> str:
+    """What is wrong with a ``tokenizer.ggml.pre`` name llama.cpp does not know, and where the known ones are."""
+    return (
+        f"unknown tokenizer pre-tokenizer {pre!r} (tokenizer.ggml.pre): the {len(PRE_TOKENIZERS)} names llama.cpp "
+        f"knows are known here, in {len(TOKENIZER_FAMILIES)} families (docs/models.md lists them)"
+    )
 
 
 # llama.cpp's Han (unicode_cpt_is_han)

@@ -26,6 +26,7 @@ from ppharness.model.pretokenizers import (
     PreTokenizer,
     oniguruma,
     pre_tokenizer,
+    unknown_pre,
 )
 from ppharness.model.spm import SPACE, spm_encode
 
@@ -99,7 +100,7 @@ def tokenizer_problem(kv: dict[str, Any]) -> str | None:
         return None
     pre = _pre_name(kv)
     if pre not in PRE_TOKENIZERS:
-        return _unknown_pre(pre)
+        return unknown_pre(pre)
     if "tokenizer.ggml.merges" not in kv and pre != "kimi-k2":  # llama.cpp reads kimi-k2 without merges, no other
         return "the file has no merge list (tokenizer.ggml.merges)"
     return None
@@ -111,13 +112,6 @@ def _pre_name(kv: dict[str, Any]) -> str:
     if kv.get("tokenizer.ggml.model") == "gemma4":
         return "gemma4"
     return str(kv.get("tokenizer.ggml.pre") or "default")
-
-
-def _unknown_pre(pre: str) -> str:
-    return (
-        f"unknown tokenizer pre-tokenizer {pre!r} (tokenizer.ggml.pre): the {len(PRE_TOKENIZERS)} names llama.cpp "
-        f"knows are known here, in {len(TOKENIZER_FAMILIES)} families (docs/models.md lists them)"
-    )
 
 
 def _hf_pre_tokenizer(how: PreTokenizer) -> Any:
@@ -138,34 +132,6 @@ def pre_tokenize(pre: str, text: str) -> list[str]:
     if how.escape_spaces:
         text = text.replace(" ", SPACE)
     return [piece for piece, _ in _hf_pre_tokenizer(how).pre_tokenize_str(text)]
-
-
-def rank_split(piece: str, ranks: dict[str, int], max_rank: int | None = None) -> list[str]:
-    """tiktoken's byte-pair merge of ``piece`` (byte-level characters): merge the adjacent pair whose join has the
-    lowest rank, leftmost first, until no join of rank below ``max_rank`` (None: any) is left; the parts it stops at.
-    A token of rank ``r`` whose parts at ``max_rank=r`` are two is built by the merge of those two."""
-    parts = list(piece)
-    limit = 1 << 62 if max_rank is None else max_rank
-    while len(parts) > 1:
-        best, at = limit, -1
-        for i in range(len(parts) - 1):
-            r = ranks.get(parts[i] + parts[i + 1])
-            if r is not None and r < best:
-                best, at = r, i
-        if at < 0:
-            break
-        parts[at : at + 2] = [parts[at] + parts[at + 1]]
-    return parts
-
-
-def merges_from_ranks(ranks: dict[str, int]) -> list[str]:
-    """The merge list of a ranked vocabulary (tiktoken's), as llama.cpp's converter derives it for Kimi K2: in rank
-    order, each multi-byte token's two parts, where ``rank_split`` leaves two."""
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(token) > 1 and len(parts := rank_split(token, ranks, rank)) == 2:
-            merges.append(" ".join(parts))
-    return merges
 
 
 @dataclass(frozen=True)
@@ -285,11 +251,10 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import models
 
-        if merges is None:  # llama.cpp reads a kimi-k2 file without merges (its vocabulary is ranked by id), no other
+        if merges is None:  # llama.cpp reads a kimi-k2 file without merges, and merges nothing then; no other
             if self.pre != "kimi-k2":
                 raise ModelError("tokenizer: the file has no merge list (tokenizer.ggml.merges)")
-            ranks = {t: i for i, (t, k) in enumerate(zip(self.tokens, self._kinds)) if k not in SPECIAL}
-            merges = merges_from_ranks(ranks)
+            merges = []
         pairs: dict[tuple[str, str], None] = {}  # of a merge listed twice, the first rank holds (as in llama.cpp)
         for m in merges:
             cut = m.find(" ", 1)  # as llama.cpp reads a merge: the first space after the first character

@@ -16,12 +16,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ppharness.model.tokenizer import pre_tokenize, rank_split
+from ppharness.errors import ModelError
+from ppharness.model.tokenizer import BYTE_TO_CHAR, pre_tokenize, pre_tokenizer
 
-# GPT-2 byte <-> unicode mapping, the byte-level vocabulary's alphabet: printable bytes map to themselves, the rest to
-# code points from 256 upwards.
-_BS = [*range(33, 127), *range(161, 173), *range(174, 256)]
-BYTE_TO_CHAR = {b: chr(b) for b in _BS} | {b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in _BS)}
+__all__ = ["BYTE_TO_CHAR", "DEFAULT_TOKENIZER", "SPECIAL_TOKENS", "build_vocab", "special_tokens"]
 
 DEFAULT_TOKENIZER = "llama-bpe"
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
@@ -62,6 +60,24 @@ MAX_TOKEN_CHARS = 16  # a seeded concatenation is at most this many bytes
 
 def _encode_bytes(b: bytes) -> str:
     return "".join(BYTE_TO_CHAR[x] for x in b)
+
+
+def rank_split(piece: str, ranks: dict[str, int], max_rank: int | None = None) -> list[str]:
+    """tiktoken's byte-pair merge of ``piece`` (byte-level characters): merge the adjacent pair whose join has the
+    lowest rank, leftmost first, until no join of rank below ``max_rank`` (None: any) is left; the parts it stops at.
+    A token of rank ``r`` whose parts at ``max_rank=r`` are two is built by the merge of those two."""
+    parts = list(piece)
+    limit = 1 << 62 if max_rank is None else max_rank
+    while len(parts) > 1:
+        best, at = limit, -1
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < best:
+                best, at = r, i
+        if at < 0:
+            break
+        parts[at : at + 2] = [parts[at] + parts[at + 1]]
+    return parts
 
 
 def special_tokens(tokenizer: str = DEFAULT_TOKENIZER) -> tuple[str, ...]:
@@ -106,6 +122,11 @@ def build_vocab(n_merges: int, seed: int, tokenizer: str = DEFAULT_TOKENIZER) ->
     Merges are learned by BPE from the built-in corpus first (so real text compresses); when the corpus has no pair
     left to merge, further merges concatenate two existing tokens chosen by a seeded generator.
     """
+    if not pre_tokenizer(tokenizer).byte_level:
+        raise ModelError(
+            f"tokenizer type {tokenizer!r} reads the text's own characters, not GPT-2's byte alphabet, and a "
+            "synthetic vocabulary is byte-level BPE: pick a byte-level type (docs/models.md#tokenizers)"
+        )
     if tokenizer != DEFAULT_TOKENIZER:
         return _build_ranked(n_merges, seed, tokenizer)
     tokens = [BYTE_TO_CHAR[b] for b in range(256)]
