@@ -133,7 +133,7 @@ def test_model_info_prints_words_and_the_parameter_count():
     assert "frozenset" not in result.output and "()" not in result.output
     rows = dict(line.strip().split(": ", 1) for line in result.output.splitlines())
     assert rows["parameters"] == f"{PRESETS['tiny-moe'].n_params:,}"
-    assert rows["moe_blocks"] == "0, 1, 2, 3" and rows["rope_factors"] == "none" and rows["tied"] == "no"
+    assert rows["moe blocks"] == "0-3" and rows["tied embeddings"] == "no" and rows["loads here"] == "yes"
 
 
 def _strong_plan(path: Path):
@@ -173,7 +173,7 @@ def test_plan_simulate_and_model_info_speak_json():
     assert abs(sum(r["ms"] for r in doc["rows"]) + doc["quota_wait_ms"] - doc["per_token_ms"]) < 1e-3
     info = CliRunner().invoke(main, ["model", "info", "synthetic:tiny-moe", "--json"])
     model = json.loads(info.stdout)
-    assert model["format"] == "ppharness-model/1" and model["arch"] == "qwen3moe"
+    assert model["format"] == "ppharness-model/2" and model["arch"] == "qwen3moe" and model["loads"] is True
     shown = CliRunner().invoke(main, ["model", "info", "synthetic:tiny-moe"]).stdout
     assert f"parameters: {model['parameters']:,}" in shown
 

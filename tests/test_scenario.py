@@ -671,7 +671,8 @@ def test_prompt_bound_refuses_only_what_cannot_fit() -> None:
 def _fake_gguf(
     path: Path, *, context: int = 1024, blocks: int = 4, tokens: tuple[str, ...] = ("a", "bcd"), truncate: int = 0
 ) -> Path:
-    """A GGUF v3 header with no tensors: the architecture, block count, context length and a token list."""
+    """A GGUF v3 header with no tensors: the architecture, block count, context length, a token list, and the rest of
+    what the engine reads of a model (its header judged loadable)."""
 
     def string(s: str) -> bytes:
         b = s.encode()
@@ -683,6 +684,13 @@ def _fake_gguf(
         string("llama.context_length") + struct.pack("<I", 4) + struct.pack("<I", context),
         string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, len(tokens)) + b"".join(map(string, tokens)),
         string("tokenizer.ggml.bos_token_id") + struct.pack("<I", 4) + struct.pack("<I", 0),
+        string("tokenizer.ggml.eos_token_id") + struct.pack("<I", 4) + struct.pack("<I", len(tokens) - 1),
+        string("tokenizer.ggml.model") + struct.pack("<I", 8) + string("gpt2"),
+        string("tokenizer.ggml.merges") + struct.pack("<IIQ", 9, 8, 1) + string("b cd"),
+        string("llama.embedding_length") + struct.pack("<I", 4) + struct.pack("<I", 8),
+        string("llama.feed_forward_length") + struct.pack("<I", 4) + struct.pack("<I", 16),
+        string("llama.attention.head_count") + struct.pack("<I", 4) + struct.pack("<I", 2),
+        string("llama.attention.layer_norm_rms_epsilon") + struct.pack("<I", 6) + struct.pack("<f", 1e-5),
     ]
     data = b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs)
     path.write_bytes(data[: len(data) - truncate])

@@ -4,7 +4,6 @@ answer."""
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import click
@@ -18,6 +17,7 @@ from ppharness.model.oracle import oracle_decode
 from ppharness.model.spec import preset_spec
 from ppharness.model.synthetic import make_synthetic
 from ppharness.model.tuning import tune as tune_model
+from ppharness.model.verdict import Verdict, judge_file, refuse_unloadable
 from ppharness.plan.stages import make_plan
 from ppharness.run.inprocess import check_splits
 from ppharness.run.realise import model_source
@@ -75,25 +75,79 @@ def model_make(preset: str, output: str, **overrides: Any) -> None:
 
 @model.command("info")
 @click.argument("source")
-@click.option("--json", "json_out", is_flag=True, help="The model's configuration as JSON: its fields as they are.")
+@click.option(
+    "--json", "json_out", is_flag=True, help="The same facts as one JSON document (format ppharness-model/2)."
+)
 def model_info(source: str, json_out: bool) -> None:
-    """Show a GGUF's (path, URL or synthetic:...) dimensions and parameter count."""
+    """Show what a GGUF (path, URL or synthetic:...) is and whether it loads here, from its header alone: its
+    architecture, parameter count and dimensions, tensor types, tokenizer, vocabulary and chat template.
+
+    Exit status: 0 when the file loads here; 1 when it does not (after its facts, with the reasons) and when SOURCE
+    is not a readable GGUF file."""
     try:
-        f = GGUFFile(resolve_model(source))
+        verdict = judge_file(resolve_model(source))
     except HarnessError as exc:
         fail(str(exc))
-    parameters = sum(math.prod(shape) for shape in f.shapes().values())
     if json_out:
-        fields = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in vars(f.config).items()}
-        doc = {"format": "ppharness-model/1", **fields, "parameters": parameters, "path": str(f.path)}
-        click.echo(json.dumps(doc, indent=1, default=str))
-        return
-    rows = {k: shown(v) for k, v in vars(f.config).items()}
-    rows["parameters"] = f"{parameters:,}"
-    rows["path"] = str(f.path)
-    width = max(map(len, rows))
-    for k, text in rows.items():
-        click.echo(f"{k:>{width}}: {text}")
+        click.echo(json.dumps(info_json(verdict), indent=1))
+    else:
+        rows = info_rows(verdict)
+        width = max(map(len, rows))
+        for k, text in rows.items():
+            click.echo(f"{k:>{width}}: {text}")
+    if not verdict.loads:
+        fail(verdict.refusal())
+
+
+MODEL_FORMAT = "ppharness-model/2"
+# how ``model info`` names a dimension where its key would not read as words
+LABELS = {"tied": "tied embeddings", "norm_eps": "norm epsilon", "moe_blocks": "moe blocks"}
+
+
+def info_json(v: Verdict) -> dict[str, Any]:
+    """``model info --json``: stable keys, documented in docs/models.md ("Will my file load?")."""
+    return {
+        "format": MODEL_FORMAT,
+        "path": v.path,
+        "file_bytes": v.file_bytes,
+        "arch": v.arch,
+        "parameters": v.parameters,
+        **v.fields,
+        "tensor_types": v.tensor_types,
+        "tokenizer": v.tokenizer,
+        "tokenizer_pre": v.tokenizer_pre,
+        "chat_template": v.chat_template,
+        "loads": v.loads,
+        "reasons": v.reasons,
+    }
+
+
+def info_rows(v: Verdict) -> dict[str, str]:
+    """``model info``'s lines: what each is called -> its value in words."""
+    size = f"{v.file_bytes / 2**30:.2f} GiB" if v.file_bytes >= 2**30 else f"{v.file_bytes / 2**20:.1f} MiB"
+    rows = {"file": f"{v.path} ({size}, {v.file_bytes:,} bytes)", "architecture": v.arch}
+    rows["parameters"] = f"{v.parameters:,}"
+    for key, value in v.fields.items():
+        if key != "vocab":  # shown with the tokenizer
+            rows[LABELS.get(key, key.replace("_", " "))] = spans(value) if key == "moe_blocks" else shown(value)
+    rows["tensor types"] = ", ".join(f"{name} × {n:,}" for name, n in v.tensor_types.items()) or "none"
+    pre = f", pre-type {v.tokenizer_pre}" if v.tokenizer_pre else ""
+    rows["tokenizer"] = f"{v.tokenizer}{pre}" if v.tokenizer else "none"
+    rows["vocabulary"] = f"{v.vocab:,} tokens" if v.vocab is not None else "none"
+    rows["chat template"] = shown(v.chat_template)
+    rows["loads here"] = "yes" if v.loads else f"no ({'; '.join(v.reasons)})"
+    return rows
+
+
+def spans(values: list[int]) -> str:
+    """Block numbers as runs: ``0-3, 5``."""
+    runs: list[list[int]] = []
+    for n in values:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(f"{lo}-{hi}" if hi > lo else str(lo) for lo, hi in runs) or "none"
 
 
 def shown(value: object) -> str:
@@ -111,6 +165,17 @@ def shown(value: object) -> str:
             return f"{len(items)} values: {', '.join(shown(v) for v in items[:4])}, ..."
         return ", ".join(shown(v) for v in items)
     return str(value)
+
+
+def loadable(source: str) -> str:
+    """``source`` as a local path, refused (``ModelError``) before anything is built or compiled when the file does
+    not load here: a local file before it is used, a download once it is in the cache; a synthetic model always
+    loads."""
+    refuse_unloadable(source)
+    path = resolve_model(source)
+    if "://" in source:
+        judge_file(path).refuse()
+    return str(path)
 
 
 @click.command("split-check")
@@ -131,7 +196,7 @@ def split_check(source: str, stages: str, prompt: str, max_tokens: int, max_cont
     """Check, in one process on this machine's device (DEV=CUDA for a GPU), that splits equal the unsplit model bit
     for bit: tokens, every stage-boundary hidden state, and the compiled kernels. Exits 1 on any difference."""
     with exit_1_on_failure():
-        path = str(resolve_model(source))
+        path = loadable(source)
         blocks = GGUFFile(path).config.blocks
         splits = []
         for item in split_csv(stages):
@@ -197,7 +262,7 @@ def tune(source: str, out: str, beam: int, prompts: tuple[str, ...], max_context
         click.echo(f"[{time.monotonic() - t0:7.1f}s] searched {n} kernel(s), the last in {seconds:.1f} s", err=True)
 
     with exit_1_on_failure(interrupted=f"interrupted; the kernels searched so far are in {out}"):
-        path = str(resolve_model(source))
+        path = loadable(source)
         pinning = tune_model(path, out, beam, prompts, max_context=max_context, on_search=progress)
     click.echo(f"{pinning.summary()} in {time.monotonic() - t0:.1f} s")
     click.echo(f"use it: {ENV}={out} pp-smoke-run ... (every process of a run must read the same table)")

@@ -257,7 +257,11 @@ def _place(r: _Reader, infos: list[tuple[str, tuple[int, ...], int, int]], start
 
 def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
     """The header's facts a scenario check needs; ``ModelError`` if the file is not a readable, sane GGUF file."""
-    contents = read_gguf(path, arrays=False)
+    return header_facts(read_gguf(path, arrays=False))
+
+
+def header_facts(contents: GGUFContents) -> GGUFHeader:
+    """``read_header``'s facts of a file read with its arrays stepped over (``read_gguf(path, arrays=False)``)."""
     kv, where = contents.kv, contents.path
     arch = kv.get("general.architecture")
     if not isinstance(arch, str):

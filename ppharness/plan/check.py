@@ -26,9 +26,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 
 from ppharness.document.explain import FieldError
-from ppharness.errors import PlanError
+from ppharness.errors import ModelError, PlanError
+from ppharness.model.verdict import judge_file
 from ppharness.plan.doc import (
     Blocks,
     Cluster,
@@ -205,6 +207,7 @@ def check_plan(doc: PlanDoc, source: str = "<plan>") -> None:
     """Raise PlanError for the first invariant ``doc`` breaks (see the module's docstring)."""
     check_cluster(doc.cluster, source)
     _check_model(doc.model, source)
+    _check_model_file(doc.model, source)
     _check_nodes(doc, source)
     _check_edges(doc, source)
     _check_blocks(doc, source)
@@ -234,6 +237,23 @@ def _check_model(model: ModelGraph, source: str) -> None:
                 f"{at}.frequencies: they add up to {total:.6g} but each token chooses {x.active} experts — an expert's "
                 f"frequency is the share of tokens that choose it, so they add up to {x.active}; scale them"
             )
+
+
+def _check_model_file(model: ModelGraph, source: str) -> None:
+    """A plan's local model file is there and loads here (``ppharness.model.verdict``); a synthetic model always
+    loads, and a URL is judged once the run has downloaded it."""
+    if model.source.startswith("synthetic:") or "://" in model.source:
+        return
+    path = Path(model.source).expanduser()
+    if not path.is_file():
+        raise PlanError(
+            f"{source}: $.model.source: {model.source}: no such file ({path.resolve()}) — a plan runs on the model "
+            "it was made for: put that file there, or make the plan again for a file that is here"
+        )
+    try:
+        judge_file(path).refuse()
+    except ModelError as exc:
+        raise PlanError(f"{source}: $.model.source: {exc}") from None
 
 
 def _check_nodes(doc: PlanDoc, source: str) -> None:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from ppharness.errors import ModelError, ScenarioError
 from ppharness.model.files import cache_dir
-from ppharness.model.gguf_header import read_header
+from ppharness.model.gguf_header import header_facts
+from ppharness.model.verdict import judge_file, read_header_contents
 from ppharness.model.vocab import build_vocab, special_tokens
 from ppharness.scenario.sections import SyntheticModel
 
@@ -94,8 +95,9 @@ SMALL_VOCAB = 4096
 
 def known_model(scenario: Scenario, source: str = "<file>") -> ModelFacts | None:
     """The model's facts when they are known without running anything: a synthetic preset's (its vocabulary built
-    when small, else read from the model cache when the file exists) or a local GGUF file's header (memory-mapped);
-    ``None`` for a URL, or a path with no file behind it yet."""
+    when small, else read from the model cache when the file exists; a synthetic model always loads) or a local GGUF
+    file's header (memory-mapped); ``None`` for a URL (judged once downloaded). ``ScenarioError`` for a local path
+    with no file behind it, and for a file the engine cannot run (``ppharness.model.verdict``)."""
     model = scenario.model
     if model.synthetic is not None:
         return _synthetic_facts(model.synthetic)
@@ -103,16 +105,23 @@ def known_model(scenario: Scenario, source: str = "<file>") -> ModelFacts | None
         return None
     path = Path(model.gguf).expanduser()
     if not path.is_file():
-        return None
+        raise ScenarioError(
+            f"{source}: $.model.gguf: {model.gguf}: no such file ({path.resolve()}) — point gguf at a GGUF file (a "
+            "relative path is taken from the directory the command runs in), an http(s) URL, or use synthetic"
+        )
     if model.size is not None and path.stat().st_size != model.size:
         raise ScenarioError(
             f"{source}: $.model.size: {model.gguf} is {path.stat().st_size:,} bytes, not {model.size:,} — fix "
             "model.size, or point gguf at the right file"
         )
     try:
-        return _gguf_facts(path)
+        verdict = judge_file(path)
+        facts = _gguf_facts(path)
     except ModelError as exc:
-        raise ScenarioError(f"{source}: $.model.gguf: {exc} — point gguf at a llama-family GGUF file") from None
+        raise ScenarioError(f"{source}: $.model.gguf: {exc} — point gguf at a GGUF file this engine runs") from None
+    if not verdict.loads:
+        raise ScenarioError(f"{source}: $.model.gguf: {verdict.refusal()}")
+    return facts
 
 
 def _synthetic_facts(synthetic: SyntheticModel) -> ModelFacts:
@@ -148,7 +157,7 @@ def _gguf_facts(path: Path) -> ModelFacts:
 
 @functools.lru_cache(maxsize=8)
 def _gguf_header_facts(path: str, size: int, mtime_ns: int) -> ModelFacts:
-    h = read_header(path)
+    h = header_facts(read_header_contents(path))  # the header the verdict read
     return ModelFacts(
         blocks=h.blocks,
         context=h.context,
