@@ -84,8 +84,15 @@ def test_the_check_catches_an_fp32_residual_between_blocks(tiny_model_path, monk
     from tinygrad.apps.llm import TransformerBlock
 
     import ppharness.model.arch.llama
+    from ppharness.model.chunks import Chunk, attention_chunk
 
-    monkeypatch.setattr(ppharness.model.arch.llama, "block_class", lambda: TransformerBlock)
+    class Fp32Block(TransformerBlock):  # tinygrad's block, which prefills in the project's chunks too
+        def _attention(self, x, start_pos):
+            if isinstance(start_pos, Chunk):
+                return attention_chunk(self, x, start_pos)
+            return super()._attention(x, start_pos)
+
+    monkeypatch.setattr(ppharness.model.arch.llama, "block_class", lambda: Fp32Block)
     _, checks = check_splits(tiny_model_path, "The quick brown fox", 8, [[(0, 3), (3, 5), (5, 8)]])
     assert not checks[0].exact
     assert checks[0].verdict.boundary_diff is not None or not checks[0].same_kernels

@@ -270,14 +270,23 @@ def tune(source: str, out: str, beam: int, prompts: tuple[str, ...], max_context
 
 @click.command()
 @click.option("--scenario", "scenario_file", type=click.Path(dir_okay=False), help=SCENARIO_HELP)
+@click.option(
+    "--model", "source", metavar="SOURCE", help="A GGUF path, URL or synthetic: spec (in place of the scenario's)."
+)
 @click.option("--prompt")
 @click.option("--max-tokens", type=int)
-def oracle(scenario_file: str | None, prompt: str | None, max_tokens: int | None) -> None:
+def oracle(scenario_file: str | None, source: str | None, prompt: str | None, max_tokens: int | None) -> None:
     """Greedy decode with the unsplit model in this process: the reference every split must equal."""
-    sc = load_scenario_or_fail(scenario_file, prompt=prompt, max_tokens=max_tokens)
     try:
-        source, sha256 = model_source(sc)  # a download bounded by the scenario's model.size and its budget
-        path = resolve_model(source, sha256, size=sc.model.size, deadline_s=sc.budget.total_s)
+        if source is not None:
+            refuse_unloadable(source)
+    except HarnessError as exc:
+        fail(str(exc))
+    sc = load_scenario_or_fail(scenario_file, prompt=prompt, max_tokens=max_tokens, model=source)
+    try:
+        where, sha256 = model_source(sc)  # a download bounded by the scenario's model.size and its budget
+        path = resolve_model(where, sha256, size=sc.model.size, deadline_s=sc.budget.total_s)
+        judge_file(path).refuse()
         res = oracle_decode(path, sc.request.prompt, sc.request.max_tokens, sc.model.max_context)
     except HarnessError as exc:
         fail(str(exc))

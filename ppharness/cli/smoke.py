@@ -15,6 +15,7 @@ from ppharness.errors import HarnessError
 from ppharness.model.chat import chat_prompt
 from ppharness.model.files import cache_dir, resolve_model
 from ppharness.model.gguf_header import read_gguf
+from ppharness.model.verdict import refuse_unloadable
 from ppharness.plan.doc import load_plan
 from ppharness.plan.simulate import compare, simulate
 from ppharness.plan.validation import jsonl_path, read_trace
@@ -117,7 +118,10 @@ def smoke_run(
     if model_source is not None and plan_file is not None:
         fail("--model and --plan both name the model — the plan's is the one it was made for; leave out --model")
     if model_source is not None:
-        refuse_unloadable(model_source)
+        try:
+            refuse_unloadable(model_source)  # a path with no file, or a file this engine cannot run: nothing starts
+        except HarnessError as exc:
+            fail(f"--model: {exc}")
     if chat:
         prompt = chat_or_fail(scenario_file, model_source, prompt, plan_file)
     scenario = load_scenario_or_fail(
@@ -179,18 +183,6 @@ def _default_trace(plan_file: str) -> Path:
     """Where a plan run's trace goes unless --trace says: the cache directory's traces/, named after the plan and
     the time (a plan run always leaves its per-token trace behind, outside the working tree)."""
     return cache_dir() / "traces" / f"{Path(plan_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-
-
-def refuse_unloadable(source: str) -> None:
-    """Exit 1, before anything starts, when ``source`` is a local path that is not a file."""
-    if source.startswith("synthetic:") or "://" in source:
-        return
-    path = Path(source).expanduser()
-    if not path.is_file():
-        fail(
-            f"--model {source}: no such file ({path.resolve()}) — give the path of a GGUF file, an http(s) URL "
-            "or synthetic:PRESET"
-        )
 
 
 def chat_or_fail(scenario_file: str | None, source: str | None, prompt: str | None, plan_file: str | None) -> str:

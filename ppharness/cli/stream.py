@@ -31,7 +31,7 @@ class AnswerStream:
                 click.echo("answer: ", nl=False, err=self.err)
                 self.started = True
             end = next((i for i, t in enumerate(ids) if t in eog), len(ids))
-            text = tokenizer.decode(ids[:end])
+            text = tokenizer.decode(ids[:end], cleanup=False)  # as llama.cpp prints tokens as they come
             final = text if end < len(ids) else text.rstrip(REPLACEMENT)
             if final.startswith(self.printed) and len(final) > len(self.printed):
                 click.echo(final[len(self.printed) :], nl=False, err=self.err)

@@ -24,6 +24,7 @@ from ppharness.errors import ClusterError, HarnessError, PlanError, StageBusy, S
 from ppharness.model.files import resolve_model
 from ppharness.model.kernels import table_for_nodes
 from ppharness.model.spec import short_source
+from ppharness.model.verdict import judge_file
 from ppharness.network.bridge import Bridge
 from ppharness.network.clock import EventClock
 from ppharness.network.nemesis import Nemesis
@@ -183,6 +184,7 @@ class Session:
             size = sc.model.size if sc.plan is None else None  # a plan file pins its model by sha256
             deadline = self.left(sc.budget.total_s, "the model")
             self.model_path = str(resolve_model(source, sha, size=size, deadline_s=deadline))
+            judge_file(self.model_path).refuse()  # a downloaded file is judged here, before any node starts
             self.plan_doc, self.compiled = realise_plan(sc, source, self.model_path)
             self.plan = plan = self.compiled.runtime
             graph = self.plan_doc.model
