@@ -184,7 +184,9 @@ def test_rows_that_share_a_slot_or_leave_the_context_are_refused(tiny_gguf):
 
 
 @pytest.mark.parametrize(
-    "preset", [pytest.param("tiny-qwen2", marks=pytest.mark.slow), "tiny-qwen3", "tiny-moe", "tiny-deepseek"]
+    "preset",
+    [pytest.param("tiny-qwen2", marks=pytest.mark.slow), pytest.param("tiny-qwen3", marks=pytest.mark.slow)]
+    + ["tiny-moe", "tiny-deepseek"],
 )
 def test_every_architecture_batches_rows_exactly(preset):
     """qwen2 (q/k/v biases), qwen3 (per-head q/k norms), qwen3moe and deepseek2 (MLA attention, sigmoid routing,

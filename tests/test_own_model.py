@@ -82,7 +82,7 @@ def test_the_answer_streams_before_the_oracle_runs_and_the_verdict_follows() -> 
 
 
 def test_no_oracle_runs_nothing_to_compare() -> None:
-    r = _smoke("--model", "synthetic:tiny", "-n", "2", "--max-tokens", "4", "--no-trace", "--no-oracle")
+    r = _smoke("--model", "synthetic:tiny", "-n", "1", "--max-tokens", "4", "--no-trace", "--no-oracle")
     assert r.returncode == 0, r.stdout
     assert "running the unsplit model" not in r.stdout and "MATCH" not in r.stdout
     assert "not compared with the unsplit model" in r.stdout

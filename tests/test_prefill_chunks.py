@@ -30,26 +30,27 @@ def test_a_warm_slice_compiles_nothing_for_a_new_prompt_length(monkeypatch: pyte
     )
 
 
-@pytest.mark.parametrize("length", [1, 7, 8, 9, 16, 23, 44, 58])
-def test_every_prompt_length_splits_exactly(monkeypatch: pytest.MonkeyPatch, length: int) -> None:
-    """Chunks of 8 over a context of 60: 58 positions end in a chunk moved back to fit the cache (52-60)."""
+def test_every_prompt_length_splits_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 8 over a context of 60: lengths 1 to 9 around one chunk, several chunks, and 58 positions, whose last
+    chunk is moved back to fit the cache (52-60)."""
     monkeypatch.setenv(CHUNK_ENV, "8")
     f = GGUFFile(resolve_model("synthetic:tiny"))
-    ids = [(7 * i + 3) % f.config.vocab for i in range(length)]
     whole = load_slices(f, [(0, f.config.blocks)], 60, taps=True)[0]
-    first = whole.prefill(ids)
-    taps = whole.tapped()
     slices = load_slices(f, [(0, 3), (3, 6), (6, f.config.blocks)], 60)
-    x = ids
-    for s in slices:
-        out = s.prefill(x)
-        if not s.last:
-            assert out.shape == (1, length, f.config.dim), f"stage [{s.lo},{s.hi}) gave {out.shape}"
-            assert out.tobytes() == taps[s.hi - 1].tobytes(), (
-                f"a prompt of {length}: the hidden state after block {s.hi - 1} differs from the unsplit model's"
-            )
-        x = out
-    assert x == first, f"a prompt of {length}: the split model's first token {x}, the unsplit model's {first}"
+    for length in (1, 7, 8, 9, 16, 23, 44, 58):
+        ids = [(7 * i + 3 + length) % f.config.vocab for i in range(length)]
+        first = whole.prefill(ids)
+        taps = whole.tapped()
+        x = ids
+        for s in slices:
+            out = s.prefill(x)
+            if not s.last:
+                assert out.shape == (1, length, f.config.dim), f"stage [{s.lo},{s.hi}) gave {out.shape}"
+                assert out.tobytes() == taps[s.hi - 1].tobytes(), (
+                    f"a prompt of {length}: the hidden state after block {s.hi - 1} differs from the unsplit model's"
+                )
+            x = out
+        assert x == first, f"a prompt of {length}: the split model's first token {x}, the unsplit model's {first}"
 
 
 def test_a_bad_chunk_size_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
