@@ -384,8 +384,12 @@ def test_a_local_nodes_process_holds_no_secret_of_the_orchestrators(monkeypatch,
     env = {"PP_STANDBY": "spare-x", "SEED_ADDR": "tcp://127.0.0.1:9", "MODEL": "/nonexistent.gguf", "TRANSPORT": "zmq"}
     with LocalProvider(f"pp-test-{uuid.uuid4().hex[:8]}", log_dir=tmp_path) as provider:
         (inst,) = provider.provision([provider.spec("pp-spare-0", env)])
-        environ = Path(f"/proc/{inst.id}/environ").read_bytes().split(b"\0")
-    names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
+        deadline, names = time.monotonic() + 10, set()
+        while "PP_STANDBY" not in names and time.monotonic() < deadline:  # read once the node's program runs
+            environ = Path(f"/proc/{inst.id}/environ").read_bytes().split(b"\0")
+            names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
+            if not names:
+                time.sleep(0.01)
     assert "PP_STANDBY" in names and "PATH" in names, names
     assert not set(SECRETS) & names, f"the node's environment holds {sorted(set(SECRETS) & names)}"
 
