@@ -52,12 +52,13 @@ class Chunk:
     at: UOp
 
 
-def causal(at: UOp, rows: int, context: int) -> Tensor:
-    """(1, 1, rows, context) bool: row i of a chunk starting at ``at`` sees cache position j when j <= at + i."""
+def causal(at: UOp, rows: int, context: int, heads: int = 1) -> Tensor:
+    """(heads * rows, context) bool: row r (row r % rows of a chunk starting at ``at``, for each of ``heads`` query
+    heads in turn) sees cache position j when j <= at + r % rows."""
     from tinygrad.tensor import Tensor
 
-    j = Tensor.arange(context).reshape(1, 1, 1, context)
-    i = Tensor.arange(rows).reshape(1, 1, rows, 1)
+    j = Tensor.arange(context).reshape(1, context)
+    i = (Tensor.arange(heads * rows) % rows).reshape(heads * rows, 1)
     seen: Tensor = j <= i + cast(Any, at)  # a bound variable adds to a tensor like a number
     return seen
 
@@ -82,22 +83,33 @@ def attention_chunk(block: Any, x: Tensor, chunk: Chunk) -> Tensor:
     v = v.reshape(b, t, kvh, hd).transpose(1, 2)
     if block.qk_norm == hd:
         q, k = block.attn_q_norm(q), block.attn_k_norm(k)
-    freqs_cis = rotary_table(block)[chunk.at : chunk.at + t]
+    # the chunk's rows of the rotary table, gathered (one term per sum: the table's bits) rather than sliced at a
+    # bound position, which would make the table's own kernel symbolic in its length
+    table = rotary_table(block)
+    hit = Tensor.arange(int(table.shape[0])).reshape(1, -1) == Tensor.arange(t).reshape(t, 1) + cast(Any, chunk.at)
+    freqs_cis = hit.unsqueeze(-1).where(table.unsqueeze(0), 0.0).sum(1)  # (C, Hd): cos | sin
     q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
     if not hasattr(block, "cache_kv"):
         shape = (2, b, kvh, block.max_context, hd)
         block.cache_kv = Tensor.zeros(*shape, dtype=k.dtype, device=k.device).contiguous().realize()
-    block.cache_kv[:, :, :, chunk.at : chunk.at + t, :].assign(Tensor.stack(k, v)).realize()
+    # the chunk's keys and values written at [at, at + C) of a static view of the whole cache: each position takes
+    # its row by a one-hot product (one nonzero term: the value itself) where it is in the chunk, else keeps its own
     ctx = int(block.cache_kv.shape[3])
+    pos = Tensor.arange(ctx).reshape(ctx, 1)
+    onehot = pos == Tensor.arange(t).reshape(1, t) + cast(Any, chunk.at)  # (context, C)
+    placed = onehot.cast(k.dtype).matmul(Tensor.stack(k, v))  # (2,B,KvH,context,Hd)
+    inside = onehot.max(-1).reshape(1, 1, 1, ctx, 1)
+    block.cache_kv.assign(inside.where(placed, block.cache_kv)).realize()
     span = chunk.at + t  # the positions up to the chunk's last: a symbolic length
-    keys, values = block.cache_kv[0, :, :, 0:span, :], block.cache_kv[1, :, :, 0:span, :]  # (B,KvH,S,Hd)
+    # batch and KV heads one axis, a KV head's queries for every row the next: three axes, one of them symbolic
+    keys = block.cache_kv[0, :, :, 0:span, :].reshape(b * kvh, -1, hd)  # (B*KvH, S, Hd)
+    values = block.cache_kv[1, :, :, 0:span, :].reshape(b * kvh, -1, hd)
     g = h // kvh
-    qg = q.reshape(b, kvh, g * t, hd)  # query head j of KV head i is head i*G + j (tinygrad's repeat_interleave)
-    scores = qg.matmul(keys.transpose(-2, -1)) / math.sqrt(hd)  # (B,KvH,G*C,S)
-    seen = causal(chunk.at, t, ctx).reshape(1, 1, 1, t, ctx).expand(1, 1, g, t, ctx).reshape(1, 1, g * t, ctx)
-    seen = seen[:, :, :, 0:span]
+    qg = q.reshape(b * kvh, g * t, hd)  # query head j of KV head i is head i*G + j (tinygrad's repeat_interleave)
+    scores = qg.matmul(keys.transpose(-2, -1)) / math.sqrt(hd)  # (B*KvH, G*C, S)
+    seen = causal(chunk.at, t, ctx, g).reshape(1, g * t, ctx)[:, :, 0:span]
     # masked with where, not added: a masked position's cache holds whatever an earlier request left there
-    attn = seen.where(scores, -math.inf).softmax(-1) @ values  # (B,KvH,G*C,Hd)
+    attn = seen.where(scores, -math.inf).softmax(-1) @ values  # (B*KvH, G*C, Hd)
     attn = attn.reshape(b, h, t, hd).transpose(1, 2).reshape(b, t, h * hd)
     out: Tensor = x + block.attn_output(attn)
     return out
