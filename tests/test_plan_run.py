@@ -75,6 +75,7 @@ def clusters(draw) -> Cluster:
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(cluster=clusters(), objective=st.sampled_from(["latency", "throughput"]))
 def test_every_plan_the_planner_makes_runs_token_exact(tiny_graph, tiny_gguf, cluster, objective):

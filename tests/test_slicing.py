@@ -115,7 +115,11 @@ def test_oracle_equals_tinygrads_own_generate(tiny_model_path):
 
 @pytest.mark.parametrize(
     "ranges",
-    [[(0, 4), (4, 8)], [(0, 3), (3, 5), (5, 8)], [(i, i + 1) for i in range(8)]],
+    [
+        [(0, 4), (4, 8)],
+        [(0, 3), (3, 5), (5, 8)],
+        pytest.param([(i, i + 1) for i in range(8)], marks=pytest.mark.slow),
+    ],
     ids=["2-stage", "3-stage", "8-stage"],
 )
 def test_a_split_compiles_the_same_kernels_as_the_whole_model(tiny_gguf, ranges):
@@ -158,7 +162,7 @@ def test_moe_splits_run_the_unsplit_models_kernels(model):
         assert check.same_kernels, f"split {check.ranges} compiles other kernels than the whole model"
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("preset", [pytest.param("tiny-qwen2", marks=pytest.mark.slow), "tiny-qwen3"])
 def test_dense_qwen_splits_run_the_unsplit_models_kernels(preset):
     """qwen2 (q/k/v biases) and qwen3 (per-head q/k norms, heads wider than dim / heads), split: tokens and every
     stage-boundary hidden state equal the unsplit model's, byte for byte, through the same compiled kernels."""
