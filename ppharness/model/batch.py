@@ -64,12 +64,7 @@ class Rows:
 
     def at_positions(self, table: Tensor) -> Tensor:
         """``table``'s row at each row's position: (W, table columns); an idle row gets zeros."""
-        from tinygrad.tensor import Tensor
-
-        n = int(table.shape[0])
-        hit = Tensor.arange(n).reshape(1, n) == self.pos.reshape(-1, 1)  # (W, n): one True per active row
-        out: Tensor = hit.unsqueeze(-1).where(table.unsqueeze(0), 0.0).sum(1)  # one term: the table's bits
-        return out
+        return table_rows(table, self.pos)
 
     def seen(self) -> Tensor:
         """(W, L) True where a row may attend: the positions up to its own."""
@@ -86,6 +81,18 @@ class Rows:
         span = Tensor.arange(cast(int, self.length))
         out: Tensor = span.reshape(1, -1) == self.pos.reshape(-1, 1)
         return out
+
+
+def table_rows(table: Tensor, positions: Any) -> Tensor:
+    """``table``'s row at each of ``positions`` ((N,) int tensor, or anything that broadcasts as one: a bound
+    variable added to an arange), gathered by a one-hot sum (one term: the table's bits) rather than indexed, so that
+    no kernel's shape depends on a position: (N, table columns); a position outside the table gets zeros."""
+    from tinygrad.tensor import Tensor
+
+    n = int(table.shape[0])
+    hit = Tensor.arange(n).reshape(1, n) == positions.reshape(-1, 1)  # (N, n): one True per row inside the table
+    out: Tensor = hit.unsqueeze(-1).where(table.unsqueeze(0), 0.0).sum(1)
+    return out
 
 
 def rope_rows(x: Tensor, cos_sin: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ppharness.errors import ModelError
+from ppharness.model.batch import table_rows
 
 if TYPE_CHECKING:
     from tinygrad.tensor import Tensor
@@ -70,24 +71,14 @@ def attention_chunk(block: Any, x: Tensor, chunk: Chunk) -> Tensor:
     from tinygrad.apps.llm import apply_rope
     from tinygrad.tensor import Tensor
 
-    from ppharness.model.arch.llama import rotary_table  # the arch package imports this module's Chunk
+    from ppharness.model.arch.llama import heads_qkv, rotary_table  # the arch package imports this module's Chunk
 
     b, t = int(x.shape[0]), int(x.shape[1])
     h, kvh, hd = block.n_heads, block.n_kv_heads, block.head_dim
-    x_norm = block.attn_norm(x)
-    q, k, v = block.attn_q(x_norm), block.attn_k(x_norm), block.attn_v(x_norm)
-    if block.qk_norm and block.qk_norm != hd:
-        q, k = block.attn_q_norm(q), block.attn_k_norm(k)
-    q = q.reshape(b, t, h, hd).transpose(1, 2)  # (B,H,C,Hd)
-    k = k.reshape(b, t, kvh, hd).transpose(1, 2)  # (B,KvH,C,Hd)
-    v = v.reshape(b, t, kvh, hd).transpose(1, 2)
-    if block.qk_norm == hd:
-        q, k = block.attn_q_norm(q), block.attn_k_norm(k)
-    # the chunk's rows of the rotary table, gathered (one term per sum: the table's bits) rather than sliced at a
-    # bound position, which would make the table's own kernel symbolic in its length
-    table = rotary_table(block)
-    hit = Tensor.arange(int(table.shape[0])).reshape(1, -1) == Tensor.arange(t).reshape(t, 1) + cast(Any, chunk.at)
-    freqs_cis = hit.unsqueeze(-1).where(table.unsqueeze(0), 0.0).sum(1)  # (C, Hd): cos | sin
+    q, k, v = heads_qkv(block, x)  # (B,H,C,Hd), (B,KvH,C,Hd) twice
+    # the chunk's rows of the rotary table gathered: sliced at a bound position, the table's own kernel would be
+    # symbolic in its length
+    freqs_cis = table_rows(rotary_table(block), Tensor.arange(t) + cast(Any, chunk.at))  # (C, Hd): cos | sin
     q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
     if not hasattr(block, "cache_kv"):
         shape = (2, b, kvh, block.max_context, hd)

@@ -146,6 +146,23 @@ def rotary_table(block: Any) -> Tensor:
     return table
 
 
+def heads_qkv(block: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A llama-family block's queries, keys and values of ``x`` (B,T,D), split into heads as tinygrad's
+    ``TransformerBlock._attention`` splits them: (B,H,T,Hd), (B,KvH,T,Hd), (B,KvH,T,Hd), the optional q/k norms
+    applied where it applies them (over the projection's width, or over each head's)."""
+    b, t, h, kvh, hd = int(x.shape[0]), int(x.shape[1]), block.n_heads, block.n_kv_heads, block.head_dim
+    x_norm = block.attn_norm(x)
+    q, k, v = block.attn_q(x_norm), block.attn_k(x_norm), block.attn_v(x_norm)
+    if block.qk_norm and block.qk_norm != hd:
+        q, k = block.attn_q_norm(q), block.attn_k_norm(k)
+    q = q.reshape(b, t, h, hd).transpose(1, 2)
+    k = k.reshape(b, t, kvh, hd).transpose(1, 2)
+    v = v.reshape(b, t, kvh, hd).transpose(1, 2)
+    if block.qk_norm == hd:
+        q, k = block.attn_q_norm(q), block.attn_k_norm(k)
+    return q, k, v
+
+
 def attention_rows(block: Any, x: Tensor, rows: Rows) -> Tensor:
     """A llama-family block's attention (tinygrad's ``TransformerBlock._attention``: norm, projections, optional
     q/k norms, rotary embedding, cache, grouped-query attention, output projection, residual) for a batch of decode
@@ -155,15 +172,7 @@ def attention_rows(block: Any, x: Tensor, rows: Rows) -> Tensor:
     from tinygrad.tensor import Tensor
 
     w, h, kvh, hd = int(x.shape[0]), block.n_heads, block.n_kv_heads, block.head_dim
-    x_norm = block.attn_norm(x)
-    q, k, v = block.attn_q(x_norm), block.attn_k(x_norm), block.attn_v(x_norm)
-    if block.qk_norm and block.qk_norm != hd:
-        q, k = block.attn_q_norm(q), block.attn_k_norm(k)
-    q = q.reshape(w, 1, h, hd).transpose(1, 2)  # (W,H,1,Hd)
-    k = k.reshape(w, 1, kvh, hd).transpose(1, 2)  # (W,KvH,1,Hd)
-    v = v.reshape(w, 1, kvh, hd).transpose(1, 2)
-    if block.qk_norm == hd:
-        q, k = block.attn_q_norm(q), block.attn_k_norm(k)
+    q, k, v = heads_qkv(block, x)  # (W,H,1,Hd), (W,KvH,1,Hd) twice
     cos_sin = rows.at_positions(rotary_table(block)).contiguous()  # once, not inside every kernel that reads it
     q, k = rope_rows(q, cos_sin), rope_rows(k, cos_sin)
     cache = cast("Tensor", block.slot_cache)  # (2, slots, KvH, context, Hd)
