@@ -20,7 +20,7 @@ from ppharness.plan.doc import load_plan
 from ppharness.plan.simulate import compare, simulate
 from ppharness.plan.validation import jsonl_path, read_trace
 from ppharness.run.realise import model_source as source_of
-from ppharness.scenario.schema import Scenario
+from ppharness.scenario.schema import Scenario, scenario_from_args
 
 
 @click.command(name="pp-smoke-run")
@@ -122,8 +122,6 @@ def smoke_run(
             refuse_unloadable(model_source)  # a path with no file, or a file this engine cannot run: nothing starts
         except HarnessError as exc:
             fail(f"--model: {exc}")
-    if chat:
-        prompt = chat_or_fail(scenario_file, model_source, prompt, plan_file)
     scenario = load_scenario_or_fail(
         scenario_file,
         num_stages=num_stages,
@@ -136,6 +134,8 @@ def smoke_run(
         max_context=max_context,
         match_oracle=False if no_oracle else None,
     )
+    if chat:
+        scenario = chat_or_fail(scenario)
     if model_source is not None and max_context is None:
         scenario = _room_for_answer(scenario)
     started = time.time()
@@ -185,14 +185,13 @@ def _default_trace(plan_file: str) -> Path:
     return cache_dir() / "traces" / f"{Path(plan_file).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
-def chat_or_fail(scenario_file: str | None, source: str | None, prompt: str | None, plan_file: str | None) -> str:
-    """The prompt (``--prompt``, else the scenario's) as a user turn in the chat template of the model the run will
-    load (``--model``, else the scenario's or the plan's)."""
-    base = load_scenario_or_fail(scenario_file, model=source, plan=plan_file)
+def chat_or_fail(scenario: Scenario) -> Scenario:
+    """``scenario`` with its prompt as a user turn in the chat template of the model it runs (``--chat``)."""
     try:
-        where, sha256 = source_of(base)
-        path = resolve_model(where, sha256, size=base.model.size, deadline_s=base.budget.total_s)
-        return chat_prompt(read_gguf(path).kv, base.request.prompt if prompt is None else prompt, source=str(path))
+        where, sha256 = source_of(scenario)
+        path = resolve_model(where, sha256, size=scenario.model.size, deadline_s=scenario.budget.total_s)
+        text = chat_prompt(read_gguf(path).kv, scenario.request.prompt, source=str(path))
+        return scenario_from_args(base=scenario, prompt=text)
     except HarnessError as exc:
         fail(f"--chat: {exc}")
 
