@@ -315,11 +315,12 @@ def test_a_delayed_chain_gives_the_oracles_tokens_and_its_hops_take_the_delay(tm
 @pytest.mark.local
 @pytest.mark.slow  # two runs, one waiting for a kill to be noticed: .ci/run runs it with -m slow
 def test_a_short_pause_is_survived_and_a_kill_ends_the_run_cleanly(tmp_path: Path) -> None:
-    pause = Network(events=(Event(at_s=0.3, kind="pause", nodes=("stage-1",), for_s=1.0),))
+    # both faults start with the request: a chain that decodes 48 tokens in 0.2 s still meets them
+    pause = Network(events=(Event(at_s=0.0, kind="pause", nodes=("stage-1",), for_s=1.0),))
     rc, out, _, _ = _smoke(_scenario(tmp_path, pause, max_tokens=48), "--no-trace")
     assert rc == 0 and "MATCH" in out, out
     assert "network event at" in out and "pause stage-1" in out and "resume stage-1" in out, out
-    kill = Network(events=(Event(at_s=0.3, kind="kill", nodes=("stage-2",)),))
+    kill = Network(events=(Event(at_s=0.0, kind="kill", nodes=("stage-2",)),))
     rc, out, _, _ = _smoke(_scenario(tmp_path, kill, max_tokens=200), "--no-trace")
     assert rc == 1 and "kill stage-2" in out, out
     assert "FAILED: pp-stage-2 (local" in out and "exited with code -9" in out, out

@@ -169,7 +169,7 @@ class Stage(ReplayingStage):
             return
         if self.tracer:
             self.tracer.begin(req.request_id)
-        hidden = self._check_activation(msg, req)
+        hidden = self._check_activation(msg, req, rx)
         if hidden is None:
             return
         if msg.is_prefill:  # chunks of a prompt follow each other without a turn round the chain: acknowledged
@@ -222,7 +222,7 @@ class Stage(ReplayingStage):
             )
             return
         try:
-            rows = codec.unpack_tensor(msg.hidden, tuple(msg.shape), msg.dtype, "ActivationRows")
+            rows = self._rows_of(msg, rx)
         except CodecError as exc:
             self.log(f"stage {self.index}: dropped ActivationRows: {exc}")
             return
@@ -241,6 +241,15 @@ class Stage(ReplayingStage):
             step = position - req.prompt_tokens + 1
             req.next_position = position + 1
             req.work.append(Work(req, position, Hidden(rows[r : r + 1]), False, step, rx, True))
+
+    @staticmethod
+    def _rows_of(msg: ActivationRows, rx: Received | None) -> NDArray[Any]:
+        """The rows' hidden states: handed over in the process (``rx.tensor``), else unpacked from the message."""
+        if rx is not None and rx.tensor is not None:
+            if rx.tensor.shape != tuple(msg.shape):
+                raise CodecError(f"rows of shape {rx.tensor.shape} under a header of {tuple(msg.shape)}")
+            return rx.tensor.host()
+        return codec.unpack_tensor(msg.hidden, tuple(msg.shape), msg.dtype, "ActivationRows")
 
     def _on_token_rows(self, msg: TokenRows, rx: Received | None) -> None:
         """A batched step's tokens: each row is the NextToken of its request."""
@@ -268,9 +277,10 @@ class Stage(ReplayingStage):
             self.log(f"stage {self.index}: dropped {what} for unknown request {request_id!r}")
         return req
 
-    def _check_activation(self, msg: StageActivation, req: Request) -> Hidden | None:
-        """The activation's hidden state, when it is the one this stage expects next and holds the request's rows
-        for its positions; else None (logged)."""
+    def _check_activation(self, msg: StageActivation, req: Request, rx: Received | None = None) -> Hidden | None:
+        """The activation's hidden state (handed over in the process: ``rx.tensor``; else unpacked from the message),
+        when it is the one this stage expects next and holds the request's rows for its positions; else None
+        (logged)."""
         if msg.position != req.next_position or msg.is_prefill != (msg.position == 0):
             self.log(
                 f"stage {self.index}: dropped activation at position {msg.position} (prefill={msg.is_prefill}), "
@@ -286,7 +296,7 @@ class Stage(ReplayingStage):
             return None
         t0 = now_ns() if self.tracer else 0
         try:
-            hidden = Hidden(codec.unpack_hidden(msg))
+            hidden = rx.tensor if rx is not None and rx.tensor is not None else Hidden(codec.unpack_hidden(msg))
         except CodecError as exc:
             self.log(f"stage {self.index}: dropped activation: {exc}")
             return None
@@ -461,23 +471,24 @@ class Stage(ReplayingStage):
         if self.keeps_digests:
             for (work, _), h in zip(rows, hidden, strict=True):
                 record_digest(self.digests, work.request.request_id, h, KEEP_REQUESTS)
-        data, shape = codec.pack_hidden(np.concatenate([h.host() for h in hidden]), self.wire_dtype)
+        stacked = Hidden(np.concatenate([h.host() for h in hidden]))
         msg = ActivationRows(
             request_ids=[w.request.request_id for w, _ in rows],
             positions=[w.position for w, _ in rows],
-            hidden=data,
-            shape=shape,
+            hidden=b"",  # packed where it leaves the process
+            shape=stacked.shape,
             dtype=self.wire_dtype,
             plan_id=self.plan_id,
             epoch=self.epoch,
         )
-        self._send_rows(msg, "next", [w for w, _ in rows], t0)
+        self._send_rows(msg, "next", [w for w, _ in rows], t0, stacked)
 
-    def _send_rows(self, msg: Message, role: str, works: list[Work], t0: int) -> None:
-        """Send a batched step's message (policy none: once); each row's trace holds its serialisation and send."""
+    def _send_rows(self, msg: Message, role: str, works: list[Work], t0: int, tensor: Hidden | None = None) -> None:
+        """Send a batched step's message (policy none: once; ``tensor``: the rows' hidden states beside it); each
+        row's trace holds its serialisation and send."""
         address = self._address_of(role)
         assert address is not None
-        sent = self.transport.send(address, msg)
+        sent = self.transport.send(address, msg, tensor)
         if self.tracer and sent is not None:
             for work in works:
                 self.tracer.begin(work.request.request_id)
@@ -493,7 +504,7 @@ class Stage(ReplayingStage):
         t0 = now_ns() if self.tracer else 0
         if self.keeps_digests:
             record_digest(self.digests, req.request_id, hidden, KEEP_REQUESTS)
-        msg = codec.pack_activation(
+        msg = codec.header(
             hidden,
             self.wire_dtype,
             request_id=req.request_id,
@@ -502,10 +513,10 @@ class Stage(ReplayingStage):
             plan_id=self.plan_id,
             epoch=self.epoch,
         )
-        if self.keeps_history:
-            req.sent.append(msg)
+        if self.keeps_history:  # kept packed: a replay may go to a spare in another process
+            req.sent.append(cast(StageActivation, codec.attach(msg, hidden)))
         if live:
-            self._send(("activation", req.request_id, position), "next", msg, step, t0)
+            self._send(("activation", req.request_id, position), "next", msg, step, t0, hidden)
 
     def _emit(self, req: Request, token: int, position: int, step: int, rows: list[NextToken] | None = None) -> None:
         """Record a sampled token; tell stage 0 (``rows``: kept there for one TokenRows instead) and the client
@@ -570,16 +581,19 @@ class Stage(ReplayingStage):
                 return self.entry_addr
         return role.removeprefix("client:")
 
-    def _send(self, key: Key, role: str, msg: Message, step: int | None = None, t0: int = 0) -> None:
-        """Send a message that must arrive: through the outbox (resent until ``key`` is acknowledged) unless the
-        policy is none. With a trace ``step``, record its serialisation (from ``t0``: packing the hidden state
-        counts) and the send call."""
+    def _send(
+        self, key: Key, role: str, msg: Message, step: int | None = None, t0: int = 0, tensor: Hidden | None = None
+    ) -> None:
+        """Send a message that must arrive: through the outbox (resent until ``key`` is acknowledged, so kept packed)
+        unless the policy is none; ``tensor``: the hidden state beside an activation's header, packed only where it
+        leaves the process (``ppharness.seams.transport``). With a trace ``step``, record its serialisation (from
+        ``t0``: packing the hidden state counts) and the send call."""
         if self.reliable:
-            sent = self.outbox.put(key, role, msg)
+            sent = self.outbox.put(key, role, msg if tensor is None else codec.attach(msg, tensor))
         else:
             address = self._address_of(role)
             assert address is not None
-            sent = self.transport.send(address, msg)
+            sent = self.transport.send(address, msg, tensor)
         if self.tracer and step is not None and sent is not None:
             self.tracer.add(step, "serialize", t0, sent.encode_end_ns)
             self.tracer.add(step, "send", sent.encode_end_ns, sent.sent_ns, sent.nbytes)

@@ -15,6 +15,11 @@ Failures, by cause (all from ``ppharness.errors``):
 Every message goes through ``send`` and ``receive`` (``recv`` is ``receive`` without the timings), traced or not: they
 report when encoding and the hand-over happened and the frame's size, which is all a trace needs (three clock reads per
 message, tens of nanoseconds against a hop's hundreds of microseconds).
+
+A hidden state travels beside its message as a handle (``send(address, header, tensor)``: the header is an activation
+whose ``hidden`` bytes are still empty). A transport that crosses a process boundary packs it into the message here,
+through the codec, in the header's wire dtype; one whose endpoints share a process (``ppharness.run.colocated``) hands
+the handle itself over, and the receiver finds it in ``Received.tensor``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import abc
 from types import TracebackType
 from typing import Any, ClassVar, NamedTuple, Self
 
+from ppharness.model.hidden import Hidden
 from ppharness.trace.tracer import now_ns
 from ppharness.wire import codec
 from ppharness.wire.messages import Message
@@ -49,6 +55,8 @@ class Received(NamedTuple):
     arrived_ns: int
     decoded_ns: int
     nbytes: int
+    # a hidden state handed over in the process, beside its message (whose ``hidden`` bytes are then empty)
+    tensor: Hidden | None = None
 
 
 class Transport(abc.ABC):
@@ -86,9 +94,12 @@ class Transport(abc.ABC):
     def recv_frame(self, timeout: float | None = None) -> tuple[str, bytes]:
         """Wait up to ``timeout`` seconds (``None``: forever; ``0``: don't wait) for the next frame."""
 
-    def send(self, address: str, msg: Message) -> Sent:
-        """Encode ``msg`` and queue it for ``address``; when that happened, and the frame's size."""
+    def send(self, address: str, msg: Message, tensor: Hidden | None = None) -> Sent:
+        """Encode ``msg`` (with ``tensor``: an activation's header, the hidden state packed into it first, in the
+        header's wire dtype) and queue it for ``address``; when that happened, and the frame's size."""
         t0 = now_ns()
+        if tensor is not None:
+            msg = codec.attach(msg, tensor)
         frame = codec.encode(msg)
         t1 = now_ns()
         self.send_frame(address, frame)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from typing import cast
 
 import msgspec
 import numpy as np
@@ -20,7 +21,7 @@ from numpy.typing import NDArray
 
 from ppharness.errors import CodecError
 from ppharness.model.hidden import Hidden
-from ppharness.wire.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, StageActivation
+from ppharness.wire.messages import MESSAGE_TYPES, PROTOCOL_VERSION, ActivationRows, Message, StageActivation
 
 MAGIC = b"PP"
 HEADER = struct.Struct(">2sHI")
@@ -265,11 +266,37 @@ def pack_activation(
     epoch: int,
 ) -> StageActivation:
     """The StageActivation carrying ``hidden`` (rows, positions, width) from ``position``, packed in ``wire_dtype``."""
-    data, shape = pack_hidden(hidden, wire_dtype)
+    msg = header(
+        hidden,
+        wire_dtype,
+        request_id=request_id,
+        position=position,
+        is_prefill=is_prefill,
+        plan_id=plan_id,
+        epoch=epoch,
+    )
+    return cast(StageActivation, attach(msg, hidden))
+
+
+def header(
+    hidden: Hidden,
+    wire_dtype: str,
+    *,
+    request_id: str,
+    position: int,
+    is_prefill: bool,
+    plan_id: str,
+    epoch: int,
+) -> StageActivation:
+    """The StageActivation for ``hidden`` without its bytes: what travels with the handle beside it
+    (``Transport.send``'s ``tensor``), packed by ``attach`` only where it leaves the process."""
+    if wire_dtype not in _NUMPY_WIRE:
+        raise CodecError(f"unknown wire dtype {wire_dtype!r}: expected one of {', '.join(WIRE_DTYPES)}")
+    shape = hidden.shape
     return StageActivation(
         request_id=request_id,
         position=position,
-        hidden=data,
+        hidden=b"",
         seq_len=shape[1],
         is_prefill=is_prefill,
         shape=shape,
@@ -277,6 +304,17 @@ def pack_activation(
         plan_id=plan_id,
         epoch=epoch,
     )
+
+
+def attach(msg: Message, tensor: Hidden) -> Message:
+    """A header (a StageActivation or ActivationRows whose ``hidden`` is empty) with ``tensor`` packed into it in the
+    header's wire dtype: the message as it goes on the wire."""
+    if not isinstance(msg, StageActivation | ActivationRows):
+        raise CodecError(f"a hidden state travels with an activation, not with {type(msg).__name__}")
+    data, shape = pack_hidden(tensor, msg.dtype)
+    if tuple(shape) != tuple(msg.shape):
+        raise CodecError(f"the hidden state's shape {shape} is not its header's {tuple(msg.shape)}")
+    return msgspec.structs.replace(msg, hidden=data)
 
 
 def unpack_hidden(msg: StageActivation) -> NDArray[np.float16]:
