@@ -146,11 +146,12 @@ def test_bench_runs_and_its_numbers_are_consistent(tmp_path):
     res = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert len(res["single_tok_s"]) == 2 and all(v > 0 for v in res["single_tok_s"])
-    assert set(res["chain_tok_s"]) == {"zmq", "zmq+trace"}
+    assert set(res["chain_tok_s"]) == {"one node", "zmq", "co-located", "zmq+trace"}
     assert 0.9 <= res["components_share"] <= 1.1
     assert set(res["hop_p50_ms"]) == {"0->1", "1->0"}
-    assert all(len(v) == 2 and min(v) > 0 for v in res["peak_rss_mib"].values())
-    assert "ratio to single" in r.stdout
+    assert all(len(v) == (1 if k == "one node" else 2) and min(v) > 0 for k, v in res["peak_rss_mib"].items())
+    assert "ratio to single" in r.stdout and "2-stage chain co-located" in r.stdout
+    assert all(not why for why in res["mismatch"].values()), res["mismatch"]
 
 
 def test_the_bench_png_without_a_sweep_has_one_panel_and_colours_by_kind(tmp_path):

@@ -1,7 +1,8 @@
 """``ppharness bench``: the chain against single-process decode and the raw transport, interleaved in one run.
 
-One invocation, one model, one machine. Every chain (one per transport, plus a traced ZeroMQ chain that measures the
-cost of tracing and breaks the token down by component) is started once and kept up; then each repeat runs, in turn,
+One invocation, one model, one machine. Every chain (one per transport, one whose stages are co-located in one
+process, plus a traced ZeroMQ chain that measures the cost of tracing and breaks the token down by component) is
+started once and kept up; then each repeat runs, in turn,
 single-process decode, one request on every chain, and raw round trips of the activation's size, so that noise on the
 shared machine hits every contender alike. Figures are medians over the repeats and ratios within this run.
 """
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from ppharness.wire.messages import InferenceResponse
 
 PROMPT = "Pipeline parallel inference over the wide area network"
+COLOCATED = "co-located"  # the chain whose stages one process drives (``ppharness.run.colocated``), beside zmq's
+ONE_NODE = "one node"  # every block in one pp-node process: one process as the chains' own code runs it
 
 
 @dataclass
@@ -118,14 +121,14 @@ def run_chain_bench(
 
     chains: dict[str, Chain] = {}
     with ExitStack() as stack:
-        for kind in [*transports, "zmq+trace"]:
-            transport = kind.removesuffix("+trace")
-            progress(f"starting the {num_stages}-stage chain over {kind}")
-            chain = Chain(
-                _scenario(preset, num_stages, transport, tokens, max_context),
-                progress=lambda _: None,
-                trace=kind.endswith("+trace"),
-            )
+        for kind in [ONE_NODE, *transports, COLOCATED, "zmq+trace"]:
+            transport = "zmq" if kind in (COLOCATED, ONE_NODE) else kind.removesuffix("+trace")
+            n = 1 if kind == ONE_NODE else num_stages
+            progress(f"starting the {n}-stage chain " + ("in one process" if kind == COLOCATED else f"over {kind}"))
+            scenario = _scenario(preset, n, transport, tokens, max_context)
+            if kind == COLOCATED:
+                scenario = scenario_from_args(base=scenario, colocated=True)
+            chain = Chain(scenario, progress=lambda _: None, trace=kind.endswith("+trace"))
             chains[kind] = stack.enter_context(chain)
             first, _ = chains[kind].request(PROMPT, tokens)  # warm: compiles the prefill for this prompt length
             verdict = chains[kind].verdict(first, oracle)
@@ -177,8 +180,15 @@ def report(res: BenchResult) -> str:
         f"{'single process':<22} {single:>9.1f} {1.0:>16.2f}",
     ]
     for kind, v in med.items():
-        if kind != "single":
-            lines.append(f"{res.num_stages}-stage chain {kind:<8} {v:>9.1f} {v / single:>16.2f}")
+        if kind == ONE_NODE:
+            lines.append(f"{'1 stage, one node':<22} {v:>9.1f} {v / single:>16.2f}")
+        elif kind != "single":
+            lines.append(f"{f'{res.num_stages}-stage chain {kind}':<22} {v:>9.1f} {v / single:>16.2f}")
+    if ONE_NODE in med:
+        lines.append(
+            "against one node (every block in one pp-node process, as the chains run): "
+            + ", ".join(f"{k} {v / med[ONE_NODE]:.2f}" for k, v in med.items() if k not in ("single", ONE_NODE))
+        )
     if "zmq" in med and "zmq+trace" in med:
         lines.append(f"tracing cost: traced/untraced zmq chain tok/s = {med['zmq+trace'] / med['zmq']:.3f}")
     lines.append(f"\nhops ({res.activation_bytes} B activations): harness hop p50 vs raw one-way (RTT/2) p50")

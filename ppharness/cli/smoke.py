@@ -49,6 +49,12 @@ from ppharness.scenario.schema import Scenario, scenario_from_args
     help="KV cache positions every stage allocates (default: the scenario's, else 256; with --model, enough for "
     "the prompt and --max-tokens).",
 )
+@click.option(
+    "--colocated",
+    is_flag=True,
+    help="Every stage on one device, driven by one process: the hidden state is handed over in the process "
+    "(stages.placement: colocated).",
+)
 @click.option("--transport", help="Transport kind between processes: zmq or iroh.")
 @click.option("--provider", help="Provider kind (local, ...).")
 @click.option("--prompt", help="Prompt text.")
@@ -95,6 +101,7 @@ def smoke_run(
     chat: bool,
     no_oracle: bool,
     max_context: int | None,
+    colocated: bool,
     transport: str | None,
     provider: str | None,
     prompt: str | None,
@@ -133,6 +140,7 @@ def smoke_run(
         model=model_source,
         max_context=max_context,
         match_oracle=False if no_oracle else None,
+        colocated=True if colocated else None,
     )
     if chat:
         scenario = chat_or_fail(scenario)

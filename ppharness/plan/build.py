@@ -36,7 +36,8 @@ def chain(
     spares: Sequence[str] = (),
 ) -> PlanDoc:
     """The plan whose loop visits ``devices`` in order, device i running blocks [cuts[i-1], cuts[i]) (cuts: the
-    N - 1 inner cut points), the first embedding and the last applying the head."""
+    N - 1 inner cut points), the first embedding and the last applying the head. A device named more than once (in
+    a row) runs those stages co-located, in one process; the nodes are then named ``stage-<i>``."""
     n = len(devices)
     bounds = [0, *cuts, len(model.blocks)]
     if len(bounds) != n + 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
@@ -44,14 +45,16 @@ def chain(
             f"cut points {list(cuts)} do not make {n} non-empty block ranges of the model's {len(model.blocks)} blocks"
         )
     nodes = []
+    shared = len(set(devices)) < n  # stages co-located on a device: the nodes are named by their stage
     for i, dev in enumerate(devices):
         ops: list[Op] = [Embed()] if i == 0 else []
         ops.append(Blocks(lo=bounds[i], hi=bounds[i + 1]))
         if i == n - 1:
             ops.append(Head())
-        nodes.append(Node(device=dev, ops=tuple(ops)))
-    edges = [Edge(src=a, dst=b) for a, b in zip(devices, devices[1:])]
-    edges.append(Edge(src=devices[-1], dst=devices[0], kind="token"))
+        nodes.append(Node(device=dev, ops=tuple(ops), name=f"stage-{i}" if shared else ""))
+    labels = [node.label for node in nodes]
+    edges = [Edge(src=a, dst=b) for a, b in zip(labels, labels[1:])]
+    edges.append(Edge(src=labels[-1], dst=labels[0], kind="token"))
     placement = Placement(
         nodes=tuple(nodes), edges=tuple(edges), spares=tuple(spares), objective=objective, policy=policy
     )

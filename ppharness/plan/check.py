@@ -3,7 +3,9 @@
 - The cluster: device ids unique; every link names known devices (``region_links``: known regions), never itself.
 - The model: a mixture-of-experts block routes each token to 1 to ``count`` experts; its ``frequencies``, when
   given, are one per routed expert and add up to ``active``.
-- The placement: node names unique; every node on a known device, one node per device, spares unused by nodes.
+- The placement: node names unique; every node on a known device, spares unused by nodes. Nodes sharing a device
+  are co-located stages (one process): consecutive on the loop, none an expert node or fanning out to one, and
+  their memory adds up on the device.
 - Ops: ``embed`` first if present, one block range, ``head`` last if present; one entry (embed), one exit (head).
   An expert node (ops all ``experts``) has no block range. An ``experts`` op names a mixture-of-experts block and
   expert ids below its count; a node lists a block's experts in one op; a node on the loop computes experts of its
@@ -25,12 +27,23 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
 from pathlib import Path
 
 from ppharness.document.explain import FieldError
 from ppharness.errors import ModelError, PlanError
 from ppharness.model.verdict import judge_file
+from ppharness.plan.devices import (
+    chain_text,
+    check_colocated,
+    check_memory,
+    gib,
+    node_kv,
+    node_memory,
+    node_weights,
+    places_experts,
+    routed_bytes,
+    some,
+)
 from ppharness.plan.doc import (
     Blocks,
     Cluster,
@@ -46,58 +59,10 @@ from ppharness.plan.doc import (
 )
 from ppharness.registry import provider_settings_type
 
+__all__ = ["gib", "node_kv", "node_memory", "node_weights", "places_experts", "routed_bytes"]  # shared from here too
+
 MAX_HOST_GPUS = 64  # GPUs of one machine (``doc.Source.gpu``: 0 to 63)
 FREQUENCY_TOLERANCE = 1e-3  # how far (relative to ``active``) a block's frequencies may add up from ``active``
-
-
-def gib(n: float) -> str:
-    """Bytes for people: ``1.50 GiB``, ``312.0 MiB``."""
-    return f"{n / (1 << 30):.2f} GiB" if abs(n) >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
-def places_experts(doc: PlanDoc) -> bool:
-    """Whether the plan says where the experts are (any ``experts`` op); if not, each block's experts stay with it."""
-    return any(isinstance(op, ExpertGroup) for n in doc.placement.nodes for op in n.ops)
-
-
-def routed_bytes(model: ModelGraph, lo: int, hi: int) -> int:
-    """The weights of every routed expert of blocks [lo, hi)."""
-    return sum(b.experts.count * b.experts.bytes_per_expert for b in model.blocks[lo:hi])
-
-
-def node_weights(doc: PlanDoc, node: Node, placed: bool | None = None) -> int:
-    """Bytes of weights ``node`` loads: its blocks, plus the embedding on the entry and the head on the exit; where
-    the plan places the experts, its blocks without their routed experts and each expert its ``experts`` ops list.
-    ``placed``: ``places_experts(doc)`` when the caller knows it (it reads every node)."""
-    model, total = doc.model, 0
-    placed = places_experts(doc) if placed is None else placed
-    for op in node.ops:
-        if isinstance(op, Embed):
-            total += model.embed_bytes
-        elif isinstance(op, Head):
-            total += model.head_bytes
-        elif isinstance(op, Blocks):
-            total += sum(b.weight_bytes for b in model.blocks[op.lo : op.hi])
-            if placed:
-                total -= routed_bytes(model, op.lo, op.hi)
-        elif op.layer < len(model.blocks):
-            total += len(op.ids) * model.blocks[op.layer].experts.bytes_per_expert
-    return total
-
-
-def node_kv(doc: PlanDoc, node: Node, requests: int = 1) -> int:
-    """Bytes of KV cache ``node`` holds for ``max_context`` tokens of each of ``requests``."""
-    r = node.blocks
-    if r is None:
-        return 0
-    return requests * doc.model.max_context * sum(b.kv_bytes for b in doc.model.blocks[r[0] : r[1]])
-
-
-def node_memory(doc: PlanDoc, node: Node, placed: bool | None = None) -> int:
-    """What ``node`` needs of its device's memory: weights, KV cache and the device's runtime reserve (``placed``:
-    as ``node_weights`` takes it)."""
-    device = doc.cluster.device(node.device)
-    return node_weights(doc, node, placed) + node_kv(doc, node, doc.placement.objective.requests) + device.reserve
 
 
 def check_cluster(cluster: Cluster, source: str, at: str = "$.cluster") -> None:
@@ -212,7 +177,7 @@ def check_plan(doc: PlanDoc, source: str = "<plan>") -> None:
     _check_edges(doc, source)
     _check_blocks(doc, source)
     _check_experts(doc, source)
-    _check_memory(doc, source)
+    check_memory(doc, source)
 
 
 def _check_model(model: ModelGraph, source: str) -> None:
@@ -265,17 +230,15 @@ def _check_nodes(doc: PlanDoc, source: str) -> None:
     for i, node in enumerate(nodes):
         at = f"{source}: $.placement.nodes[{i}]"
         if node.device not in devices:
-            raise PlanError(
-                f"{at}.device: unknown device {node.device!r} — the cluster's devices are: {_some(devices)}"
-            )
+            raise PlanError(f"{at}.device: unknown device {node.device!r} — the cluster's devices are: {some(devices)}")
         if times[node.label] > 1:
             raise PlanError(f"{at}: the node name {node.label!r} is used twice — give the node a name of its own")
-        if node.device in used:
+        if node.device in used and (node.expert_only or nodes[used[node.device]].expert_only):
             raise PlanError(
-                f"{at}.device: device {node.device!r} already runs node {labels[used[node.device]]!r} — one node "
-                "per device; put both nodes' ops on one node"
+                f"{at}.device: device {node.device!r} already runs node {labels[used[node.device]]!r} — an expert "
+                "node has a device of its own; put its experts on the node beside it, or move it"
             )
-        used[node.device] = i
+        used.setdefault(node.device, i)
         _check_ops(node, at, doc.model)
     for i, spare in enumerate(doc.placement.spares):
         if spare not in devices:
@@ -375,7 +338,7 @@ def _check_edges(doc: PlanDoc, source: str) -> None:
         at = f"{source}: $.placement.edges[{i}]"
         for end, name in (("from", e.src), ("to", e.dst)):
             if name not in nodes:
-                raise PlanError(f"{at}.{end}: {name!r} is not a node of the placement — nodes: {_some(nodes, False)}")
+                raise PlanError(f"{at}.{end}: {name!r} is not a node of the placement — nodes: {some(nodes, False)}")
         if e.kind == "experts":
             continue
         for end, name in (("from", e.src), ("to", e.dst)):
@@ -419,27 +382,10 @@ def _check_edges(doc: PlanDoc, source: str) -> None:
     missed = [name for name, n in nodes.items() if name not in on_loop and not n.expert_only]
     if missed:
         raise PlanError(
-            f"{source}: $.placement.edges: node(s) {_some(missed, False)} are not on the loop {_chain_text(path)} — "
+            f"{source}: $.placement.edges: node(s) {some(missed, False)} are not on the loop {chain_text(path)} — "
             "link them in with activation edges or remove them"
         )
-
-
-SHOWN = 12  # names (or loop nodes) an error lists before saying how many more there are
-
-
-def _some(names: Iterable[str], order: bool = True) -> str:
-    """Up to SHOWN of ``names`` (sorted when ``order``), with how many more there are."""
-    listed = sorted(names) if order else list(names)
-    more = f" and {len(listed) - SHOWN:,} more" if len(listed) > SHOWN else ""
-    return ", ".join(listed[:SHOWN]) + more
-
-
-def _chain_text(path: list[str]) -> str:
-    """``a -> b -> c``, its middle left out for a long loop."""
-    if len(path) <= SHOWN:
-        return " -> ".join(path)
-    half = SHOWN // 2
-    return f"{' -> '.join(path[:half])} -> ({len(path) - SHOWN:,} more) -> {' -> '.join(path[-half:])}"
+    check_colocated(doc, path, source)
 
 
 def _broken_chain(path: list[str], exit_: str, nodes: dict[str, Node], source: str) -> str:
@@ -448,7 +394,7 @@ def _broken_chain(path: list[str], exit_: str, nodes: dict[str, Node], source: s
     at = f"{source}: $.placement.edges"
     fix = "or state no loop edges at all (no -> in the text form) to have them follow the order of the nodes"
     if path[-1] in path[:-1]:
-        circle = _chain_text(path[path.index(path[-1]) :])
+        circle = chain_text(path[path.index(path[-1]) :])
         return (
             f"{at}: the activation edges go round in a circle ({circle}) and never reach the exit {exit_!r} — "
             f"point the last of them at the node that runs the next blocks, {fix}"
@@ -456,7 +402,7 @@ def _broken_chain(path: list[str], exit_: str, nodes: dict[str, Node], source: s
     stop = path[-1]
     on_loop = set(path)
     after = next((name for name, n in nodes.items() if name not in on_loop and not n.expert_only), exit_)
-    chain = f" (from the entry: {_chain_text(path)})" if len(path) > 1 else " (the entry)"
+    chain = f" (from the entry: {chain_text(path)})" if len(path) > 1 else " (the entry)"
     return (
         f"{at}: the activations stop at node {stop!r}{chain}: no activation edge leaves it, so they never reach the "
         f"exit {exit_!r} — add an activation edge from {stop!r} to the node that runs the next blocks, e.g. "
@@ -561,20 +507,3 @@ def _check_experts(doc: PlanDoc, source: str) -> None:
                     f"{block_owner!r} runs, but no experts edge goes from {block_owner!r} to {holder!r} — add "
                     f"{{from: {block_owner}, to: {holder}, kind: experts}}"
                 )
-
-
-def _check_memory(doc: PlanDoc, source: str) -> None:
-    placed = places_experts(doc)
-    for i, node in enumerate(doc.placement.nodes):
-        device = doc.cluster.device(node.device)
-        need = node_memory(doc, node, placed)
-        if need > device.memory:
-            what = "experts" if node.expert_only else "blocks or experts" if node.experts else "blocks"
-            kv = node_kv(doc, node, doc.placement.objective.requests)
-            raise PlanError(
-                f"{source}: $.placement.nodes[{i}]: node {node.label!r} needs {gib(need)} (weights "
-                f"{gib(node_weights(doc, node, placed))}, KV cache {gib(kv)}"
-                f" for {doc.model.max_context} tokens, runtime {gib(device.reserve)}) but device {device.id!r} has "
-                f"{gib(device.memory)} — {gib(need - device.memory)} short; move {what} to another node or use a "
-                "larger device"
-            )

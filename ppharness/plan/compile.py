@@ -230,19 +230,22 @@ def scenario_plan(
     kind: str,
     spares: int = 0,
     requests: int = 1,
+    colocated: bool = False,
 ) -> PlanDoc:
-    """The plan of ``--num-stages N`` / ``stages.splits``: a chain over N devices of the scenario's provider, cut at
-    the split points (or evenly), with ``spares`` more devices standing by; its memory check counts the KV cache of
-    ``requests`` in flight."""
+    """The plan of ``--num-stages N`` / ``stages.splits``: a chain over N devices of the scenario's provider (with
+    ``colocated``, every stage on the first one, in one process), cut at the split points (or evenly), with
+    ``spares`` more devices standing by; its memory check counts the KV cache of ``requests`` in flight."""
     # the stage count and split points are checked where the split is defined (``make_plan``)
     ranges = make_plan(len(model.blocks), num_stages, list(splits) if splits is not None else None).ranges
     cuts = [hi for _, hi in ranges[:-1]]
     n = len(cuts) + 1
-    cluster = implicit_cluster(kind, n + spares)
+    used = 1 if colocated else n
+    cluster = implicit_cluster(kind, used + spares)
     policy = "even" if splits is None else "splits"
     ids = [d.id for d in cluster.devices]
     objective = Objective(kind="throughput", requests=requests) if requests > 1 else Objective()
-    return chain(model, cluster, ids[:n], cuts, objective, policy, spares=ids[n:])
+    devices = [ids[0]] * n if colocated else ids[:n]
+    return chain(model, cluster, devices, cuts, objective, policy, spares=ids[used:])
 
 
 def check_model(doc: PlanDoc, sha256: str, path: str, source: str = "") -> None:

@@ -9,6 +9,9 @@ timeouts), ``TRANSPORT`` (registry kind) and ``PP_RUN_LABEL``. Optional, for tra
 
 The node joins the cluster, loads only its own layers, compiles its decode step, reports Ready, and serves until
 Shutdown (exit 0). Any failure is reported to the seed as an Error message with one line of reason, then exit 1.
+
+``PP_GROUP`` (a JSON list of member environments) makes one node serve several consecutive stages that a plan
+co-locates (``ppharness.run.colocated``).
 """
 
 from __future__ import annotations
@@ -388,41 +391,67 @@ class Node:
 
     def run(self) -> int:
         """Join, load, serve until Shutdown (0); any failure is reported to the seed as an Error (1)."""
-        plan = self.plan
         try:
             if self.fault == "never-join":
                 self.log("fault never-join: not joining the cluster")
                 return _idle_until_orphaned(self.parent)
             self._join()
-            loaded, tokenizer, params, tied_params, load_s = self._load()
-            self.log(f"loaded {params} parameters and compiled the decode step in {load_s:.1f} s")
+            loaded = self.load()
             if self.fault == "stall-before-ready":
                 self.log("fault stall-before-ready: never reporting Ready")
                 return _idle_until_orphaned(self.parent)
-            directory = resolve_members(self.loop, plan.resolve_s, self.seed, needed_names(plan), self.log)
-            self._reply(ack_of("members", self.address, plan.epoch, plan.plan_id))  # resent till then
-            served = self.served = self._build(loaded, tokenizer, directory)
-            ready = Ready(
-                stage=plan.stage, params=params, tied_params=tied_params, load_s=load_s, rss_bytes=peak_rss_bytes()
-            )
-            self.transport.send(self.seed, ready)
+            self.ready(*loaded)
             self.loop.wait(self._on_message, None, "a Shutdown from the orchestrator")
-            stopped = Stopped(
-                stage=plan.stage, served=served.served, peak_rss_bytes=peak_rss_bytes(), device_bytes=device_bytes()
-            )
-            self._reply(stopped)
-            self.log(f"shutting down after {served.served} request(s)")
+            self.stopped()
             return 0
         except Orphaned:
             self.log("the process that started this node is gone; exiting")
             return 1
         except HarnessError as exc:
-            self.log(f"failed: {exc}")
-            try:
-                self.transport.send(self.seed, Error(stage=plan.stage, reason=str(exc)))
-            except HarnessError:
-                pass
+            self.fail(exc)
             return 1
+
+    def load(self) -> tuple[ModelSlice | ExpertBank, Tokenizer | None, int, int, float]:
+        """Load this node's blocks (or experts) and compile its steps, with one log line."""
+        loaded = self._load()
+        self.log(f"loaded {loaded[2]} parameters and compiled the decode step in {loaded[4]:.1f} s")
+        return loaded
+
+    def ready(
+        self,
+        loaded: ModelSlice | ExpertBank,
+        tokenizer: Tokenizer | None,
+        params: int,
+        tied_params: int,
+        load_s: float,
+    ) -> None:
+        """Learn the directory, build the stage (or expert server) and report Ready to the seed."""
+        plan = self.plan
+        directory = resolve_members(self.loop, plan.resolve_s, self.seed, needed_names(plan), self.log)
+        self._reply(ack_of("members", self.address, plan.epoch, plan.plan_id))  # resent till then
+        self.served = self._build(loaded, tokenizer, directory)
+        ready = Ready(
+            stage=plan.stage, params=params, tied_params=tied_params, load_s=load_s, rss_bytes=peak_rss_bytes()
+        )
+        self.transport.send(self.seed, ready)
+
+    def stopped(self) -> None:
+        """Tell the seed this node stopped, and what it served."""
+        served = self.served
+        assert served is not None  # a node stops once it served
+        stopped = Stopped(
+            stage=self.plan.stage, served=served.served, peak_rss_bytes=peak_rss_bytes(), device_bytes=device_bytes()
+        )
+        self._reply(stopped)
+        self.log(f"shutting down after {served.served} request(s)")
+
+    def fail(self, exc: HarnessError) -> None:
+        """Report a failure to the seed (an Error with one line of reason), as far as the transport still can."""
+        self.log(f"failed: {exc}")
+        try:
+            self.transport.send(self.seed, Error(stage=self.plan.stage, reason=str(exc)))
+        except HarnessError:
+            pass
 
     def close(self) -> None:
         if self.membership is not None:
@@ -569,6 +598,10 @@ def main() -> None:
         sys.exit(0)
     if os.environ.get("PP_STANDBY"):
         sys.exit(stand_by(dict(os.environ)))
+    if os.environ.get("PP_GROUP"):
+        from ppharness.run.colocated import serve_group  # builds on this module: imported only where it is used
+
+        sys.exit(serve_group(dict(os.environ)))
     try:
         plan, env = read_env(dict(os.environ))
     except HarnessError as exc:

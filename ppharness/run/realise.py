@@ -10,6 +10,7 @@ seed's endpoint, provisioning these specs, and the phases (join, ready, request,
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ from ppharness.network.packet import PortTable, encode_ports
 from ppharness.plan.compile import Compiled, check_model, compile_plan, load_compiled, programs, scenario_plan
 from ppharness.plan.graph import file_sha256, model_graph
 from ppharness.plan.stages import StagePlan, StageSettings, encode_program, expert_node_name, stage_name
+
+GROUP_ENV = "PP_GROUP"  # a node serving co-located stages: each member's own environment (ppharness.run.colocated)
 
 if TYPE_CHECKING:
     from ppharness.network.spec import Network
@@ -55,6 +58,7 @@ class NodeRequest:
     env: dict[str, str]
     options: NodeOptions
     program: StagePlan | None  # None: a standby spare, which gets its program when it takes over a stage
+    stages: tuple[int, ...] = ()  # a node serving co-located stages: them (its program is the first one's)
 
 
 def model_source(scenario: Scenario) -> tuple[str, str | None]:
@@ -91,6 +95,7 @@ def realise_plan(scenario: Scenario, source: str, model_path: str) -> tuple[Plan
             scenario.provider.kind,
             scenario.fault_tolerance.spares,
             requests=scenario.serving.slots,
+            colocated=st.placement == "colocated",
         )
     slots, counted = scenario.serving.slots, doc.placement.objective.requests
     if slots > counted:
@@ -99,7 +104,15 @@ def realise_plan(scenario: Scenario, source: str, model_path: str) -> tuple[Plan
             f"per stage, the scenario serves {slots} at once (serving.slots) — make the plan with --requests {slots} "
             "or lower serving.slots"
         )
-    return doc, compiled if compiled is not None else compile_plan(doc)
+    compiled = compiled if compiled is not None else compile_plan(doc)
+    shared = [d for d, k in Counter(n.device for n in compiled.doc.placement.nodes).items() if k > 1]
+    if shared and fault_policy(scenario, compiled) == "failover":
+        raise PlanError(
+            f"{scenario.plan or 'the scenario'}: $.fault_tolerance.policy: failover replaces one stage's process, but "
+            f"device {shared[0]!r} runs several stages in one process (co-located) — set policy none or retry, or "
+            "place one stage per device"
+        )
+    return doc, compiled
 
 
 def transport_settings(section: TransportSection) -> JsonObject:
@@ -132,10 +145,48 @@ def _settings(scenario: Scenario, compiled: Compiled, trace: bool) -> StageSetti
 
 
 def realise(scenario: Scenario, compiled: Compiled, at: Endpoints, trace: bool) -> list[NodeRequest]:
-    """Every node of the run: the loop's stages in order, then the expert nodes."""
+    """Every node of the run: the loop's stages in order, then the expert nodes. Consecutive stages the plan puts on
+    one device are one node, which serves them all (``ppharness.run.colocated``)."""
     progs = programs(compiled, _settings(scenario, compiled, trace))
     devices = compiled.all_devices
-    return [_node(scenario, at, program, devices[i], at.transport_opts[i]) for i, program in enumerate(progs)]
+    nodes = [_node(scenario, at, program, devices[i], at.transport_opts[i]) for i, program in enumerate(progs)]
+    out: list[NodeRequest] = []
+    for node in nodes:
+        last = out[-1] if out else None
+        program, before = node.program, last.program if last is not None else None
+        if (
+            last is None
+            or program is None
+            or before is None
+            or program.role != "stage"
+            or before.role != "stage"
+            or program.device != before.device
+        ):
+            out.append(node)
+            continue
+        out[-1] = _grouped(last, node)
+    return out
+
+
+# what a member of a group has of its own; the rest of its environment is the group's
+MEMBER_ENV = ("STAGE", "PLAN", "PP_TRANSPORT_OPTS", "PP_FAULT", "PP_GOSSIP_NAME")
+
+
+def _grouped(group: NodeRequest, node: NodeRequest) -> NodeRequest:
+    """``group`` (one node, or a group already) serving ``node``'s stage too."""
+    members: list[dict[str, str]]
+    if GROUP_ENV in group.env:
+        members = json.loads(group.env[GROUP_ENV])
+    else:
+        members = [{k: group.env[k] for k in MEMBER_ENV if k in group.env}]
+    members.append({k: node.env[k] for k in MEMBER_ENV if k in node.env})
+    env = {k: v for k, v in group.env.items() if k not in MEMBER_ENV} | {GROUP_ENV: json.dumps(members)}
+    env["STAGE"] = members[0]["STAGE"]  # the group's first stage, as providers and reapers see it
+    first = group.stages[0] if group.stages else int(group.env["STAGE"])
+    last = int(node.env["STAGE"])
+    return NodeRequest(
+        f"{stage_name(first)}-{last}", env, group.options, group.program, stages=tuple(range(first, last + 1))
+    )
 
 
 def replacement(

@@ -277,19 +277,22 @@ class Session:
             bridge_dir=self.bridge_dir or "",
             kernel_table=table_for_nodes(),
         )
-        specs = [
-            provider.spec(r.name, r.env, **r.options) for r in realise(sc, self.compiled, endpoints, self.trace_on)
-        ]
+        nodes = realise(sc, self.compiled, endpoints, self.trace_on)
+        specs = [provider.spec(r.name, r.env, **r.options) for r in nodes]
         spares = [standby(sc, endpoints, d, self.spare_opts[d.id], k) for k, d in enumerate(self.spares)]
         specs += [provider.spec(r.name, r.env, **r.options) for r in spares]
+        groups = [r for r in nodes if r.stages]
         progress(
-            f"starting {n} {sc.provider.kind} node(s) over {sc.transport.kind} (run {self.run_label})"
+            f"starting {len(nodes)} {sc.provider.kind} node(s) over {sc.transport.kind} (run {self.run_label})"
+            + "".join(f", {r.name} serving stages {r.stages[0]}-{r.stages[-1]} in one process" for r in groups)
             + (f", and {len(spares)} standby spare(s)" if spares else "")
         )
         started = provider.provision(specs)
-        self.stage_instances = {i: inst for i, inst in enumerate(started[:n])}
-        self.instance_stages = {inst.id: i for i, inst in enumerate(started[:n])}
-        for d, inst in zip(self.spares, started[n:], strict=True):
+        # a node serving co-located stages (``ppharness.run.colocated``) is every one of them; it dies as its first
+        served = [r.stages or (int(r.env["STAGE"]) if r.program is None else r.program.stage,) for r in nodes]
+        self.stage_instances = {i: inst for inst, stages in zip(started, served, strict=False) for i in stages}
+        self.instance_stages = {inst.id: stages[0] for inst, stages in zip(started, served, strict=False)}
+        for d, inst in zip(self.spares, started[len(nodes) :], strict=True):
             self.standbys[d.id] = Standby(inst)
 
         self.directory = directory = Directory(self.plan.num_stages, len(self.compiled.expert_nodes))

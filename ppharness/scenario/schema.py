@@ -273,9 +273,11 @@ def scenario_from_args(
     model: str | None = None,
     max_context: int | None = None,
     match_oracle: bool | None = None,
+    colocated: bool | None = None,
 ) -> Scenario:
     """``base`` (default: the built-in scenario) with the given overrides; ``None`` keeps the base value. ``plan``:
-    a plan file the run realises (``with_plan``); ``model``: a source (``model_section``)."""
+    a plan file the run realises (``with_plan``); ``model``: a source (``model_section``); ``colocated``: every
+    stage in one process (``stages.placement``)."""
     s = base if base is not None else Scenario(version=SCENARIO_VERSION)
     if model is not None:
         section = model_section(model, s.model.max_context)
@@ -289,7 +291,9 @@ def scenario_from_args(
     if match_oracle is not None:
         s = _set(s, "$", expect=_set(s.expect, "$.expect", match_oracle=match_oracle))
     if num_stages is not None:
-        s = _set(s, "$", stages=Stages(count=num_stages, split_rule=s.stages.split_rule))
+        s = _set(s, "$", stages=Stages(count=num_stages, split_rule=s.stages.split_rule, placement=s.stages.placement))
+    if colocated is not None:
+        s = _set(s, "$", stages=_set(s.stages, "$.stages", placement="colocated" if colocated else "separate"))
     if provider is not None:  # before the transport, whose checks name the provider
         s = _set(s, "$", provider=_set(s.provider, "$.provider", kind=provider))
     if transport is not None:  # a field of one transport kind is kept for that kind and dropped for the others

@@ -120,6 +120,13 @@ class Stages(Settings, frozen=True):
             "(k = blocks // count per stage, the last stage takes the rest)"
         ),
     ] = "balanced"
+    placement: Annotated[
+        Literal["separate", "colocated"],
+        Meta(
+            description="separate (each stage a process of its own, on a device of its own) or colocated (every "
+            "stage on the first device, driven by one process, the hidden state handed over in the process)"
+        ),
+    ] = "separate"
 
     def __post_init__(self) -> None:
         if self.splits is None:
