@@ -176,6 +176,7 @@ def test_three_stages_in_one_process_give_the_unsplit_models_answer_bit_for_bit(
 
 
 @pytest.mark.local
+@pytest.mark.slow  # a second run of processes; the default run keeps to its 12-minute budget
 def test_a_plan_mixing_co_located_and_separate_stages_matches_through_pp_smoke_run(tiny_graph, tmp_path):
     doc = chain(tiny_graph, implicit_cluster("local", 2), ["local-0", "local-0", "local-1", "local-1"], [2, 4, 6])
     plan = tmp_path / "mixed.json"

@@ -1,8 +1,9 @@
 """``ppharness bench gpu``: the chain on an accelerator, against single-process tinygrad and HF transformers.
 
 One run on one machine: a synthetic GGUF with llama-3.2-1B dimensions (built once), single-process tinygrad decode
-(the oracle path), the N-stage chain for each N and transport with every stage process on the same GPU, and, where
-PyTorch and transformers are installed, HF transformers' greedy decode of a LlamaForCausalLM of the same dimensions
+(the oracle path), the N-stage chain for each N and transport with every stage process on the same GPU, and with
+every stage co-located in one process (``ppharness.run.colocated``), and, where PyTorch and transformers are
+installed, HF transformers' greedy decode of a LlamaForCausalLM of the same dimensions
 (random weights, bf16, dynamic and static cache): the reference a user would pick instead. Figures: decode tokens/s
 (``tokens`` after a ``prompt_tokens`` prompt), time to first token cold (first request: kernels compile) and warm,
 accelerator memory per stage, the chain's per-token breakdown, and whether the chain's first tokens equal the
@@ -28,7 +29,7 @@ import msgspec
 
 from ppharness.benchmarks import llamacpp as llamacpp_bench
 from ppharness.benchmarks import packed_floor as packed_bench
-from ppharness.benchmarks.chain import _scenario
+from ppharness.benchmarks.chain import COLOCATED, _scenario
 from ppharness.benchmarks.floor import BlockCost, block_cost
 from ppharness.benchmarks.llamacpp import LlamaCppRun
 from ppharness.benchmarks.packed_floor import PackedFloor
@@ -43,6 +44,7 @@ from ppharness.model.slicing import ModelSlice
 from ppharness.run.client import Job
 from ppharness.run.node import device_bytes
 from ppharness.run.orchestrator import Chain, decode_span, decode_tok_s
+from ppharness.scenario.schema import scenario_from_args
 
 if TYPE_CHECKING:
     from ppharness.model.config import ModelConfig
@@ -201,10 +203,12 @@ def run_gpu_bench(
         save()
 
     for n in stage_counts:
-        for kind in transports:
+        for kind in [*transports, COLOCATED]:
             c = Contender(f"tinygrad, {n}-stage chain, {kind}")
             progress(f"{c.name}: starting")
-            scenario = _scenario(preset, n, kind, tokens, max_context)
+            scenario = _scenario(preset, n, "zmq" if kind == COLOCATED else kind, tokens, max_context)
+            if kind == COLOCATED:  # every stage in one process on the GPU, the hidden state left on it
+                scenario = scenario_from_args(base=scenario, colocated=True)
             if in_flight > 1 or batched:
                 scenario = msgspec.structs.replace(
                     scenario,

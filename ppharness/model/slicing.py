@@ -27,11 +27,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
-from ppharness.model import moe
+from ppharness.model import handoff, moe
 from ppharness.model.arch.base import BLOCK_TENSOR
 from ppharness.model.batch import Rows, widths
 from ppharness.model.chunks import Prefill
-from ppharness.model.direct import DecodeLinear, DirectStep, decode_context
+from ppharness.model.direct import DecodeLinear, DirectStep, decode_context, on_cpu
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.kernels import kernel_sources, pin_from_env
 from ppharness.model.moe import (
@@ -163,6 +163,7 @@ class ModelSlice(BatchedRows):
         # of its own whose cache is then copied byte for byte into the request's slot, so that it serves every slot
         self._prefill = Prefill(self)
         self._decode_in: Tensor | None = None  # (1,1) ids or (1,1,D) hidden, reused by every decode step
+        self.device_out = False  # decode outputs left on the device for a co-located next stage (model.handoff)
         self._directs: list[DirectStep | Literal[False] | None] = [
             None
         ] * slots  # each slot's lean call (None: not yet)
@@ -532,6 +533,10 @@ class ModelSlice(BatchedRows):
         self.use(slot)
         if self.config.moe and not self.fused:
             return self._moe_step(x, position)
+        if handoff.held(x) and self._decode_in is not None:  # a co-located stage's output, left on its device
+            handoff.copy(self._decode_in, cast("Tensor", x))
+            with decode_context(self._decode_in.device) if not self.config.moe else contextlib.nullcontext():
+                return self._output(self._jit(self._decode_in, self._pos.bind(position)))
         arr = np.asarray(x, dtype=np.int32).reshape(1, 1) if self.first else np.asarray(x, dtype=np.float16)
         direct = self._directs[slot]
         if direct is None and self._jit.captured is not None:
@@ -566,7 +571,10 @@ class ModelSlice(BatchedRows):
     def _output(self, out: Tensor | tuple[Tensor, ...]) -> NDArray[np.float16] | int:
         if isinstance(out, tuple):  # with taps: the step's output, then every block's
             out, *self._tapped = out
-        return int(out.item()) if self.last else out.numpy()
+        if self.last:
+            return int(out.item())
+        kept = self.device_out and not on_cpu(out.device)  # ppharness.model.handoff (CPU buffers are host memory)
+        return cast("NDArray[np.float16]", out) if kept else out.numpy()
 
     def tapped(self) -> dict[int, NDArray[np.float16]]:
         """With ``taps``: block index (in the file) -> its output (1,T,D) at the last prefill or decode step."""

@@ -32,6 +32,7 @@ import msgspec
 from ppharness.errors import HarnessError, PlanError, TransportTimeout
 from ppharness.model.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.slicing import ModelSlice
 from ppharness.network.clock import EventClock
 from ppharness.plan.stages import StagePlan, decode_program
 from ppharness.run.loop import Loop
@@ -213,7 +214,9 @@ def _run(nodes: list[Node], inbox: GroupInbox, log: Callable[[str], None]) -> in
         for node in nodes:
             node.gguf_file = shared
             loaded.append(node.load())
-        for node, got in zip(nodes, loaded, strict=True):
+        for k, (node, got) in enumerate(zip(nodes, loaded, strict=True)):
+            if k < len(nodes) - 1 and isinstance(got[0], ModelSlice) and not got[0].batched:
+                got[0].device_out = True  # the next stage is here: its input stays on the device (model.handoff)
             node.ready(*got)
         loop = Loop(inbox, log)
         loop.checks.extend(node_loop(nodes[0].transport, log, os.getppid()).checks)
