@@ -128,7 +128,7 @@ def each_request_as_alone(tiny_gguf, split, requests, seed) -> None:
 
 
 @settings(
-    max_examples=min(6, settings.default.max_examples),
+    max_examples=min(3, settings.default.max_examples),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -151,7 +151,11 @@ def test_llama3_rope_factors_keep_every_split_exact():
         assert check.same_kernels, f"split {check.ranges} compiles other kernels than the whole model"
 
 
-@pytest.mark.parametrize("model", ["synthetic:tiny-moe", "synthetic:tiny-deepseek,tokenizer=deepseek-v3"])
+@pytest.mark.parametrize(
+    "model",
+    # deepseek2's splits also run in tests/test_deepseek2.py; its kernel check here runs with the slow tests
+    ["synthetic:tiny-moe", pytest.param("synthetic:tiny-deepseek,tokenizer=deepseek-v3", marks=pytest.mark.slow)],
+)
 def test_moe_splits_run_the_unsplit_models_kernels(model):
     """A mixture-of-experts model, split: tokens and hidden states equal the unsplit model's, the stages' steps run
     its kernels in order, and each stage's expert bank (fewer experts) runs the same code as the whole model's bank."""
