@@ -184,3 +184,12 @@ def test_a_plan_mixing_co_located_and_separate_stages_matches_through_pp_smoke_r
     rc, out, _ = _smoke("--plan", str(plan), "--max-tokens", "24", "--no-trace")
     assert rc == 0 and "MATCH" in out, out
     assert "serving stages 0-1 in one process" in out and "serving stages 2-3 in one process" in out, out
+
+
+def test_the_simulator_counts_a_co_located_hand_over_at_its_own_cost_not_a_hops(tiny_graph):
+    from ppharness.plan.simulate import simulate
+
+    cluster = msgspec.structs.replace(implicit_cluster("local", 2), hop_ms=0.3, handoff_ms=0.05)
+    parts = simulate(chain(tiny_graph, cluster, ["local-0", "local-0", "local-1"], [3, 6])).parts()
+    assert parts["hop 0->1"] == 0.05, "the hand-over in one process was priced as a hop between processes"
+    assert parts["hop 1->2"] == parts["hop 2->0"] == 0.3

@@ -244,8 +244,10 @@ def test_probe_times_moe_blocks_says_what_it_measured_with_and_a_hop_in_a_runnin
     assert max(fit.b_ms, 1e-6) * (1 - 1e-9) <= one <= 2 * max(fit.b_ms, 1e-6)
     hop = probe_hop(path, tokens=6, source=source)
     assert hop.samples >= 2 and 0 < hop.hop_ms < 100 and hop.activation_bytes > graph.activation_bytes
+    assert 0 < hop.handoff_ms < 100, "the co-located hand-over was not measured"
     record = json.loads(json.dumps(probe_record(fit, hop)))
     assert record["moe"] and record["block_ms"] == fit.b_ms and record["hop"]["hop_ms"] == hop.hop_ms
+    assert record["hop"]["handoff_ms"] == hop.handoff_ms
     assert record["device"]["measured"]["engine"] == engine_id()
 
 

@@ -536,7 +536,7 @@ def plan_probe(
         hop = probe_hop(path, tokens, source=graph.source, progress=_say) if hop_too else None
     click.echo(fit.probe_report, err=True)
     if hop is not None:
-        click.echo(f"{hop.report}; a cluster's hop_ms: {hop.hop_ms:.3f}", err=True)
+        click.echo(f"{hop.report}; a cluster's hop_ms: {hop.hop_ms:.3f}, handoff_ms: {hop.handoff_ms:.3f}", err=True)
     if json_out:
         Path(json_out).write_text(json.dumps(probe_record(fit, hop), indent=1) + "\n")
         click.echo(f"written: {json_out}", err=True)

@@ -155,9 +155,10 @@ def touched(block: Block, prompt_tokens: int, ids: range | tuple[int, ...] | Non
 
 
 def edge_ms(cluster: Cluster, src: str, dst: str, nbytes: int) -> float:
-    """One message of ``nbytes`` from device ``src`` to device ``dst``; nothing when they are one device."""
+    """One message of ``nbytes`` from device ``src`` to device ``dst``; when they are one device (co-located stages,
+    one process), the hand-over's fixed cost."""
     if src == dst:
-        return 0.0
+        return cluster.handoff_ms
     link = cluster.link(src, dst)
     wire = nbytes * 8 / (link.rate_mbit * 1e6) * 1e3 if link.rate_mbit is not None else 0.0
     return link.delay_ms + wire + cluster.hop_ms

@@ -200,6 +200,8 @@ class Cluster(_Doc, frozen=True):
     # fixed cost of one message hop (transport), as traces measure it
     hop_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0
     name: str = ""
+    # fixed cost of one hand-over between stages co-located on one device (one process), as traces measure it
+    handoff_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0
     host_link: Impaired = Impaired()  # between two GPUs of one host (devices with the same source.host)
 
     def device(self, device_id: str) -> Device:

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -56,7 +56,7 @@ from ppharness.plan.graph import model_graph
 from ppharness.plan.stages import ENTRY, names_of
 from ppharness.registry import transport_class
 from ppharness.seams.transport import Received, Transport
-from ppharness.trace.report import build_trace, percentile
+from ppharness.trace.report import Trace, build_trace, percentile
 from ppharness.trace.tracer import Tracer
 from ppharness.wire.messages import Error, InferenceRequest, InferenceResponse, Message, TraceReport
 
@@ -298,13 +298,14 @@ class HopFit:
     activation_bytes: int  # one hidden state's frame on the wire
     transport: str = "zmq"
     source: str = ""
+    handoff_ms: float = math.nan  # median ``hop 0->1`` of the same two stages co-located in one process
 
     @property
     def report(self) -> str:
         return (
             f"hop in a running chain of two stages here ({self.transport}, {self.samples} decode tokens): hidden state "
             f"{self.hop_ms:.3f} ms median ({self.p90_ms:.3f} ms p90, {self.activation_bytes} bytes), token back "
-            f"{self.token_hop_ms:.3f} ms"
+            f"{self.token_hop_ms:.3f} ms; the same stages co-located in one process: {self.handoff_ms:.3f} ms"
         )
 
 
@@ -317,11 +318,10 @@ def probe_hop(
 ) -> HopFit:
     """The transport's cost per hop in a running chain on this machine (the module's docstring): ``model_path`` in
     two stages (blocks split in half), each a Stage turning its own loop on a thread over a ZeroMQ endpoint, serves
-    one request of ``tokens`` decode tokens, traced; the medians of its hop rows."""
+    one request of ``tokens`` decode tokens, traced; the medians of its hop rows. Then the same two stages co-located
+    on one loop (``ppharness.run.colocated``): the median of their hand-over (a cluster's ``handoff_ms``)."""
     # ppharness.run imports ppharness.plan (the plan's stage names and programs): a cycle at module level
     from ppharness.run.inprocess import load_slices, run_inprocess
-    from ppharness.run.loop import Loop
-    from ppharness.run.stage import Stage
 
     say = progress or (lambda _: None)
     if tokens < 2:
@@ -337,8 +337,41 @@ def probe_hop(
     # compiled by a first request and captured by a second, so that the threads below only replay compiled steps
     for _ in range(2):
         run_inprocess(f, slices, HOP_PROMPT, 2)
+    say(f"hop: one request of {tokens} decode tokens through the chain, then through the chain in one process")
+    trace = _traced_chain(f, slices, tokens, colocated=False)
+    together = _traced_chain(f, slices, tokens, colocated=True)
+    handoff = [r.parts["hop 0->1"] for r in together.decode if "hop 0->1" in r.parts]
+    forward = [r.parts["hop 0->1"] for r in trace.decode if "hop 0->1" in r.parts]
+    back = [r.parts["hop 1->0"] for r in trace.decode if "hop 1->0" in r.parts]
+    if len(forward) < 2:
+        raise PlanError(f"the chain traced {len(forward)} decode hop(s); a median needs at least 2")
+    size = max((r.hop_bytes.get("0->1", 0) for r in trace.decode), default=0)
+    return HopFit(
+        statistics.median(forward),
+        statistics.median(back) if back else math.nan,
+        percentile(forward, 90),
+        len(forward),
+        size,
+        "zmq",
+        source or str(model_path),
+        statistics.median(handoff) if handoff else math.nan,
+    )
+
+
+def _traced_chain(f: GGUFFile, slices: list[Any], tokens: int, colocated: bool) -> Trace:
+    """One traced request of ``tokens`` decode tokens through two stages over ZeroMQ endpoints: each stage on a loop
+    of its own on a thread, or (``colocated``) both on one loop, handing over in the process
+    (``ppharness.run.colocated``)."""
+    # ppharness.run imports ppharness.plan (the plan's stage names and programs): a cycle at module level
+    from ppharness.run.colocated import GroupInbox, LocalEndpoint, Mail
+    from ppharness.run.loop import Loop
+    from ppharness.run.stage import Stage
+
     zmq = transport_class("zmq")
-    ends = [zmq() for _ in range(3)]
+    mail = Mail()
+    ends: list[Transport] = [zmq() for _ in range(3)]
+    if colocated:
+        ends[:2] = [LocalEndpoint(end, mail) for end in ends[:2]]
     try:
         addresses = [t.start() for t in ends]
         client = ends[2]
@@ -362,25 +395,27 @@ def probe_hop(
         ]
         stop = threading.Event()
         failures: list[BaseException] = []
+        inbox = GroupInbox(mail, cast("list[LocalEndpoint]", ends[:2])) if colocated else None
 
-        def serve(i: int) -> None:
-            loop = Loop(ends[i], lambda _: None)
-            loop.add_timer(stages[i])
-            loop.add_worker(stages[i])
+        def serve(members: list[int]) -> None:
+            loop = Loop(inbox if inbox is not None else ends[members[0]], lambda _: None)
+            for i in members:
+                loop.add_timer(stages[i])
+                loop.add_worker(stages[i])
 
             def handle(sender: str, msg: Message, rx: Received | None) -> bool:
-                stages[i].handle(sender, msg, rx)
+                stages[inbox.member if inbox is not None else members[0]].handle(sender, msg, rx)
                 return False
 
             try:
-                loop.wait(handle, None, f"stage {i}'s messages", done=stop.is_set)
+                loop.wait(handle, None, "the stages' messages", done=stop.is_set)
             except BaseException as exc:  # handed to the caller below
                 failures.append(exc)
 
-        threads = [threading.Thread(target=serve, args=(i,), name=f"probe-hop-{i}", daemon=True) for i in range(2)]
+        groups = [[0, 1]] if colocated else [[0], [1]]
+        threads = [threading.Thread(target=serve, args=(g,), name="probe-hop", daemon=True) for g in groups]
         for thread in threads:
             thread.start()
-        say(f"hop: one request of {tokens} decode tokens through the chain")
         try:
             request = InferenceRequest(client.address, HOP_PROMPT, tokens + 1, request_id="probe-hop")
             client.send(names[ENTRY], request)
@@ -393,21 +428,7 @@ def probe_hop(
     finally:
         for end in ends:
             end.close()
-    trace = build_trace(reports, {}, response, 2)
-    forward = [r.parts["hop 0->1"] for r in trace.decode if "hop 0->1" in r.parts]
-    back = [r.parts["hop 1->0"] for r in trace.decode if "hop 1->0" in r.parts]
-    if len(forward) < 2:
-        raise PlanError(f"the chain traced {len(forward)} decode hop(s); a median needs at least 2")
-    size = max((r.hop_bytes.get("0->1", 0) for r in trace.decode), default=0)
-    return HopFit(
-        statistics.median(forward),
-        statistics.median(back) if back else math.nan,
-        percentile(forward, 90),
-        len(forward),
-        size,
-        "zmq",
-        source or str(model_path),
-    )
+    return build_trace(reports, {}, response, 2)
 
 
 def _response(client: Transport, failures: list[BaseException]) -> InferenceResponse:
@@ -456,6 +477,7 @@ def probe_record(fit: ProbeFit | None, hop: HopFit | None) -> dict[str, Any]:
             "activation_bytes": hop.activation_bytes,
             "transport": hop.transport,
             "model": hop.source,
+            "handoff_ms": hop.handoff_ms,
         }
     return out
 
