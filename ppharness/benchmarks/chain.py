@@ -124,7 +124,10 @@ def run_chain_bench(
         for kind in [ONE_NODE, *transports, COLOCATED, "zmq+trace"]:
             transport = "zmq" if kind in (COLOCATED, ONE_NODE) else kind.removesuffix("+trace")
             n = 1 if kind == ONE_NODE else num_stages
-            progress(f"starting the {n}-stage chain " + ("in one process" if kind == COLOCATED else f"over {kind}"))
+            if kind == ONE_NODE:
+                progress("starting one node (every block in one pp-node process)")
+            else:
+                progress(f"starting the {n}-stage chain " + ("in one process" if kind == COLOCATED else f"over {kind}"))
             scenario = _scenario(preset, n, transport, tokens, max_context)
             if kind == COLOCATED:
                 scenario = scenario_from_args(base=scenario, colocated=True)
@@ -176,14 +179,14 @@ def report(res: BenchResult) -> str:
     single = med["single"]
     lines = [
         f"model {res.model}; {res.num_stages} stages; {res.tokens} tokens; {res.repeats} repeats (medians)",
-        f"{'contender':<22} {'tok/s':>9} {'ratio to single':>16}",
-        f"{'single process':<22} {single:>9.1f} {1.0:>16.2f}",
+        f"{'contender':<26} {'tok/s':>9} {'ratio to single':>16}",
+        f"{'single process':<26} {single:>9.1f} {1.0:>16.2f}",
     ]
     for kind, v in med.items():
         if kind == ONE_NODE:
-            lines.append(f"{'1 stage, one node':<22} {v:>9.1f} {v / single:>16.2f}")
+            lines.append(f"{'1 stage, one node':<26} {v:>9.1f} {v / single:>16.2f}")
         elif kind != "single":
-            lines.append(f"{f'{res.num_stages}-stage chain {kind}':<22} {v:>9.1f} {v / single:>16.2f}")
+            lines.append(f"{f'{res.num_stages}-stage chain {kind}':<26} {v:>9.1f} {v / single:>16.2f}")
     if ONE_NODE in med:
         lines.append(
             "against one node (every block in one pp-node process, as the chains run): "
