@@ -1,0 +1,239 @@
+"""The inbound side of a stage: what arrives is checked and recorded, nothing is computed here.
+
+Every message is taken only from the member whose role sends it (requests from the seed, RequestOpen and activations
+from the previous stage, NextToken from the last), by the sender address the transport authenticated, and only at the
+stage's epoch; anything else is dropped with a log line, so no member can steer a stage it does not feed. An accepted
+request, activation, NextToken or replay becomes a ``Work`` item, its request's next model call (the scheduler,
+``ppharness.run.stage_schedule``, runs it); acknowledgements, refusals and duplicate drops happen here, at receipt.
+A request's admission, open and close, and the check of an activation against its request, are
+``ppharness.run.stage_admission``; replays taken as a replacement, ``ppharness.run.stage_replay``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ppharness.errors import CodecError
+from ppharness.model.hidden import Hidden
+from ppharness.run.stage_admission import Admission
+from ppharness.run.stage_outbound import Outbound
+from ppharness.run.stage_replay import ReplayIntake
+from ppharness.run.stage_requests import Request, StageState, Work
+from ppharness.seams.transport import Received
+from ppharness.wire import codec
+from ppharness.wire.messages import (
+    Ack,
+    ActivationRows,
+    InferenceRequest,
+    Message,
+    NextToken,
+    Replay,
+    RequestClose,
+    RequestOpen,
+    Resume,
+    StageActivation,
+    TokenRows,
+)
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+
+class Inbound:
+    """Receipt on a stage (module docstring): ``handle(sender, msg, rx)`` checks a message and records it."""
+
+    def __init__(self, state: StageState, out: Outbound):
+        self.state, self.out = state, out
+        self.admission = Admission(state, out)
+        self.replays = ReplayIntake(state, out, self.admission)
+
+    def handle(self, sender: str, msg: Message, rx: Received | None = None) -> None:
+        """Check and record one message; protocol violations are dropped with a log line. ``rx``: the transport's
+        receipt of the message (arrival and decoding times, size, a hidden state handed over in the process)."""
+        s = self.state
+        role = self._sender_role(msg)
+        if role is not None and sender != role[1]:
+            s.log(f"stage {s.index}: dropped {type(msg).__name__} from {sender}: only {role[0]} sends it")
+            return
+        if not self._epoch_ok(msg):
+            return
+        match msg:
+            case Ack():
+                self.out.outbox.ack(sender, msg)
+            case InferenceRequest() if s.first:
+                self.admission.on_request(msg, rx)
+            case RequestOpen() if not s.first:
+                self.admission.on_open(msg)
+            case RequestClose() if not s.first:
+                self.admission.on_close(msg)
+            case StageActivation() if not s.first:
+                self._on_activation(msg, rx)
+            case NextToken() if s.first and not s.last:
+                self._on_next_token(msg, rx)
+            case ActivationRows() if not s.first and not s.reliable:
+                self._on_activation_rows(msg, rx)
+            case TokenRows() if s.first and not s.last and not s.reliable:
+                self._on_token_rows(msg, rx)
+            case Replay() if not s.first and s.keeps_history:
+                self.replays.on_replay(msg)
+            case Resume() if s.first and s.keeps_history:
+                self.replays.on_resume(msg)
+            case _:
+                s.log(f"stage {s.index}: dropped unexpected {type(msg).__name__} from {sender}")
+        if s.first and s.waiting:
+            self.admission.admit_waiting()
+
+    def _sender_role(self, msg: Message) -> tuple[str, str] | None:
+        """(role, address) of the only member this stage takes ``msg`` from; None when any member may send it."""
+        s = self.state
+        match msg:
+            case InferenceRequest() | Resume() if s.seed is not None:
+                return "the orchestrator", s.seed
+            case RequestOpen() | RequestClose() | StageActivation() | ActivationRows() | Replay() if (
+                s.prev_addr is not None
+            ):
+                return f"stage {s.index - 1}", s.prev_addr
+            case NextToken() | TokenRows():
+                return f"stage {s.num_stages - 1}", s.exit_addr
+        return None
+
+    def _epoch_ok(self, msg: Message) -> bool:
+        """A message stamped with an older epoch comes from a node a spare replaced: refused. One from a newer
+        epoch arrived before this stage's directory did: dropped unacknowledged, so it is sent again."""
+        s = self.state
+        epoch = getattr(msg, "epoch", None)
+        if epoch is None or epoch == s.epoch:
+            return True
+        if epoch < s.epoch:
+            s.log(
+                f"stage {s.index}: fenced off {type(msg).__name__} of epoch {epoch}, older than this stage's "
+                f"{s.epoch} (a replaced node's, or sent before its sender learnt of the new epoch: it is resent)"
+            )
+        else:
+            s.log(f"stage {s.index}: held off {type(msg).__name__} of epoch {epoch} until its directory comes")
+        return False
+
+    def _on_activation(self, msg: StageActivation, rx: Received | None) -> None:
+        s, out = self.state, self.out
+        if s.reliable and msg.request_id in s.finished:
+            out.ack(s.prev_addr, "activation", msg.request_id, msg.position)
+            return
+        req = self._current(msg.request_id, msg.plan_id, "StageActivation")
+        if req is None:
+            return
+        if msg.position < req.next_position:
+            out.ack(s.prev_addr, "activation", msg.request_id, msg.position)
+            s.log(f"stage {s.index}: dropped duplicate activation at position {msg.position}")
+            return
+        if s.tracer:
+            s.tracer.begin(req.request_id)
+        hidden = self.admission.check_activation(msg, req, rx)
+        if hidden is None:
+            return
+        if msg.is_prefill:  # chunks of a prompt follow each other without a turn round the chain: acknowledged
+            out.ack(s.prev_addr, "activation", msg.request_id, msg.position)
+        elif s.reliable:  # a decode step at q: stage 0 took the token at q, every hop each position before q
+            if s.last:
+                out.outbox.settle_through("token", msg.request_id, msg.position + 1)
+            else:
+                out.outbox.settle_through("activation", msg.request_id, msg.position)
+        self.admission.take_activation(msg, hidden, req, rx, live=True)
+
+    def _on_next_token(self, msg: NextToken, rx: Received | None) -> None:
+        s, out = self.state, self.out
+        if s.reliable and msg.request_id in s.finished:
+            out.ack(s.exit_addr, "token", msg.request_id, msg.position)
+            return
+        req = self._current(msg.request_id, msg.plan_id, "NextToken")
+        if req is None:
+            return
+        step = msg.position - req.prompt_tokens + 1
+        if msg.position < req.next_position:
+            out.ack(s.exit_addr, "token", msg.request_id, msg.position)
+            s.log(f"stage 0: dropped duplicate NextToken at position {msg.position}")
+            return
+        if msg.position != req.next_position:
+            s.log(f"stage 0: dropped NextToken at position {msg.position}, expected {req.next_position}")
+            return
+        if s.reliable:  # the token at q came round: every hop took each position before q
+            out.outbox.settle_through("activation", msg.request_id, msg.position)
+        if msg.done:  # no later activation will stand for this Ack at the last stage
+            out.ack(s.exit_addr, "token", msg.request_id, msg.position)
+            if s.tracer:
+                s.tracer.begin(req.request_id)
+                s.trace_rx(step, rx)
+            self.admission.close_down(req)
+            return
+        req.next_position += 1
+        req.work.append(Work(req, msg.position, [msg.token_id], is_prefill=False, step=step, rx=rx))
+
+    def _on_activation_rows(self, msg: ActivationRows, rx: Received | None) -> None:
+        """A batched step's activations: each row becomes its request's next model call, as a StageActivation at that
+        position would (a row that does not fit its request is dropped with a log line, the others are taken)."""
+        s = self.state
+        n, dim = len(msg.request_ids), s.model.config.dim
+        if not 0 < n <= s.slots or len(msg.positions) != n or tuple(msg.shape) != (n, 1, dim):
+            s.log(
+                f"stage {s.index}: dropped ActivationRows of {n} request(s), {len(msg.positions)} position(s) and "
+                f"shape {tuple(msg.shape)}: the plan expects at most {s.slots} rows of (1, {dim})"
+            )
+            return
+        try:
+            rows = self._rows_of(msg, rx)
+        except CodecError as exc:
+            s.log(f"stage {s.index}: dropped ActivationRows: {exc}")
+            return
+        for r, (request_id, position) in enumerate(zip(msg.request_ids, msg.positions, strict=True)):
+            req = self._current(request_id, msg.plan_id, "a row of ActivationRows")
+            if req is None:
+                continue
+            if position != req.next_position or position < 1:
+                s.log(
+                    f"stage {s.index}: dropped the row of {request_id} at position {position}, expected "
+                    f"{req.next_position}"
+                )
+                continue
+            if s.tracer:
+                s.tracer.begin(request_id)
+            step = position - req.prompt_tokens + 1
+            req.next_position = position + 1
+            req.work.append(Work(req, position, Hidden(rows[r : r + 1]), False, step, rx, True))
+
+    @staticmethod
+    def _rows_of(msg: ActivationRows, rx: Received | None) -> NDArray[Any]:
+        """The rows' hidden states: handed over in the process (``rx.tensor``), else unpacked from the message."""
+        if rx is not None and rx.tensor is not None:
+            if rx.tensor.shape != tuple(msg.shape):
+                raise CodecError(f"rows of shape {rx.tensor.shape} under a header of {tuple(msg.shape)}")
+            return rx.tensor.host()
+        return codec.unpack_tensor(msg.hidden, tuple(msg.shape), msg.dtype, "ActivationRows")
+
+    def _on_token_rows(self, msg: TokenRows, rx: Received | None) -> None:
+        """A batched step's tokens: each row is the NextToken of its request."""
+        n = len(msg.request_ids)
+        if not 0 < n <= self.state.slots or not n == len(msg.token_ids) == len(msg.positions) == len(msg.done):
+            self.state.log(
+                f"stage 0: dropped TokenRows of {n} request(s) with lists of other lengths (or over the slots)"
+            )
+            return
+        for request_id, token, position, done in zip(msg.request_ids, msg.token_ids, msg.positions, msg.done):
+            one = NextToken(
+                request_id=request_id,
+                token_id=token,
+                position=position,
+                done=done,
+                plan_id=msg.plan_id,
+                epoch=msg.epoch,
+            )
+            self._on_next_token(one, rx)
+
+    def _current(self, request_id: str, plan_id: str, what: str) -> Request | None:
+        """The request in flight that a message is for; None (logged) for another plan's or an unknown request."""
+        s = self.state
+        if plan_id != s.plan_id:
+            s.log(f"stage {s.index}: dropped {what} of plan {plan_id}, this stage serves {s.plan_id}")
+            return None
+        req = s.reqs.get(request_id)
+        if req is None:
+            s.log(f"stage {s.index}: dropped {what} for unknown request {request_id!r}")
+        return req

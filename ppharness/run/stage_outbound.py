@@ -1,0 +1,329 @@
+"""The outbound side of a stage: everything it sends goes by one path here. A step's outputs are handed on (a hidden
+state down the chain, a token back to stage 0 and to the client, the response when a request is done), a message that
+must arrive goes through the outbox (``ppharness.run.reliable``: resent until acknowledged) unless the policy is none,
+the copies received are acknowledged, and under policy failover what was sent down the chain is replayed to a spare
+that replaced the next stage (``ppharness.run.stage_replay`` says how a replay goes).
+
+An activation's header is built here (``codec.header``) and its hidden state travels beside it (``tensor=``), packed
+only where it leaves the process (``ppharness.seams.transport``); the outbox keeps it packed, since what it resends may
+go to a spare in another process.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import cast
+
+import msgspec
+import numpy as np
+
+from ppharness.errors import HarnessError, StageError
+from ppharness.model.decoding import finish_reason, stop_token, visible
+from ppharness.model.exactness import record_digest
+from ppharness.model.hidden import Hidden
+from ppharness.run.reliable import Key, Outbox, RetryPolicy, ack_of
+from ppharness.run.stage_requests import Request, StageState, Work
+from ppharness.trace.tracer import KEEP_REQUESTS, now_ns
+from ppharness.wire import codec
+from ppharness.wire.messages import (
+    ActivationRows,
+    InferenceResponse,
+    Message,
+    NextToken,
+    Replay,
+    RequestClose,
+    RequestOpen,
+    StageActivation,
+    StreamedToken,
+    TokenRows,
+)
+
+
+class Outbound:
+    """What a stage sends, and how: ``send`` (the one path, through the outbox under a reliable policy), ``tell``
+    (once, never resent: refusals), ``ack``; ``hand_on`` a step's outputs; ``rejoin`` a newer directory (and replay to
+    a replacement of the next stage). ``due_in``/``tick`` are the outbox's timer."""
+
+    def __init__(self, state: StageState, retry: RetryPolicy):
+        self.state = state
+        self.outbox = Outbox(state.transport.send, self.address_of, retry, stamp=self.stamp)
+
+    # --- the directory and the loop's timer ---------------------------------------------------------------------------
+
+    def address_of(self, role: str) -> str | None:
+        """A target role's address now: ``next`` (the next stage), ``entry`` (stage 0) or ``client:<address>`` (the
+        orchestrator that asked); resolved at each send, so that what waits for a replaced node goes to its
+        replacement."""
+        match role:
+            case "next":
+                return self.state.next_addr
+            case "entry":
+                return self.state.entry_addr
+        return role.removeprefix("client:")
+
+    def stamp(self, msg: Message) -> Message:
+        """A message about to be sent again carries the stage's epoch now (the directory may have moved on)."""
+        if isinstance(msg, StageActivation | NextToken | RequestOpen | RequestClose):
+            return msgspec.structs.replace(msg, epoch=self.state.epoch)
+        return msg
+
+    def stamp_open(self, opened: RequestOpen) -> RequestOpen:
+        return msgspec.structs.replace(opened, epoch=self.state.epoch)
+
+    def due_in(self) -> float | None:
+        """Seconds until a message awaiting its acknowledgement is due to be sent again (None: nothing waits)."""
+        return self.outbox.due_in()
+
+    def tick(self) -> None:
+        """Send again what is due; a message unacknowledged past the retry budget raises StageError."""
+        try:
+            self.outbox.tick()
+        except HarnessError as exc:
+            raise StageError(f"stage {self.state.index}: {exc}") from exc
+
+    def rejoin(self, names: dict[str, str], epoch: int) -> None:
+        """Take a newer directory (a spare replaced a stage): resolve the neighbours again; if the next stage is a
+        replacement, replay the request in progress to it."""
+        s = self.state
+        if epoch <= s.epoch:
+            s.log(f"stage {s.index}: ignored a directory of epoch {epoch}, this stage is at epoch {s.epoch}")
+            return
+        old_next = s.next_addr
+        s.epoch = epoch
+        s.resolve(names)
+        s.log(f"stage {s.index}: directory of epoch {epoch}")
+        if s.keeps_history and s.next_addr is not None and s.next_addr != old_next:
+            self._replay_to_next()
+        self.outbox.redirect()  # what waits for the replaced node goes to its replacement now, not after a backoff
+
+    # --- the sends ----------------------------------------------------------------------------------------------------
+
+    def send(
+        self, key: Key, role: str, msg: Message, step: int | None = None, t0: int = 0, tensor: Hidden | None = None
+    ) -> None:
+        """Send a message that must arrive: through the outbox (resent until ``key`` is acknowledged, so kept packed)
+        unless the policy is none; ``tensor``: the hidden state beside an activation's header, packed only where it
+        leaves the process (``ppharness.seams.transport``). With a trace ``step``, record its serialisation (from
+        ``t0``: packing the hidden state counts) and the send call."""
+        s = self.state
+        if s.reliable:
+            sent = self.outbox.put(key, role, msg if tensor is None else codec.attach(msg, tensor))
+        else:
+            address = self.address_of(role)
+            assert address is not None
+            sent = s.transport.send(address, msg, tensor)
+        if s.tracer and step is not None and sent is not None:
+            s.tracer.add(step, "serialize", t0, sent.encode_end_ns)
+            s.tracer.add(step, "send", sent.encode_end_ns, sent.sent_ns, sent.nbytes)
+
+    def send_rows(self, msg: Message, role: str, works: list[Work], t0: int, tensor: Hidden | None = None) -> None:
+        """Send a batched step's message (policy none: once; ``tensor``: the rows' hidden states beside it); each
+        row's trace holds its serialisation and send."""
+        s = self.state
+        address = self.address_of(role)
+        assert address is not None
+        sent = s.transport.send(address, msg, tensor)
+        if s.tracer and sent is not None:
+            for work in works:
+                s.tracer.begin(work.request.request_id)
+                s.tracer.add(work.step, "serialize", t0, sent.encode_end_ns)
+                s.tracer.add(work.step, "send", sent.encode_end_ns, sent.sent_ns, sent.nbytes)
+
+    def tell(self, address: str, msg: Message) -> None:
+        """Send ``msg`` once, never resent (a refusal: its sender asks again if it wants to)."""
+        self.state.transport.send(address, msg)
+
+    def ack(self, to: str | None, kind: str, request_id: str, position: int) -> None:
+        """Acknowledge a copy of a message (policies retry and failover): its sender stops resending it."""
+        s = self.state
+        if s.reliable and to is not None:
+            try:
+                s.transport.send(to, ack_of(kind, request_id, position, s.plan_id))
+            except HarnessError as exc:  # the sender resends; its next copy is acknowledged again
+                s.log(f"stage {s.index}: acknowledging {kind} {position} failed: {exc}")
+
+    # --- a step's outputs ---------------------------------------------------------------------------------------------
+
+    def hand_on(self, batch: list[Work], outs: list[Hidden | int]) -> None:
+        """Hand a step's outputs on: a batched model's decode rows in one message unless every message must be
+        acknowledged on its own (policies retry and failover) or the stage is the whole chain; else one by one."""
+        s = self.state
+        if s.model.batched and not s.reliable and not (s.first and s.last):
+            self._settle_rows(batch, outs)
+        else:
+            for work, out in zip(batch, outs, strict=True):
+                self._settle(work, out)
+
+    def _settle(self, work: Work, out: Hidden | int) -> None:
+        """Hand one output on: the last stage emits its token (N = 1: the token is the request's next input), the
+        others send the hidden state down the chain; a replayed position's output is only recorded."""
+        s, req = self.state, work.request
+        if isinstance(out, Hidden):
+            self._send_activation(req, out, work.position, work.is_prefill, work.step, work.live)
+            if work.cascade:
+                self._cascade(req)
+        else:
+            position = req.prompt_tokens if work.is_prefill else work.position + 1  # where the token goes
+            if work.live:
+                self._emit(req, out, position, work.step)
+            else:
+                req.tokens.append(out)
+                req.token_times.append(time.monotonic() - req.t0)
+            if s.first and req.request_id in s.reqs:
+                req.work.append(Work(req, position, [out], is_prefill=False, step=len(req.tokens)))
+        if work.note:
+            s.log(f"{work.note} in {time.monotonic() - work.since:.2f} s")
+
+    def _settle_rows(self, batch: list[Work], outs: list[Hidden | int]) -> None:
+        """A batched step's outputs: the live decode rows go on in one message (ActivationRows down the chain, or
+        from the last stage TokenRows to stage 0); the rest as ``_settle`` hands them on."""
+        s = self.state
+        rows = [(w, o) for w, o in zip(batch, outs, strict=True) if w.live and not w.is_prefill]
+        for work, out in zip(batch, outs, strict=True):
+            if not (work.live and not work.is_prefill):
+                self._settle(work, out)
+        if not rows:
+            return
+        t0 = now_ns() if s.tracer else 0
+        if s.last:
+            tokens: list[NextToken] = []
+            for work, out in rows:
+                self._emit(work.request, int(cast(int, out)), work.position + 1, work.step, tokens)
+            if tokens:
+                msg: Message = TokenRows(
+                    request_ids=[t.request_id for t in tokens],
+                    token_ids=[t.token_id for t in tokens],
+                    positions=[t.position for t in tokens],
+                    done=[t.done for t in tokens],
+                    plan_id=s.plan_id,
+                    epoch=s.epoch,
+                )
+                self.send_rows(msg, "entry", [w for w, _ in rows], t0)
+            return
+        hidden = [cast(Hidden, o) for _, o in rows]
+        if s.keeps_digests:
+            for (work, _), h in zip(rows, hidden, strict=True):
+                record_digest(s.digests, work.request.request_id, h, KEEP_REQUESTS)
+        stacked = Hidden(np.concatenate([h.host() for h in hidden]))
+        msg = ActivationRows(
+            request_ids=[w.request.request_id for w, _ in rows],
+            positions=[w.position for w, _ in rows],
+            hidden=b"",  # packed where it leaves the process
+            shape=stacked.shape,
+            dtype=s.wire_dtype,
+            plan_id=s.plan_id,
+            epoch=s.epoch,
+        )
+        self.send_rows(msg, "next", [w for w, _ in rows], t0, stacked)
+
+    def _send_activation(
+        self, req: Request, hidden: Hidden, position: int, is_prefill: bool, step: int, live: bool = True
+    ) -> None:
+        """Send the hidden state on (``live``), or only record it as sent (a replay: it went round already)."""
+        s = self.state
+        t0 = now_ns() if s.tracer else 0
+        if s.keeps_digests:
+            record_digest(s.digests, req.request_id, hidden, KEEP_REQUESTS)
+        msg = codec.header(
+            hidden,
+            s.wire_dtype,
+            request_id=req.request_id,
+            position=position,
+            is_prefill=is_prefill,
+            plan_id=s.plan_id,
+            epoch=s.epoch,
+        )
+        if s.keeps_history:  # kept packed: a replay may go to a spare in another process
+            req.sent.append(cast(StageActivation, codec.attach(msg, hidden)))
+        if live:
+            self.send(("activation", req.request_id, position), "next", msg, step, t0, hidden)
+
+    def _emit(self, req: Request, token: int, position: int, step: int, rows: list[NextToken] | None = None) -> None:
+        """Record a sampled token; tell stage 0 (``rows``: kept there for one TokenRows instead) and the client
+        (and, when done, send the response)."""
+        s = self.state
+        req.tokens.append(token)
+        req.token_times.append(time.monotonic() - req.t0)
+        reason = finish_reason(req.tokens, s.model.config.eog_ids, req.max_tokens)
+        done = reason is not None
+        if not s.first:
+            msg = NextToken(
+                request_id=req.request_id,
+                token_id=token,
+                position=position,
+                done=done,
+                plan_id=s.plan_id,
+                epoch=s.epoch,
+            )
+            if rows is not None:
+                rows.append(msg)
+            else:
+                self.send(("token", req.request_id, position), "entry", msg, step, now_ns())
+        if s.reliable or req.stream:
+            streamed = StreamedToken(
+                request_id=req.request_id,
+                token_id=token,
+                position=position,
+                done=done,
+                plan_id=s.plan_id,
+                first=req.prompt_tokens,
+            )
+            self.send(("stream", req.request_id, position), "client:" + req.reply_to, streamed)
+        if reason is not None:
+            self._respond(req, reason)
+
+    def _respond(self, req: Request, reason: str) -> None:
+        s = self.state
+        eog_ids = s.model.config.eog_ids
+        ids, stop = visible(req.tokens, eog_ids), stop_token(req.tokens, eog_ids)
+        assert s.tokenizer is not None  # the constructor insists on it for the last stage
+        response = InferenceResponse(
+            request_id=req.request_id,
+            text=s.tokenizer.decode(ids),
+            token_ids=ids,
+            prompt_tokens=req.prompt_tokens,
+            token_times=req.token_times,
+            finish_reason=reason,
+            stop_token_id=stop,
+            stop_token=s.tokenizer.decode([stop]) if stop is not None else "",
+        )
+        self.send(("response", req.request_id, -1), "client:" + req.reply_to, response)
+        s.finish(req.request_id)
+
+    # --- replays sent (policy failover: ppharness.run.stage_replay) -------------------------------------------------
+
+    def _cascade(self, req: Request) -> None:
+        """A replacement that replayed a request sends everything it computed for it on, as a replay: its next
+        stage may have been replaced too (two neighbours lost at once) and hold nothing of the request; one that
+        holds it takes only the positions it has not seen."""
+        if req.opened is None or not req.sent:
+            return
+        replay = self._replay_of(req, req.opened)
+        self.send(("replay", req.request_id, replay_position(replay)), "next", replay)
+
+    def _replay_to_next(self) -> None:
+        """Send each request in progress, as this stage sent it, to the stage that replaced the next one."""
+        s = self.state
+        replayed = {r.request_id for r in s.reqs.values() if r.opened is not None and r.request_id not in s.finished}
+        self.outbox.drop(lambda key, role: not (key[1] in replayed and role == "next"))  # the replays carry them
+        for req in list(s.reqs.values()):
+            if req.request_id not in replayed or req.opened is None:
+                continue
+            rid = req.request_id
+            replay = self._replay_of(req, req.opened)
+            s.log(f"stage {s.index}: replaying request {rid} ({len(req.sent)} activation(s)) to the next stage")
+            self.send(("replay", rid, replay_position(replay)), "next", replay)
+
+    def _replay_of(self, req: Request, opened: RequestOpen) -> Replay:
+        """What this stage sent down the chain for ``req``, stamped with its epoch now."""
+        epoch = self.state.epoch
+        return Replay(
+            open=self.stamp_open(opened),
+            activations=[msgspec.structs.replace(a, epoch=epoch) for a in req.sent],
+            epoch=epoch,
+        )
+
+
+def replay_position(msg: Replay) -> int:
+    """A replay's key position: its last activation's (-1 when it holds none)."""
+    return msg.activations[-1].position if msg.activations else -1

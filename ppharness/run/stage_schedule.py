@@ -1,0 +1,109 @@
+"""The scheduler of a stage: which model calls run next, and the model call itself.
+
+Each request in flight keeps its model calls that are ready (``Work`` items, in position order); a step takes the next
+one of each request that has one, oldest request first, at most ``max_batch`` of them (0: every ready one), so that a
+request's calls run in order and several batches can travel the chain at once. The batch seam is ``run(batch)``: a
+list of ``Work`` items, each (request, slot, position, input), and one output per item. A model that is not batched
+runs them one after the other (``model.prefill``/``decode`` in the item's slot); a batched model
+(``ppharness.model.batch``) runs the prefills so and every decode item in one call over the stacked rows, each row in
+its own slot at its own position. The trace of a call (its receipt, deserialisation and compute) is recorded here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+from ppharness.errors import HarnessError, StageError
+from ppharness.model.hidden import Hidden
+from ppharness.run.stage_requests import StageState, Work
+from ppharness.trace.tracer import now_ns
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+
+class Scheduler:
+    """Picks a stage's next batch (``ready``) and runs the model for it (``run``): outputs are ``Hidden`` handles
+    (``ppharness.model.hidden``), or on the last stage token ids."""
+
+    def __init__(self, state: StageState):
+        self.state = state
+
+    def ready(self) -> list[Work]:
+        """The next batch: each request's next model call, for the requests that have one, oldest request first (at
+        most ``max_batch`` of them)."""
+        s = self.state
+        reqs = [req for req in s.reqs.values() if req.work]
+        return [req.work.popleft() for req in (reqs[: s.max_batch] if s.max_batch else reqs)]
+
+    def run(self, batch: list[Work]) -> list[Hidden | int]:
+        """The model for ``batch`` (the module docstring's seam): one output per item, a hidden state or, on the last
+        stage, the next token id. A batched model (``ppharness.model.batch``) runs every decode item in one call;
+        prefills, and every item of a model that is not batched, run one at a time."""
+        if not self.state.model.batched:
+            return [self.compute(work) for work in batch]
+        rows = [w for w in batch if not w.is_prefill]
+        out: dict[int, Hidden | int] = {id(w): self.compute(w) for w in batch if w.is_prefill}
+        if rows:
+            out.update(zip((id(w) for w in rows), self.compute_rows(rows), strict=True))
+        return [out[id(w)] for w in batch]
+
+    def compute_rows(self, rows: list[Work]) -> list[Hidden | int]:
+        """Decode items of several requests in one model call, each row in its request's slot at its position."""
+        s = self.state
+        if s.tracer:
+            for work in rows:
+                s.tracer.begin(work.request.request_id)
+                s.trace_rx(work.step, work.rx)
+            s.tracer.begin(rows[0].request.request_id)
+        t0 = now_ns()
+        begin = getattr(s.model, "begin_step", None)  # the expert fan-out is keyed by the batch's first row
+        if begin is not None:
+            begin(rows[0].request.request_id, rows[0].step)
+        xs = [w.input if isinstance(w.input, list) else w.input.host() for w in rows]
+        try:
+            outs = s.model.decode_rows(xs, [w.position for w in rows], [w.slot for w in rows])
+        except HarnessError as exc:
+            raise StageError(f"stage {s.index}: {exc}") from exc
+        except Exception as exc:  # tinygrad raises plain exceptions; name the stage and the requests
+            ids = ", ".join(w.request.request_id for w in rows)
+            what = f"{type(exc).__name__}: {exc}"
+            raise StageError(f"stage {s.index}: compute failed for requests {ids}: {what}") from exc
+        t1 = now_ns()
+        s.batches.append(len(rows))
+        if s.tracer:
+            for work in rows:  # each request's trace holds the batch's call
+                s.tracer.begin(work.request.request_id)
+                s.tracer.add(work.step, "compute", t0, t1)
+        if s.last:
+            return [int(cast(int, o)) for o in outs]
+        return [Hidden(cast("NDArray[Any]", o)) for o in outs]
+
+    def compute(self, work: Work) -> Hidden | int:
+        """One item alone: its prefill or its decode, in its request's slot."""
+        s, req = self.state, work.request
+        if s.tracer:
+            s.tracer.begin(req.request_id)
+            s.trace_rx(work.step, work.rx)
+        t0 = now_ns() if s.tracer else 0
+        begin = getattr(s.model, "begin_step", None)  # a model that fans out to expert nodes keys its messages
+        if begin is not None:
+            begin(req.request_id, work.step)
+        x = work.input if isinstance(work.input, list) else work.input.host()
+        try:
+            if work.is_prefill:
+                out = s.model.prefill(x, work.slot)
+            else:
+                out = s.model.decode(x, work.position, work.slot)
+        except HarnessError as exc:
+            raise StageError(f"stage {s.index}: {exc}") from exc
+        except Exception as exc:  # tinygrad raises plain exceptions; name the stage and the request
+            raise StageError(
+                f"stage {s.index}: compute failed for request {req.request_id}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if s.tracer:
+            s.tracer.add(work.step, "compute", t0, now_ns())
+        if s.last:
+            return int(out)
+        assert not isinstance(out, int)  # a stage before the last returns a hidden state
+        return Hidden(out)
