@@ -193,3 +193,43 @@ def test_the_simulator_counts_a_co_located_hand_over_at_its_own_cost_not_a_hops(
     parts = simulate(chain(tiny_graph, cluster, ["local-0", "local-0", "local-1"], [3, 6])).parts()
     assert parts["hop 0->1"] == 0.05, "the hand-over in one process was priced as a hop between processes"
     assert parts["hop 1->2"] == parts["hop 2->0"] == 0.3
+
+
+def test_a_decode_given_the_stage_befores_tensor_gives_the_bits_it_gives_for_the_host_array(tiny_gguf):
+    """The co-located way in: a hidden state left on the device goes into the step as it is (copied device to device
+    into its input buffer; here, on the CPU, through the host) and the step computes the same bytes."""
+    from tinygrad.tensor import Tensor
+
+    from ppharness.run.inprocess import load_slices
+
+    first, middle, _ = load_slices(tiny_gguf, [(0, 3), (3, 6), (6, 8)], MAX_CONTEXT)
+    ids = [1, 72, 101, 108]
+    middle.prefill(first.prefill(ids))
+    h = first.decode([33], len(ids))
+    as_host = middle.decode(h, len(ids))
+    middle.decode(np.zeros_like(h), len(ids))  # the step's input buffer and this position's cache hold other bytes now
+    as_tensor = middle.decode(Tensor(np.ascontiguousarray(h)).realize(), len(ids))
+    assert isinstance(as_host, np.ndarray) and isinstance(as_tensor, np.ndarray)
+    assert as_tensor.tobytes() == as_host.tobytes(), "the device way in changed the step's bytes"
+
+
+def test_a_request_that_asks_for_no_digests_leaves_none_on_any_stage_and_one_that_does_leaves_them(tiny_gguf):
+    """A digest reads the hidden state on the host, which a hand-over left on the device would otherwise never do:
+    a request says whether its stages keep them (the first request of a benchmark does, its timed repeats do not)."""
+    from ppharness.run.inprocess import InProcessChain, load_slices
+    from ppharness.wire.messages import InferenceRequest, InferenceResponse
+
+    slices = load_slices(tiny_gguf, [(0, 4), (4, 8)], MAX_CONTEXT)
+    with InProcessChain(tiny_gguf, slices) as chain:
+        for rid, digests in (("kept", True), ("none", False)):
+            chain.ask(InferenceRequest(chain.client.address, "digests", 4, request_id=rid, digests=digests))
+            reply = None
+            for _ in range(1000):
+                chain.turn(0)
+                chain.turn(1)
+                reply = chain.reply()
+                if reply is not None:
+                    break
+            assert isinstance(reply, InferenceResponse) and len(reply.token_ids) == 4
+        assert len(chain.stages[0].digests.get("kept", [])) == 4, "the request that asked kept no digests"
+        assert "none" not in chain.stages[0].digests, "a request that asked for none left digests"

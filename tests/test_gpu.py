@@ -1,5 +1,6 @@
 """On a GPU (``pytest -m gpu``; skipped elsewhere with the reason): kernels searched on the GPU keep a split in
-separate processes exact, and a decode block is measured beside the PyTorch fp16 GEMV floor of its shapes.
+separate processes exact, co-located stages hand over on the device and match, and a decode block is measured beside
+the PyTorch fp16 GEMV floor of its shapes.
 
 Run with DEV=CUDA (or CUDA=1) on a machine with an NVIDIA GPU; the floor also needs PyTorch with CUDA.
 """
@@ -98,3 +99,18 @@ def test_batched_rows_on_the_gpu_are_the_bytes_of_each_request_alone():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=_env())
     assert run.returncode == 0, run.stderr[-3000:]
     assert "rows differing from alone: []" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+def test_co_located_stages_on_the_gpu_hand_the_hidden_state_over_on_the_device_and_match(tmp_path):
+    """Three stages in one process on the GPU, each hand-over left on the device (``ppharness.model.handoff``): the
+    answer and every stage boundary equal the unsplit model's, bit for bit."""
+    run = subprocess.run(
+        [sys.executable, "-m", "ppharness.cli.smoke", "--num-stages", "3", "--colocated", "--max-tokens", "32"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=_env(),
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert "MATCH" in out and "serving stages 0-2 in one process" in out, out[-4000:]

@@ -10,8 +10,8 @@ import pytest
 
 from backends.vastai.emulator.network import TcpForwarder
 from ppharness.errors import HarnessError
-from ppharness.run.node import make_transport
 from ppharness.run.node_address import published
+from ppharness.run.node_env import make_transport
 from ppharness.wire.messages import Shutdown
 from transports.iroh.transport import IrohTransport
 from transports.memory import MemoryTransport

@@ -139,8 +139,8 @@ def run_chain_bench(
         for r in range(repeats):
             progress(f"repeat {r + 1}/{repeats}")
             res.single_tok_s.append(oracle_decode(path, PROMPT, tokens, max_context, model=single).decode_tok_s)
-            for kind, chain in chains.items():
-                response, _ = chain.request(PROMPT, tokens)
+            for kind, chain in chains.items():  # the verdict is the first request's: no digests kept now
+                response, _ = chain.request(PROMPT, tokens, digests=False)
                 res.chain_tok_s.setdefault(kind, []).append(decode_tok_s(response))
                 if kind == "zmq+trace" and r == repeats - 1:
                     _absorb_trace(res, chain, response)

@@ -17,9 +17,10 @@ import numpy as np
 if TYPE_CHECKING:
     from tinygrad.device import Buffer
     from tinygrad.tensor import Tensor
+    from typing_extensions import TypeIs
 
 
-def held(x: object) -> bool:
+def held(x: object) -> TypeIs[Tensor]:
     """Whether ``x`` is a device tensor (a handle a co-located stage left on the device), not ids or a host array."""
     return not isinstance(x, list | tuple | np.ndarray) and hasattr(x, "uop")
 

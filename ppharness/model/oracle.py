@@ -16,6 +16,7 @@ from ppharness.model.slicing import ModelSlice
 if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
+    from tinygrad.tensor import Tensor
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,6 @@ def oracle_decode(
     )
 
 
-def _token_id(out: NDArray[np.float16] | int) -> int:
+def _token_id(out: NDArray[np.float16] | Tensor | int) -> int:
     assert isinstance(out, int), "the unsplit model ends with the output head: every step gives a token id"
     return out

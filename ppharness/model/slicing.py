@@ -520,23 +520,29 @@ class ModelSlice(BatchedRows):
             self.use(previous)
         return True
 
-    def decode(self, x: list[int] | NDArray[np.float16], position: int, slot: int = 0) -> NDArray[np.float16] | int:
+    def decode(
+        self, x: list[int] | NDArray[np.float16] | Tensor, position: int, slot: int = 0
+    ) -> NDArray[np.float16] | Tensor | int:
         """Run one position ``position >= 1`` of request slot ``slot`` through the compiled decode step.
 
         The step's input lives in one persistent device buffer that each call overwrites, so a token costs one copy in
-        instead of a new tensor (and its allocation) per call.
+        instead of a new tensor (and its allocation) per call. ``x`` may be a co-located stage's output left on the
+        device, and with ``device_out`` the output stays there too (``ppharness.model.handoff``).
         """
         if not 1 <= position < self.max_context:
             raise ModelError(f"position {position} is outside the context of {self.max_context}")
+        if handoff.held(x):  # a co-located stage's output, left on its device
+            if self.batched or (self.config.moe and not self.fused) or self._decode_in is None:
+                return self.decode(x.numpy(), position, slot)
+            self.use(slot)
+            handoff.copy(self._decode_in, x)
+            with decode_context(self._decode_in.device) if not self.config.moe else contextlib.nullcontext():
+                return self._output(self._jit(self._decode_in, self._pos.bind(position)))
         if self.batched:  # one request is a batch of one row: the same kernels as in any batch
             return self.decode_rows([x], [position], [slot])[0]
         self.use(slot)
         if self.config.moe and not self.fused:
             return self._moe_step(x, position)
-        if handoff.held(x) and self._decode_in is not None:  # a co-located stage's output, left on its device
-            handoff.copy(self._decode_in, cast("Tensor", x))
-            with decode_context(self._decode_in.device) if not self.config.moe else contextlib.nullcontext():
-                return self._output(self._jit(self._decode_in, self._pos.bind(position)))
         arr = np.asarray(x, dtype=np.int32).reshape(1, 1) if self.first else np.asarray(x, dtype=np.float16)
         direct = self._directs[slot]
         if direct is None and self._jit.captured is not None:
@@ -568,13 +574,13 @@ class ModelSlice(BatchedRows):
         steps = [jit for _, jit in sorted(self.bank._jits.items()) if jit.captured is not None]
         return kernel_sources(steps[:1])  # every block's step is the same code
 
-    def _output(self, out: Tensor | tuple[Tensor, ...]) -> NDArray[np.float16] | int:
+    def _output(self, out: Tensor | tuple[Tensor, ...]) -> NDArray[np.float16] | Tensor | int:
         if isinstance(out, tuple):  # with taps: the step's output, then every block's
             out, *self._tapped = out
         if self.last:
             return int(out.item())
         kept = self.device_out and not on_cpu(out.device)  # ppharness.model.handoff (CPU buffers are host memory)
-        return cast("NDArray[np.float16]", out) if kept else out.numpy()
+        return out if kept else out.numpy()
 
     def tapped(self) -> dict[int, NDArray[np.float16]]:
         """With ``taps``: block index (in the file) -> its output (1,T,D) at the last prefill or decode step."""

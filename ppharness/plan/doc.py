@@ -197,11 +197,10 @@ class Cluster(_Doc, frozen=True):
     default: Impaired = Impaired()
     region_links: Annotated[tuple[Link, ...], at_most(limits.MAX_LINKS, "links")] = ()
     links: Annotated[tuple[Link, ...], at_most(limits.MAX_LINKS, "links")] = ()
-    # fixed cost of one message hop (transport), as traces measure it
+    # fixed cost of one message hop (transport), and of one hand-over between co-located stages, as traces measure it
     hop_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0
-    name: str = ""
-    # fixed cost of one hand-over between stages co-located on one device (one process), as traces measure it
     handoff_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0
+    name: str = ""
     host_link: Impaired = Impaired()  # between two GPUs of one host (devices with the same source.host)
 
     def device(self, device_id: str) -> Device:

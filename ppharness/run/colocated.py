@@ -36,7 +36,9 @@ from ppharness.model.slicing import ModelSlice
 from ppharness.network.clock import EventClock
 from ppharness.plan.stages import StagePlan, decode_program
 from ppharness.run.loop import Loop
-from ppharness.run.node import Node, Orphaned, Standing, _log, make_transport, node_loop, read_network
+from ppharness.run.node import Node, Orphaned, Standing, node_loop
+from ppharness.run.node_env import make_transport, read_network
+from ppharness.run.node_env import node_log as _log
 from ppharness.run.realise import GROUP_ENV
 from ppharness.seams.transport import Received, Sent, Transport
 from ppharness.trace.tracer import now_ns

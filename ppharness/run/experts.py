@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ppharness.errors import CodecError, HarnessError, ModelError, WaitTimedOut
+from ppharness.model import handoff
 from ppharness.run.loop import Loop
 from ppharness.run.reliable import Key, Outbox, RetryPolicy
 from ppharness.seams.transport import Received, Transport
@@ -38,6 +39,8 @@ from ppharness.wire import codec
 from ppharness.wire.messages import ExpertRequest, ExpertResult, Message
 
 if TYPE_CHECKING:
+    from tinygrad.tensor import Tensor
+
     from ppharness.model.config import ModelConfig
     from ppharness.model.moe import ExpertBank, ExpertCall
     from ppharness.model.slicing import ModelSlice
@@ -118,13 +121,15 @@ class ExpertParallel:
         return self._drive(self.model.prefill_step(x, slot), 0)
 
     def decode(
-        self, x: list[int] | npt.NDArray[np.float16], position: int, slot: int = 0
+        self, x: list[int] | npt.NDArray[np.float16] | Tensor, position: int, slot: int = 0
     ) -> npt.NDArray[np.float16] | int:
+        # a plan co-locates no stage that fans out to expert nodes; a device handle is taken all the same
+        host = x.numpy() if handoff.held(x) else x
         if not 1 <= position < self.model.max_context:
             raise ModelError(f"position {position} is outside the context of {self.model.max_context}")
         if self.model.batched:
-            return self.decode_rows([x], [position], [slot])[0]
-        return self._drive(self.model.step(x, position, slot), position)
+            return self.decode_rows([host], [position], [slot])[0]
+        return self._drive(self.model.step(host, position, slot), position)
 
     def decode_rows(
         self,

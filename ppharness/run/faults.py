@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
     import numpy as np
     import numpy.typing as npt
+    from tinygrad.tensor import Tensor
 
     from ppharness.model.slicing import ModelSlice
 
@@ -31,8 +32,8 @@ class FaultyModel:
         return self._model.config.eos_id if self._fault == "eos-first" and self._model.last else out
 
     def decode(
-        self, x: list[int] | npt.NDArray[np.float16], position: int, slot: int = 0
-    ) -> npt.NDArray[np.float16] | int:
+        self, x: list[int] | npt.NDArray[np.float16] | Tensor, position: int, slot: int = 0
+    ) -> npt.NDArray[np.float16] | Tensor | int:
         self._decodes += 1
         if self._fault == "exit-mid-decode" and self._decodes == 3:
             print(f"[pp-node] fault exit-mid-decode: exiting at position {position}", file=sys.stderr, flush=True)

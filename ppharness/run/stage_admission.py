@@ -106,6 +106,7 @@ class Admission:
             stream=msg.stream,
             next_position=len(ids),
             t0=time.monotonic(),
+            digests=msg.digests,
         )
         s.reqs[request_id] = req
         if not s.last:
@@ -117,6 +118,7 @@ class Admission:
                 plan_id=s.plan_id,
                 epoch=s.epoch,
                 stream=msg.stream,
+                digests=msg.digests,
             )
             if s.keeps_history:
                 req.opened = opened
@@ -158,6 +160,7 @@ class Admission:
             slot=slot,
             stream=msg.stream,
             t0=time.monotonic(),
+            digests=msg.digests,
         )
         s.reqs[msg.request_id] = req
         if s.tracer:

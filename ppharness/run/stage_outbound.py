@@ -203,7 +203,8 @@ class Outbound:
         hidden = [cast(Hidden, o) for _, o in rows]
         if s.keeps_digests:
             for (work, _), h in zip(rows, hidden, strict=True):
-                record_digest(s.digests, work.request.request_id, h, KEEP_REQUESTS)
+                if work.request.digests:
+                    record_digest(s.digests, work.request.request_id, h, KEEP_REQUESTS)
         stacked = Hidden(np.concatenate([h.host() for h in hidden]))
         msg = ActivationRows(
             request_ids=[w.request.request_id for w, _ in rows],
@@ -222,7 +223,7 @@ class Outbound:
         """Send the hidden state on (``live``), or only record it as sent (a replay: it went round already)."""
         s = self.state
         t0 = now_ns() if s.tracer else 0
-        if s.keeps_digests:
+        if s.keeps_digests and req.digests:  # a digest reads the value on the host: only where it is asked for
             record_digest(s.digests, req.request_id, hidden, KEEP_REQUESTS)
         msg = codec.header(
             hidden,

@@ -28,6 +28,7 @@ from ppharness.wire.messages import InferenceRequest, RequestOpen, StageActivati
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
+    from tinygrad.tensor import Tensor
 
     from ppharness.model.config import ModelConfig
     from ppharness.model.tokenizer import Tokenizer
@@ -53,8 +54,11 @@ class StageModel(Protocol):
     def prefill(self, x: list[int] | npt.NDArray[np.float16], slot: int = 0) -> npt.NDArray[np.float16] | int: ...
 
     def decode(
-        self, x: list[int] | npt.NDArray[np.float16], position: int, slot: int = 0
-    ) -> npt.NDArray[np.float16] | int: ...
+        self, x: list[int] | npt.NDArray[np.float16] | Tensor, position: int, slot: int = 0
+    ) -> npt.NDArray[np.float16] | Tensor | int:
+        """One position; ``x`` may be a co-located stage's output left on the device, and the output may stay there
+        (``ppharness.model.handoff``)."""
+        ...
 
     @property
     def batched(self) -> bool:
@@ -76,6 +80,7 @@ class Request:
     prompt_tokens: int
     slot: int = 0  # the model's request slot (KV cache) this request computes in
     stream: bool = False  # last stage: send each token to reply_to as it is sampled
+    digests: bool = True  # keep the digest of each hidden state sent for it (when the stage keeps digests)
     next_position: int = 0  # the position this stage expects next (taken at receipt, computed or not)
     tokens: list[int] = field(default_factory=list)  # last stage: generated so far
     token_times: list[float] = field(default_factory=list)

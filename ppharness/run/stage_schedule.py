@@ -19,7 +19,9 @@ from ppharness.run.stage_requests import StageState, Work
 from ppharness.trace.tracer import now_ns
 
 if TYPE_CHECKING:
+    import numpy as np
     from numpy.typing import NDArray
+    from tinygrad.tensor import Tensor
 
 
 class Scheduler:
@@ -89,11 +91,13 @@ class Scheduler:
         begin = getattr(s.model, "begin_step", None)  # a model that fans out to expert nodes keys its messages
         if begin is not None:
             begin(req.request_id, work.step)
-        x = work.input if isinstance(work.input, list) else work.input.host()
+        given = work.input
+        out: NDArray[np.float16] | Tensor | int
         try:
             if work.is_prefill:
-                out = s.model.prefill(x, work.slot)
-            else:
+                out = s.model.prefill(given if isinstance(given, list) else given.host(), work.slot)
+            else:  # a hidden state the stage before left on the device goes in as it is (model.handoff)
+                x = given if isinstance(given, list) else given.value if given.on_device else given.host()
                 out = s.model.decode(x, work.position, work.slot)
         except HarnessError as exc:
             raise StageError(f"stage {s.index}: {exc}") from exc
@@ -104,6 +108,6 @@ class Scheduler:
         if s.tracer:
             s.tracer.add(work.step, "compute", t0, now_ns())
         if s.last:
-            return int(out)
+            return int(cast(int, out))
         assert not isinstance(out, int)  # a stage before the last returns a hidden state
         return Hidden(out)

@@ -32,6 +32,7 @@ class InferenceRequest(_Msg, frozen=True):
     max_tokens: int
     request_id: str = ""
     stream: bool = False  # also send each token to reply_to as a StreamedToken when it is sampled
+    digests: bool = True  # every stage keeps the digest of each hidden state it sends (a DigestRequest's answer)
 
 
 class StageActivation(_Msg, frozen=True):
@@ -115,6 +116,7 @@ class RequestOpen(_Msg, frozen=True):
     plan_id: str
     epoch: int = 0
     stream: bool = False  # the request's: the last stage streams each token to reply_to
+    digests: bool = True  # the request's: each stage keeps its hidden states' digests
 
 
 class RequestClose(_Msg, frozen=True):
