@@ -191,15 +191,14 @@ class Link(Impairment, frozen=True, rename={"src": "from", "dst": "to"}, omit_de
 
 class Cluster(_Doc, frozen=True):
     """Devices and links. A pair's link is its own entry in ``links``, else ``host_link`` when both are GPUs of one
-    host, else its regions' entry in ``region_links``, else ``default``."""
+    host, else its regions' entry in ``region_links``, else ``default``. Fixed costs: a hop's, a hand-over's."""
 
     devices: Annotated[tuple[Device, ...], at_most(limits.MAX_DEVICES, "devices", 1)]
     default: Impaired = Impaired()
     region_links: Annotated[tuple[Link, ...], at_most(limits.MAX_LINKS, "links")] = ()
     links: Annotated[tuple[Link, ...], at_most(limits.MAX_LINKS, "links")] = ()
-    # fixed cost of one message hop (transport), and of one hand-over between co-located stages, as traces measure it
-    hop_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0
-    handoff_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0
+    hop_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0  # one hop's cost
+    handoff_ms: Annotated[float, Meta(ge=0, le=60_000, description="milliseconds, 0 to 60000")] = 0.0  # co-located
     name: str = ""
     host_link: Impaired = Impaired()  # between two GPUs of one host (devices with the same source.host)
 
