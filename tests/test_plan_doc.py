@@ -417,11 +417,6 @@ BAD: dict[str, tuple[Mutation, str, list[str]]] = {
         "$.placement.nodes[1].device: unknown device 'gpu-z'",
         ["the cluster's devices are: gpu-a, gpu-b"],
     ),
-    "two nodes on one device": (
-        _both(_set("placement.nodes.1.device", "gpu-a"), _set("placement.nodes.1.name", "second")),
-        "$.placement.nodes[1].device: device 'gpu-a' already runs node 'gpu-a'",
-        ["one node per device"],
-    ),
     "two entries": (
         _set("placement.nodes.1.ops", [{"op": "embed"}, BLOCKS_4_8, {"op": "head"}]),
         "$.placement.nodes: a plan has one entry (the node whose ops include embed); nodes gpu-a, gpu-b have it",
