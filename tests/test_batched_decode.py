@@ -209,3 +209,48 @@ def test_every_architecture_batches_rows_exactly(preset):
         tokens, bounds = run_alone(slices, prompt, steps)
         assert done[k]["bounds"] == bounds, f"{preset} request {k}: a boundary's bytes differ from its run alone"
         assert done[k]["tokens"] == tokens, f"{preset} request {k}: its tokens differ from its run alone"
+
+
+@pytest.mark.parametrize("policy", ["retry", "failover"])
+def test_batched_rows_go_as_one_message_per_hop_per_step_under_every_policy(tiny_gguf, policy):
+    """Four requests in flight, batched, under a policy that acknowledges every message: each decode step crosses
+    each hop as one ActivationRows (and one TokenRows back), acknowledged once, and every answer is the one the same
+    chain gives under policy none."""
+    from ppharness.run.inprocess import InProcessChain, load_slices
+    from ppharness.wire.messages import (
+        Ack,
+        ActivationRows,
+        InferenceRequest,
+        InferenceResponse,
+        StageActivation,
+        TokenRows,
+    )
+
+    slices = load_slices(tiny_gguf, [(0, 3), (3, 6), (6, 8)], 64, slots=4, batched=True)
+    prompts = ["rows in one message", "héllo", "a b c d e f", "batched"]
+    answers: dict[str, dict[str, list[int]]] = {}
+    for run in ("none", policy):
+        seen: dict[int, list[object]] = {0: [], 1: [], 2: []}
+        with InProcessChain(tiny_gguf, slices, policy=run) as chain:
+            for k, prompt in enumerate(prompts):
+                chain.ask(InferenceRequest(chain.client.address, prompt, 8, request_id=f"r{k}"))
+            got: dict[str, list[int]] = {}
+            for _ in range(5000):
+                for i in range(3):
+                    chain.turn(i, lambda stage, msg, seen=seen: seen[stage].append(msg), drain=True)
+                while (reply := chain.reply()) is not None:
+                    if isinstance(reply, InferenceResponse):
+                        got[reply.request_id] = reply.token_ids
+                if len(got) == len(prompts):
+                    break
+            chain.turn(0, lambda stage, msg, seen=seen: seen[stage].append(msg), drain=True)  # the last Acks
+        answers[run] = got
+        decode_singles = [m for m in seen[1] + seen[2] if isinstance(m, StageActivation) and not m.is_prefill]
+        rows = [m for m in seen[1] if isinstance(m, ActivationRows)]
+        assert not decode_singles, f"policy {run}: decode steps went as one StageActivation per request"
+        assert rows and max(len(m.request_ids) for m in rows) == len(prompts), f"policy {run}: no step of 4 rows"
+        assert any(isinstance(m, TokenRows) for m in seen[0]), f"policy {run}: the tokens came back one by one"
+        if run != "none":  # one Ack answers a step's message, from the stage it went to
+            acks = [m for m in seen[0] if isinstance(m, Ack) and m.kind == "rows"]
+            assert len(acks) >= len(rows), f"policy {run}: {len(rows)} ActivationRows, {len(acks)} Acks of them"
+    assert answers[policy] == answers["none"], f"policy {policy} changed an answer"

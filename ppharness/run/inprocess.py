@@ -55,7 +55,7 @@ def load_slices(
 
 class InProcessChain:
     """``slices`` (stage order) as Stages on memory endpoints, each on its own loop, and a client endpoint (the
-    stages' seed); started here, closed on leaving the ``with``. ``keep_digests``: as Stage's."""
+    stages' seed); started here, closed on leaving the ``with``. ``keep_digests`` and ``policy``: as Stage's."""
 
     def __init__(
         self,
@@ -65,6 +65,7 @@ class InProcessChain:
         wire_dtype: str = "f16",
         queue: int = QUEUE,
         keep_digests: bool = True,
+        policy: str = "none",
     ):
         memory = transport_class("memory")
         n = len(slices)
@@ -87,6 +88,7 @@ class InProcessChain:
                 seed=self.client.address,
                 queue=queue,
                 keep_digests=keep_digests,
+                policy=policy,
             )
             for i in range(n)
         ]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ppharness.errors import CodecError
 from ppharness.model.hidden import Hidden
 from ppharness.run.stage_admission import Admission
-from ppharness.run.stage_outbound import Outbound
+from ppharness.run.stage_outbound import Outbound, rows_key
 from ppharness.run.stage_replay import ReplayIntake
 from ppharness.run.stage_requests import Request, StageState, Work
 from ppharness.seams.transport import Received
@@ -70,9 +70,9 @@ class Inbound:
                 self._on_activation(msg, rx)
             case NextToken() if s.first and not s.last:
                 self._on_next_token(msg, rx)
-            case ActivationRows() if not s.first and not s.reliable:
+            case ActivationRows() if not s.first:
                 self._on_activation_rows(msg, rx)
-            case TokenRows() if s.first and not s.last and not s.reliable:
+            case TokenRows() if s.first and not s.last:
                 self._on_token_rows(msg, rx)
             case Replay() if not s.first and s.keeps_history:
                 self.replays.on_replay(msg)
@@ -183,7 +183,12 @@ class Inbound:
         except CodecError as exc:
             s.log(f"stage {s.index}: dropped ActivationRows: {exc}")
             return
+        if s.reliable:  # one Ack for the message: its rows are taken, or copies of rows taken before
+            self.out.ack(s.prev_addr, *rows_key(msg))
         for r, (request_id, position) in enumerate(zip(msg.request_ids, msg.positions, strict=True)):
+            taken = s.reqs.get(request_id)
+            if s.reliable and (request_id in s.finished or (taken is not None and 0 < position < taken.next_position)):
+                continue  # a copy of a row this stage took (its sender resent the message)
             req = self._current(request_id, msg.plan_id, "a row of ActivationRows")
             if req is None:
                 continue
@@ -197,6 +202,13 @@ class Inbound:
                 s.tracer.begin(request_id)
             step = position - req.prompt_tokens + 1
             req.next_position = position + 1
+            if (
+                s.reliable
+            ):  # the chain's progress, as a StageActivation at that position stands for (``_on_activation``)
+                if s.last:
+                    self.out.outbox.settle_through("token", request_id, position + 1)
+                else:
+                    self.out.outbox.settle_through("activation", request_id, position)
             req.work.append(Work(req, position, Hidden(rows[r : r + 1]), False, step, rx, True))
 
     @staticmethod
@@ -216,6 +228,8 @@ class Inbound:
                 f"stage 0: dropped TokenRows of {n} request(s) with lists of other lengths (or over the slots)"
             )
             return
+        if self.state.reliable:  # one Ack for the message; each row is then taken as its NextToken (copies too)
+            self.out.ack(self.state.exit_addr, *rows_key(msg))
         for request_id, token, position, done in zip(msg.request_ids, msg.token_ids, msg.positions, msg.done):
             one = NextToken(
                 request_id=request_id,

@@ -39,6 +39,13 @@ from ppharness.wire.messages import (
 )
 
 
+def rows_key(msg: ActivationRows | TokenRows) -> Key:
+    """The outbox's key of a batched step's message (policies retry and failover): its first row's request and
+    position, and how many rows; acknowledged as one."""
+    kind = "rows" if isinstance(msg, ActivationRows) else "token-rows"
+    return kind, f"{msg.request_ids[0]}@{msg.positions[0]}", len(msg.request_ids)
+
+
 class Outbound:
     """What a stage sends, and how: ``send`` (the one path, through the outbox under a reliable policy), ``tell``
     (once, never resent: refusals), ``ack``; ``hand_on`` a step's outputs; ``rejoin`` a newer directory (and replay to
@@ -63,7 +70,7 @@ class Outbound:
 
     def stamp(self, msg: Message) -> Message:
         """A message about to be sent again carries the stage's epoch now (the directory may have moved on)."""
-        if isinstance(msg, StageActivation | NextToken | RequestOpen | RequestClose):
+        if isinstance(msg, StageActivation | NextToken | RequestOpen | RequestClose | ActivationRows | TokenRows):
             return msgspec.structs.replace(msg, epoch=self.state.epoch)
         return msg
 
@@ -116,13 +123,19 @@ class Outbound:
             s.tracer.add(step, "serialize", t0, sent.encode_end_ns)
             s.tracer.add(step, "send", sent.encode_end_ns, sent.sent_ns, sent.nbytes)
 
-    def send_rows(self, msg: Message, role: str, works: list[Work], t0: int, tensor: Hidden | None = None) -> None:
-        """Send a batched step's message (policy none: once; ``tensor``: the rows' hidden states beside it); each
-        row's trace holds its serialisation and send."""
+    def send_rows(
+        self, msg: ActivationRows | TokenRows, role: str, works: list[Work], t0: int, tensor: Hidden | None = None
+    ) -> None:
+        """Send a batched step's message (``tensor``: the rows' hidden states beside it): once, or under policies
+        retry and failover through the outbox, as one message acknowledged as one (``rows_key``); each row's trace
+        holds its serialisation and send."""
         s = self.state
-        address = self.address_of(role)
-        assert address is not None
-        sent = s.transport.send(address, msg, tensor)
+        if s.reliable:
+            sent = self.outbox.put(rows_key(msg), role, msg if tensor is None else codec.attach(msg, tensor))
+        else:
+            address = self.address_of(role)
+            assert address is not None
+            sent = s.transport.send(address, msg, tensor)
         if s.tracer and sent is not None:
             for work in works:
                 s.tracer.begin(work.request.request_id)
@@ -145,10 +158,10 @@ class Outbound:
     # --- a step's outputs ---------------------------------------------------------------------------------------------
 
     def hand_on(self, batch: list[Work], outs: list[Hidden | int]) -> None:
-        """Hand a step's outputs on: a batched model's decode rows in one message unless every message must be
-        acknowledged on its own (policies retry and failover) or the stage is the whole chain; else one by one."""
+        """Hand a step's outputs on: a batched model's decode rows in one message (under every policy) unless the stage
+        is the whole chain; else one by one."""
         s = self.state
-        if s.model.batched and not s.reliable and not (s.first and s.last):
+        if s.model.batched and not (s.first and s.last):
             self._settle_rows(batch, outs)
         else:
             for work, out in zip(batch, outs, strict=True):
@@ -190,7 +203,7 @@ class Outbound:
             for work, out in rows:
                 self._emit(work.request, int(cast(int, out)), work.position + 1, work.step, tokens)
             if tokens:
-                msg: Message = TokenRows(
+                token_rows = TokenRows(
                     request_ids=[t.request_id for t in tokens],
                     token_ids=[t.token_id for t in tokens],
                     positions=[t.position for t in tokens],
@@ -198,13 +211,24 @@ class Outbound:
                     plan_id=s.plan_id,
                     epoch=s.epoch,
                 )
-                self.send_rows(msg, "entry", [w for w, _ in rows], t0)
+                self.send_rows(token_rows, "entry", [w for w, _ in rows], t0)
             return
         hidden = [cast(Hidden, o) for _, o in rows]
-        if s.keeps_digests:
-            for (work, _), h in zip(rows, hidden, strict=True):
-                if work.request.digests:
-                    record_digest(s.digests, work.request.request_id, h, KEEP_REQUESTS)
+        for (work, _), h in zip(rows, hidden, strict=True):
+            req = work.request
+            if s.keeps_digests and req.digests:
+                record_digest(s.digests, req.request_id, h, KEEP_REQUESTS)
+            if s.keeps_history:  # a replay to a spare sends each request's own activations, packed
+                one = codec.header(
+                    h,
+                    s.wire_dtype,
+                    request_id=req.request_id,
+                    position=work.position,
+                    is_prefill=False,
+                    plan_id=s.plan_id,
+                    epoch=s.epoch,
+                )
+                req.sent.append(cast(StageActivation, codec.attach(one, h)))
         stacked = Hidden(np.concatenate([h.host() for h in hidden]))
         msg = ActivationRows(
             request_ids=[w.request.request_id for w, _ in rows],
@@ -306,7 +330,8 @@ class Outbound:
         """Send each request in progress, as this stage sent it, to the stage that replaced the next one."""
         s = self.state
         replayed = {r.request_id for r in s.reqs.values() if r.opened is not None and r.request_id not in s.finished}
-        self.outbox.drop(lambda key, role: not (key[1] in replayed and role == "next"))  # the replays carry them
+        # the replays carry them, and every batched step's rows (each request's own activations are in its replay)
+        self.outbox.drop(lambda key, role: not (role == "next" and (key[1] in replayed or key[0] == "rows")))
         for req in list(s.reqs.values()):
             if req.request_id not in replayed or req.opened is None:
                 continue
