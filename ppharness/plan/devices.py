@@ -3,6 +3,7 @@ device holds what its nodes need. Part of ``ppharness.plan.check``'s invariants.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -86,13 +87,17 @@ def check_colocated(doc: PlanDoc, path: list[str], source: str) -> None:
     nodes = {n.label: n for n in doc.placement.nodes}
     index = {n.label: i for i, n in enumerate(doc.placement.nodes)}
     device_of = [nodes[name].device for name in path]
+    times = Counter(device_of)
     fans = {e.src for e in doc.placement.edges if e.kind == "experts"}
+    seen: set[str] = set()  # the devices of the loop's nodes so far
     for k, name in enumerate(path):
         dev = device_of[k]
-        if device_of.count(dev) < 2:
+        earlier = dev in seen
+        seen.add(dev)
+        if times[dev] < 2:
             continue
         at = f"{source}: $.placement.nodes[{index[name]}]"
-        if k > 0 and device_of[k - 1] != dev and dev in device_of[:k]:
+        if k > 0 and device_of[k - 1] != dev and earlier:
             raise PlanError(
                 f"{at}.device: device {dev!r} runs nodes that are not consecutive on the loop {chain_text(path)} — "
                 "stages on one device are co-located in one process and must follow each other; give node "
