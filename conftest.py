@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent
 MAX_WORKERS = 4  # pytest -n auto: one worker per core, at most this many (each runs multi-process chains)
 
 # Property-test budgets; pick one with HYPOTHESIS_PROFILE (CI defaults to "ci"). tests/README.md lists them.
-settings.register_profile("dev", max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile(
     "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )

@@ -128,7 +128,7 @@ def each_request_as_alone(tiny_gguf, split, requests, seed) -> None:
 
 
 @settings(
-    max_examples=min(3, settings.default.max_examples),
+    max_examples=min(2, settings.default.max_examples),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -186,7 +186,7 @@ def test_rows_that_share_a_slot_or_leave_the_context_are_refused(tiny_gguf):
 @pytest.mark.parametrize(
     "preset",
     [pytest.param("tiny-qwen2", marks=pytest.mark.slow), pytest.param("tiny-qwen3", marks=pytest.mark.slow)]
-    + ["tiny-moe", "tiny-deepseek"],
+    + ["tiny-moe", pytest.param("tiny-deepseek", marks=pytest.mark.slow)],  # each has a faster sibling by default
 )
 def test_every_architecture_batches_rows_exactly(preset):
     """qwen2 (q/k/v biases), qwen3 (per-head q/k norms), qwen3moe and deepseek2 (MLA attention, sigmoid routing,
@@ -211,7 +211,7 @@ def test_every_architecture_batches_rows_exactly(preset):
         assert done[k]["tokens"] == tokens, f"{preset} request {k}: its tokens differ from its run alone"
 
 
-@pytest.mark.parametrize("policy", ["retry", "failover"])
+@pytest.mark.parametrize("policy", [pytest.param("retry", marks=pytest.mark.slow), "failover"])  # failover holds more
 def test_batched_rows_go_as_one_message_per_hop_per_step_under_every_policy(tiny_gguf, policy):
     """Four requests in flight, batched, under a policy that acknowledges every message: each decode step crosses
     each hop as one ActivationRows (and one TokenRows back), acknowledged once, and every answer is the one the same

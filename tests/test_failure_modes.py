@@ -68,7 +68,12 @@ def _failed_line(out: str) -> str:
     [
         (FaultSection(stage=1, mode="never-join"), {"join_s": 8.0}, "never converged: stage(s) [1] did not join"),
         (FaultSection(stage=2, mode="no-names"), {"resolve_s": 3.0}, "the name 'pp-stage-2' never resolved"),
-        (FaultSection(stage=0, mode="stall-before-ready"), {"ready_s": 25.0}, "stage(s) [0] never reported ready"),
+        pytest.param(  # waits out its 25 s budget: with the slow tests
+            FaultSection(stage=0, mode="stall-before-ready"),
+            {"ready_s": 25.0},
+            "stage(s) [0] never reported ready",
+            marks=pytest.mark.slow,
+        ),
         (FaultSection(stage=1, mode="bad-model"), {}, "stage 1: loading the model failed"),
         (FaultSection(stage=2, mode="eos-first"), {}, "stage 2 (last) reported done with no text"),
         (FaultSection(stage=1, mode="exit-mid-decode"), {}, "pp-stage-1 (local"),
@@ -136,10 +141,10 @@ def test_reap_command_destroys_a_crashed_runs_leftovers(tmp_path):
     [
         ("membership:", signal.SIGINT),
         ("joined", signal.SIGINT),
-        ("ready", signal.SIGINT),
+        pytest.param("ready", signal.SIGINT, marks=pytest.mark.slow),  # SIGTERM-ready's way, another signal
         ("request:", signal.SIGINT),
         ("ready", signal.SIGTERM),
-        ("request:", signal.SIGHUP),
+        pytest.param("request:", signal.SIGHUP, marks=pytest.mark.slow),  # SIGINT-request's way, another signal
     ],
     ids=["SIGINT-membership", "SIGINT-joined", "SIGINT-ready", "SIGINT-request", "SIGTERM-ready", "SIGHUP-request"],
 )

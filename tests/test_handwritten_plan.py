@@ -86,6 +86,7 @@ def test_the_docs_worked_example_runs_token_exact_in_one_process(tmp_path):
 
 
 @pytest.mark.local
+@pytest.mark.slow  # the same plan runs token-exact in one process in the default run; on processes here
 def test_pp_smoke_run_runs_the_docs_worked_example_on_local_processes(tmp_path):
     from ppharness.cli.smoke import smoke_run  # the smoke command pulls in the whole run machinery: only here
 

@@ -132,6 +132,7 @@ def test_the_committed_tables_read_and_match_this_tinygrad():
         assert len(kernels.msgspec.json.encode(table)) <= kernels.MAX_ENV_BYTES, f"{path} cannot be handed to nodes"
 
 
+@pytest.mark.slow  # a search interrupted on purpose (20 s); the tune's table itself is checked by the default run
 def test_an_interrupted_tune_keeps_the_kernels_it_searched(tmp_path):
     """SIGTERM (or Ctrl-C) during `ppharness tune` ends it with exit 128 + the signal and one line, and the table it
     leaves is a good table of the kernels searched so far."""

@@ -36,7 +36,8 @@ def _assert_chain_ok(result, n: int) -> None:
     assert not labelled_pids(result.run_label), "pp-node processes outlived the run"
 
 
-@pytest.mark.parametrize("transport", ["zmq", "iroh"])
+# iroh's default-run chain is its SIGKILL test below (and tests/test_iroh.py); this one runs with the slow tests
+@pytest.mark.parametrize("transport", ["zmq", pytest.param("iroh", marks=pytest.mark.slow)])
 def test_chain_matches_oracle(num_stages, transport):
     scenario = scenario_from_args(num_stages=num_stages, max_tokens=12, transport=transport)
     result = run_scenario(scenario, progress=Progress(quiet=True), run_label=_label())
@@ -46,7 +47,8 @@ def test_chain_matches_oracle(num_stages, transport):
 @pytest.mark.parametrize(
     "path",
     # 5-stage chains (the WAN ones included) are slow tests (the pytest plugin): pytest -m slow (and .ci/run) runs them
-    [pytest.param(p, marks=[pytest.mark.slow] if load_scenario(p).stages.count >= 5 else []) for p in SCENARIOS],
+    # the 2-stage file is the N2 zmq chain above with the file's own settings: with the 5-stage ones, in the slow run
+    [pytest.param(p, marks=[pytest.mark.slow]) for p in SCENARIOS],
     ids=[p.stem for p in SCENARIOS],
 )
 def test_shipped_scenario_runs(path):

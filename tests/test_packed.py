@@ -91,7 +91,8 @@ def test_a_slice_holds_the_files_bytes_not_their_float16_expansion(k_files, wtyp
     assert expanded.weight_bytes > 2.5 * packed.weight_bytes, "float16 would hold far more"
 
 
-@pytest.mark.parametrize("wtype", ["q4_k", "q6_k", "q4_1"])
+# q6_k's packed product runs its own unpacking: with the slow tests (q4_k and q4_1 in the default run)
+@pytest.mark.parametrize("wtype", ["q4_k", pytest.param("q6_k", marks=pytest.mark.slow), "q4_1"])
 def test_a_packed_model_gives_the_tokens_of_the_model_dequantised_to_float16(k_files, wtype):
     f = GGUFFile(k_files[wtype])
     packed = _decode(ModelSlice(f, 0, K_SPEC.blocks, True, True, max_context=64), [1, 5, 9, 2], 12)

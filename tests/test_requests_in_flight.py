@@ -74,7 +74,7 @@ def serves_each_request_as_alone(tiny_model_path, tiny_gguf, split, slots, queue
         assert not refused, "a request was refused although the slots and the queue had room for all"
 
 
-@settings(max_examples=min(2, settings.default.max_examples))
+@settings(max_examples=min(1, settings.default.max_examples))
 @given(**DRAWS)
 @example(split=SPLITS[2], slots=3, queue=8, load=[Arrival(p, LONGEST, 0) for p in PROMPTS], seed=1)
 @example(split=SPLITS[3], slots=1, queue=8, load=[Arrival(p, 5, 3 * k) for k, p in enumerate(PROMPTS)], seed=2)
