@@ -380,6 +380,7 @@ ROUND_ROBIN = (3, [[i % 3] for i in range(len(PAIRS))], 0)  # every expert on ex
 EVERYWHERE = (2, [[0, 1] for _ in PAIRS], 5)  # every expert on both banks, each row's holder picked at random
 
 
+@pytest.mark.slow  # 35 s; deepseek2's twin (tests/test_deepseek2.py) runs by default
 @settings(max_examples=3)
 @given(cut=st.integers(1, BLOCKS - 1), placement=placements())
 @example(cut=2, placement=ROUND_ROBIN)
@@ -551,7 +552,9 @@ def test_routing_is_skewed(moe_file):
     assert sum(entropies) / BLOCKS < math.log2(EXPERTS) - 0.1, f"entropies {entropies}; {seen}"
 
 
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-shared", "tiny-deepseek"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-moe", pytest.param("tiny-moe-shared", marks=pytest.mark.slow), "tiny-deepseek"]
+)
 def test_one_device_step_equals_the_step_in_pieces(preset):
     """A slice holding all its experts decodes each MoE block in one device step (routing, the chosen experts read
     by id, the combine): every block's output at every step equals, byte for byte, the generator step that hands

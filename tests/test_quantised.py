@@ -325,7 +325,8 @@ def _tiny(wtype: str):
     return _loaded[wtype]
 
 
-@pytest.mark.parametrize("wtype", QUANTISED)
+# q4_0 with the slow tests: q8_0 here, and 4-bit blocks (q4_k, q4_1) in tests/test_packed.py
+@pytest.mark.parametrize("wtype", [QUANTISED[0], pytest.param(QUANTISED[1], marks=pytest.mark.slow)])
 @pytest.mark.parametrize("ranges", [[(0, 4), (4, 8)], [(0, 3), (3, 5), (5, 8)]], ids=["N2", "N3"])
 def test_quantised_chain_equals_its_unsplit_model(wtype, ranges):
     """Tokens, and every hidden state a stage sends, byte for byte (ppharness.model.exactness), over 32 tokens."""

@@ -139,6 +139,7 @@ def test_boundary_taps_do_not_change_the_kernels(tiny_gguf):
     assert plain == tapped
 
 
+@pytest.mark.slow  # the factors are held to the reference by tests/test_reference_model.py (tiny-llama3) by default
 def test_llama3_rope_factors_keep_every_split_exact():
     """A file with Llama-3's rope_freqs: every split gives the unsplit model's tokens and hidden states, byte for
     byte, through the same compiled kernels (the factors are the same in every stage's table)."""
@@ -154,7 +155,12 @@ def test_llama3_rope_factors_keep_every_split_exact():
 @pytest.mark.parametrize(
     "model",
     # deepseek2's splits also run in tests/test_deepseek2.py; its kernel check here runs with the slow tests
-    ["synthetic:tiny-moe", pytest.param("synthetic:tiny-deepseek,tokenizer=deepseek-v3", marks=pytest.mark.slow)],
+    # with the slow tests; MoE splits are held to the unsplit model by default in tests/test_expert_nodes.py and
+    # tests/test_deepseek2.py
+    [
+        pytest.param(m, marks=pytest.mark.slow)
+        for m in ("synthetic:tiny-moe", "synthetic:tiny-deepseek,tokenizer=deepseek-v3")
+    ],
 )
 def test_moe_splits_run_the_unsplit_models_kernels(model):
     """A mixture-of-experts model, split: tokens and hidden states equal the unsplit model's, the stages' steps run

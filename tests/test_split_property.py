@@ -74,7 +74,7 @@ lengths = st.one_of(st.integers(1, 8), st.just("context"))
 
 # the default run's random examples, on top of the three explicit ones (the profile's budget when smaller); the slow
 # checks run the same property with THOROUGH of them, or the profile's budget when larger ("thorough": 200)
-DEFAULT_EXAMPLES, THOROUGH = 3, 40
+DEFAULT_EXAMPLES, THOROUGH = 2, 40
 
 
 @settings(max_examples=min(DEFAULT_EXAMPLES, settings.default.max_examples))

@@ -294,6 +294,7 @@ def test_instance_that_exits_after_start_fails_the_run(vastai_api):
     assert_nothing_left(vastai_api, label)
 
 
+@pytest.mark.slow  # 25 s of backoff; the client's retries on 429 are unit-tested in tests/test_vastai_client.py
 def test_429_storm_is_recovered(vastai_api):
     needs_emulator(vastai_api)
     emu, label = vastai_api.emulator, _label()
