@@ -71,6 +71,7 @@ def test_run_lines_name_expert_nodes_and_show_a_key_fingerprint():
 
 
 @pytest.mark.local
+@pytest.mark.slow  # a whole run for its wording; the default run keeps to its 12-minute budget
 def test_a_one_stage_run_says_stage_and_that_there_is_no_boundary():
     r = subprocess.run(
         [sys.executable, "-m", "ppharness.cli.smoke", "--num-stages", "1", "--max-tokens", "4", "--no-trace"],
