@@ -53,10 +53,16 @@ def width_for(slots: int, highest: int) -> int:
 @dataclass(frozen=True)
 class Rows:
     """What a block needs to run a batch of decode rows: each row's position (``pos``, (W,) int32, -1 for an idle
-    row) and the batch's length ``length`` (a bound variable: the longest row's position + 1)."""
+    row) and the batch's length ``length`` (a bound variable: the longest row's position + 1).
+
+    ``slot`` (a bound variable) makes the rows a *window*: every row is of that one request slot, at consecutive
+    positions (a speculative window, ``ppharness.model.window``), instead of row r in slot r. A window's rows write
+    their keys and values in row order before any row attends, and each row attends over its own positions only, so
+    row r reads exactly what one-at-a-time decoding would have written there."""
 
     pos: Tensor
     length: UOp
+    slot: UOp | None = None
 
     @property
     def width(self) -> int:
@@ -81,6 +87,37 @@ class Rows:
         span = Tensor.arange(cast(int, self.length))
         out: Tensor = span.reshape(1, -1) == self.pos.reshape(-1, 1)
         return out
+
+
+def slot_view(cache: Tensor, rows: Rows, axis: int) -> Tensor:
+    """The part of a slot cache (its request slots along ``axis``) that ``rows`` write: slots 0..W-1 (row r in slot
+    r), or the window's one slot."""
+    lo, hi = (0, rows.width) if rows.slot is None else (rows.slot, rows.slot + 1)
+    index = (slice(None),) * axis + (slice(lo, hi),)
+    return cache[index]
+
+
+def place(rows: Rows, view: Tensor, new: Tensor, here: Tensor, axis: int) -> Tensor:
+    """``view`` (``slot_view``'s) with each row's ``new`` entry where its ``here`` mask is True (both with the rows
+    along ``axis``). Row r in slot r: one select; a window: one select per row, in row order, so that every position
+    keeps exactly one row's bits (a sum over the rows would turn a -0.0 into +0.0)."""
+    if rows.slot is None:
+        out: Tensor = here.where(new, view)
+        return out
+    out = view
+    for r in range(rows.width):
+        index = (slice(None),) * axis + (slice(r, r + 1),)
+        out = here[index].where(new[index], out)
+    return out
+
+
+def per_row(cached: Tensor, rows: Rows, axis: int) -> Tensor:
+    """What ``slot_view`` read, one copy per row along ``axis``: a window's one slot broadcast to its rows."""
+    if rows.slot is None:
+        return cached
+    shape = list(cached.shape)
+    shape[axis] = rows.width
+    return cached.expand(*shape)
 
 
 def table_rows(table: Tensor, positions: Any) -> Tensor:

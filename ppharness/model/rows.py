@@ -5,6 +5,7 @@ per batch width, MoE slices block by block with the batch's rows in one expert c
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
@@ -12,7 +13,7 @@ from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
 from ppharness.model import moe
-from ppharness.model.batch import store_prefill, width_for
+from ppharness.model.batch import Rows, store_prefill, width_for
 from ppharness.model.direct import invariant
 from ppharness.model.moe import ExpertCall, Routing, combine_rows
 
@@ -49,6 +50,10 @@ class BatchedRows:
     _row_in: dict[tuple[int, int], tuple[Tensor, Tensor]]
     _tapped: list[Tensor]
     _tapped_np: dict[int, NDArray[np.float16]]
+    _window_jits: dict[int, TinyJit[Any]]  # a window's compiled step per width (made on first use)
+    _window_steps: dict[int, list[TinyJit[Any]]]
+    _window_heads: dict[int, TinyJit[Any]]
+    _window_slot: UOp
 
     if TYPE_CHECKING:  # ModelSlice's
 
@@ -59,6 +64,12 @@ class BatchedRows:
         ) -> Generator[ExpertCall, NDArray[np.float16], NDArray[np.float16] | int]: ...
 
         def _answered(self, gen: Generator[ExpertCall, NDArray[np.float16], R], stand_in: bool = False) -> R: ...
+
+        def _forward(self, x: Tensor, start_pos: Rows) -> Tensor | tuple[Tensor, ...]: ...
+
+        def _segment(self, i: int, x: Tensor, start_pos: Rows) -> tuple[Tensor, ...]: ...
+
+        def _head(self, x: Tensor) -> Tensor: ...
 
     def _store(self, slot: int) -> None:
         """A prefill computed in the scratch slot: its KV cache into slot ``slot``'s region of the slot caches."""
@@ -131,6 +142,68 @@ class BatchedRows:
             return [int(rows.reshape(-1)[s]) for s in slots]
         return [rows[s : s + 1].copy() for s in slots]
 
+    def decode_window(
+        self, xs: Sequence[list[int] | NDArray[np.float16]], start: int, slot: int, stand_in: bool = False
+    ) -> list[NDArray[np.float16] | int]:
+        """A speculative window of one request (a batched slice): rows ``xs`` at positions ``start``,
+        ``start + 1``, ... of request slot ``slot`` in one call, each row attending to the rows before it. Each
+        output is what ``decode`` returns for that position alone, the rows before it decoded one at a time first, to
+        the byte (``ppharness.model.window``)."""
+        return self._answered(self.window_step(xs, start, slot), stand_in)
+
+    def window_step(
+        self, xs: Sequence[list[int] | NDArray[np.float16]], start: int, slot: int
+    ) -> Generator[ExpertCall, NDArray[np.float16], list[NDArray[np.float16] | int]]:
+        """``decode_window`` as a generator: a MoE slice yields one ``ExpertCall`` per MoE block for the window's
+        rows, in row order, and takes back their experts' outputs, as ``rows_step`` does."""
+        from tinygrad.engine.jit import TinyJit
+        from tinygrad.uop.ops import UOp
+
+        if not self.batched:
+            raise ModelError("a speculative window needs a batched slice (ModelSlice(..., batched=True))")
+        t = len(xs)
+        if not 0 <= slot < self.slots:
+            raise ModelError(f"request slot {slot} is outside this slice's {self.slots} slot(s)")
+        if t < 1 or not 1 <= start or start + t > self.max_context:
+            raise ModelError(f"a window of {t} row(s) at position {start} must fit inside [1, {self.max_context})")
+        if not hasattr(self, "_window_jits"):
+            self._window_jits, self._window_steps, self._window_heads = {}, {}, {}
+            self._window_slot = UOp.variable("slot", 0, max(self.slots - 1, 1))
+        w = 1 << (t - 1).bit_length()  # the narrowest power of two that holds the rows: a handful of steps in all
+        pos = np.full(w, -1, dtype=np.int32)
+        pos[:t] = np.arange(start, start + t, dtype=np.int32)
+        x = np.zeros((w, 1), dtype=np.int32) if self.first else np.zeros((w, 1, self.config.dim), dtype=np.float16)
+        for r, xi in enumerate(xs):
+            x[r] = np.asarray(xi, dtype=x.dtype).reshape(x.shape[1:])
+        length, bound = self._length.bind(start + t), self._window_slot.bind(slot)
+        if self.config.moe:
+            steps = self._window_steps.get(w)
+            if steps is None:
+                steps = self._window_steps[w] = [
+                    TinyJit(functools.partial(self._segment_window, i)) for i in range(len(self.blk))
+                ]
+                self._window_heads[w] = TinyJit(self._head)
+            out = yield from self._blocks_rows(x, pos, length, steps, self._window_heads[w], bound)
+        else:
+            jit = self._window_jits.get(w)
+            if jit is None:
+                jit = self._window_jits[w] = TinyJit(self._forward_window)
+            x_in, pos_in = self._rows_input((w, 0), x, pos)
+            with invariant(x_in.device):
+                got = jit(x_in, pos_in, length, bound)
+            if isinstance(got, tuple):
+                got, *self._tapped = got
+            out = got.numpy()
+        if self.last:
+            return [int(v) for v in out.reshape(-1)[:t]]
+        return [out[r : r + 1].copy() for r in range(t)]
+
+    def _forward_window(self, x: Tensor, pos: Tensor, length: UOp, slot: UOp) -> Tensor | tuple[Tensor, ...]:
+        return self._forward(x, Rows(pos, length, slot))
+
+    def _segment_window(self, i: int, x: Tensor, pos: Tensor, length: UOp, slot: UOp) -> tuple[Tensor, ...]:
+        return self._segment(i, x, Rows(pos, length, slot))
+
     def prefill_step(
         self, x: list[int] | NDArray[np.float16], slot: int
     ) -> Generator[ExpertCall, NDArray[np.float16], NDArray[np.float16] | int]:
@@ -147,13 +220,28 @@ class BatchedRows:
         """A MoE slice's batched decode step (``decode_rows``' rows, laid out by slot: ``x`` (W,1) or (W,1,D),
         ``pos`` (W,), -1 for an idle row): yields one ``ExpertCall`` per MoE block for the active rows, in slot
         order, and takes back their experts' outputs; returns the (W,1,D) hidden rows or the (W,) token ids."""
+        w = int(pos.shape[0])
+        return (yield from self._blocks_rows(x, pos, length, self._row_steps[w], self._row_heads[w]))
+
+    def _blocks_rows(
+        self,
+        x: NDArray[Any],
+        pos: NDArray[np.int32],
+        length: UOp,
+        steps: list[TinyJit[Any]],
+        head: TinyJit[Any],
+        slot: UOp | None = None,
+    ) -> Generator[ExpertCall, NDArray[np.float16], NDArray[Any]]:
+        """``step_rows`` through ``steps`` (one compiled step per block) and ``head``; with ``slot``, the rows are a
+        window of that request slot (``decode_window``)."""
         cfg, w = self.config, int(pos.shape[0])
+        extra = () if slot is None else (slot,)
         active = [int(r) for r in np.flatnonzero(pos >= 0)]
         h: NDArray[Any] = x
         for i, block in enumerate(self.blk):
             x_in, pos_in = self._rows_input((w, i), np.ascontiguousarray(h), pos)
             with invariant(x_in.device):
-                outs = self._row_steps[w][i](x_in, pos_in, length)
+                outs = steps[i](x_in, pos_in, length, *extra)
             outs_np = [t.numpy() for t in outs]
             if getattr(block, "routed", False):
                 residual, normed, logits, chosen, weights, *shared = (o.reshape(w, -1)[active] for o in outs_np)
@@ -174,6 +262,6 @@ class BatchedRows:
         if self.last:
             x_in, _ = self._rows_input((w, -1), np.ascontiguousarray(h), pos)
             with invariant(x_in.device):
-                ids: NDArray[Any] = self._row_heads[w](x_in).numpy()
+                ids: NDArray[Any] = head(x_in).numpy()
                 return ids
         return h

@@ -41,7 +41,7 @@ from ppharness.model.arch.base import (
     check_no_shared_ffn,
     write_expert_keys,
 )
-from ppharness.model.batch import Rows
+from ppharness.model.batch import Rows, per_row, place, slot_view
 
 if TYPE_CHECKING:
     from tinygrad.tensor import Tensor
@@ -191,12 +191,12 @@ def deepseek2_block_class() -> Any:
             q_pe = _rope_pairs(q[:, :, :, n:], cos.reshape(w, 1, 1, -1), sin.reshape(w, 1, 1, -1))
             k_pe = _rope_pairs(kv[:, :, c:].float(), cos.reshape(w, 1, -1), sin.reshape(w, 1, -1))
             cache = self.slot_cache  # (slots, context, c+r), made at the first prefill
-            view = cache[0:w]
+            view = slot_view(cache, rows, 0)  # a window's rows all in its one slot
             new = c_kv.cat(k_pe, dim=-1).cast("float16").contiguous()  # (W,1,c+r)
             here = Tensor.arange(self.max_context).reshape(1, -1, 1) == rows.pos.reshape(w, 1, 1)
-            view.assign(here.where(new, view)).realize()
+            view.assign(place(rows, view, new, here, 0)).realize()
             length = cast(int, rows.length)
-            cached = cache[0:w, 0:length, :].unsqueeze(1).float()  # (W,1,L,c+r)
+            cached = per_row(slot_view(cache, rows, 0)[:, 0:length, :], rows, 0).unsqueeze(1).float()  # (W,1,L,c+r)
             c_all, pe_all = cached[:, :, :, :c], cached[:, :, :, c:]
             q_lat = q[:, :, :, :n] @ self.attn_k_b.weight.float().transpose(-1, -2)  # (W,H,1,c)
             scores = (q_lat @ c_all.transpose(-1, -2) + q_pe @ pe_all.transpose(-1, -2)) * attention_scale(cfg)

@@ -22,7 +22,7 @@ import numpy as np
 
 from ppharness.errors import ModelError
 from ppharness.model.arch.base import BLOCK_TENSOR, Architecture, Shape, check_no_mla
-from ppharness.model.batch import Rows, rope_rows
+from ppharness.model.batch import Rows, per_row, place, rope_rows, slot_view
 from ppharness.model.chunks import Chunk, attention_chunk
 from ppharness.model.direct import DecodeLinear
 
@@ -173,20 +173,24 @@ def attention_rows(block: Any, x: Tensor, rows: Rows) -> Tensor:
 
     w, h, kvh, hd = int(x.shape[0]), block.n_heads, block.n_kv_heads, block.head_dim
     q, k, v = heads_qkv(block, x)  # (W,H,1,Hd), (W,KvH,1,Hd) twice
+    # buffers of their own: left lazy, the per-head q/k norms (qwen3) fused into the rotary kernel at some widths and
+    # not others, and a row's queries came out other bits at 8 rows than at 4
+    q, k = q.contiguous(), k.contiguous()
     cos_sin = rows.at_positions(rotary_table(block)).contiguous()  # once, not inside every kernel that reads it
     q, k = rope_rows(q, cos_sin), rope_rows(k, cos_sin)
     cache = cast("Tensor", block.slot_cache)  # (2, slots, KvH, context, Hd)
     ctx, g = int(cache.shape[3]), h // kvh
     # the new key and value at each row's own position, the rest of the batch's slots rewritten unchanged (a static
-    # shape: every axis but the context merges into one)
-    view = cache[:, 0:w]
+    # shape: every axis but the context merges into one); a window's rows all in its one slot
+    view = slot_view(cache, rows, 1)
     new = Tensor.stack(k, v).cast(cache.dtype).contiguous()  # (2,W,KvH,1,Hd)
     here = Tensor.arange(ctx).reshape(1, 1, 1, ctx, 1) == rows.pos.reshape(1, w, 1, 1, 1)
-    view.assign(here.where(new, view)).realize()
+    view.assign(place(rows, view, new, here, 1)).realize()
     # each row over [0, L), the positions after its own masked: rows and KV heads one axis, a KV head's queries the next
     length = cast(int, rows.length)
-    keys = cache[0, 0:w, :, 0:length, :].reshape(w * kvh, -1, hd)  # (W*KvH, L, Hd)
-    values = cache[1, 0:w, :, 0:length, :].reshape(w * kvh, -1, hd)
+    cached = per_row(slot_view(cache, rows, 1)[:, :, :, 0:length, :], rows, 1)  # (2,W,KvH,L,Hd)
+    keys = cached[0].reshape(w * kvh, -1, hd)  # (W*KvH, L, Hd)
+    values = cached[1].reshape(w * kvh, -1, hd)
     qg = q.reshape(w * kvh, g, hd)  # query head j of KV head i is head i*G + j (tinygrad's repeat_interleave)
     scores = qg.matmul(keys.transpose(-2, -1), dtype=dtypes.float32) / math.sqrt(hd)  # (W*KvH, G, L)
     seen = rows.seen().reshape(w, 1, 1, -1).expand(w, kvh, g, -1).reshape(w * kvh, g, -1)
