@@ -56,7 +56,7 @@ class Rows:
     row) and the batch's length ``length`` (a bound variable: the longest row's position + 1).
 
     ``slot`` (a bound variable) makes the rows a *window*: every row is of that one request slot, at consecutive
-    positions (a speculative window, ``ppharness.model.window``), instead of row r in slot r. A window's rows write
+    positions (a speculative window, ``ppharness.run.speculation``), instead of row r in slot r. A window's rows write
     their keys and values in row order before any row attends, and each row attends over its own positions only, so
     row r reads exactly what one-at-a-time decoding would have written there."""
 

@@ -26,10 +26,16 @@ def digest(hidden: NDArray[np.floating]) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(hidden, dtype=np.float16).data, digest_size=8).digest()
 
 
-def record_digest(digests: OrderedDict[str, list[bytes]], request_id: str, hidden: Hidden, keep: int) -> None:
+def record_digest(
+    digests: OrderedDict[str, list[bytes]], request_id: str, hidden: Hidden, keep: int, at: int | None = None
+) -> None:
     """A stage that answers DigestRequests keeps the digest of each hidden state it sends, per request in step order;
-    only the last ``keep`` requests' lists stay."""
-    digests.setdefault(request_id, []).append(digest(hidden.host()))
+    only the last ``keep`` requests' lists stay. ``at``: the step it is for, replacing that step's digest and every
+    later one (a speculative window computes again the positions whose drafts were rejected)."""
+    kept = digests.setdefault(request_id, [])
+    if at is not None:
+        del kept[at:]
+    kept.append(digest(hidden.host()))
     while len(digests) > keep:
         digests.popitem(last=False)
 
@@ -130,11 +136,13 @@ def compare(
     replaced: Sequence[int] = (),
     chain_stop: int | None = None,
     oracle_stop: int | None = None,
+    speculative: bool = False,
 ) -> Verdict:
     """Compare a chain (its tokens, the end-of-generation token that ended them, ``chain_stop``, and
     ``stage_digests[stage]``) with the oracle (the same: tokens, ``oracle_stop`` and ``oracle_digests[block]``, from
     ``oracle_decode(..., boundaries=True)``). ``ranges`` are the stages' block ranges; ``replaced``: stages a spare
-    took over during the request (one with no digests is unverified, not missing)."""
+    took over during the request (one with no digests is unverified, not missing); ``speculative``: the chain decoded
+    by windows (``ppharness.run.speculation``), whose last one's rejected rows are past the answer."""
     k = first_difference(chain_tokens, oracle_tokens)
     absent = [i for i in range(len(ranges) - 1) if not stage_digests.get(i)]
     missing = [i for i in absent if i not in replaced]
@@ -147,9 +155,13 @@ def compare(
     compared = 0
     first: BoundaryDiff | None = None
     steps = max((len(d) for d in stage_digests.values()), default=0)
+    if speculative:
+        steps = min(steps, max((len(d) for d in oracle_digests.values()), default=0))
     for step in range(steps):
         for i, (_, hi) in enumerate(ranges[:-1]):
             ours, theirs = stage_digests.get(i, []), oracle_digests.get(hi - 1, [])
+            if speculative:  # a last window's rejected rows lie past the answer: no step of it
+                ours = ours[: len(theirs)]
             if step >= len(ours):
                 continue
             if step >= len(theirs) or ours[step] != theirs[step]:

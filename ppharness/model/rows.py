@@ -135,8 +135,9 @@ class BatchedRows:
             x_in, pos_in = self._rows_input((w, 0), x, pos)
             with invariant(x_in.device):
                 out = self._row_jits[w](x_in, pos_in, length)
-            if isinstance(out, tuple):
+            if isinstance(out, tuple):  # with taps: each block's rows (``tapped``), not a prefill's left over
                 out, *self._tapped = out
+                self._tapped_np = {}
             rows = out.numpy()
         if self.last:
             return [int(rows.reshape(-1)[s]) for s in slots]
@@ -148,7 +149,7 @@ class BatchedRows:
         """A speculative window of one request (a batched slice): rows ``xs`` at positions ``start``,
         ``start + 1``, ... of request slot ``slot`` in one call, each row attending to the rows before it. Each
         output is what ``decode`` returns for that position alone, the rows before it decoded one at a time first, to
-        the byte (``ppharness.model.window``)."""
+        the byte (``ppharness.run.speculation``)."""
         return self._answered(self.window_step(xs, start, slot), stand_in)
 
     def window_step(
@@ -193,6 +194,7 @@ class BatchedRows:
                 got = jit(x_in, pos_in, length, bound)
             if isinstance(got, tuple):
                 got, *self._tapped = got
+                self._tapped_np = {}
             out = got.numpy()
         if self.last:
             return [int(v) for v in out.reshape(-1)[:t]]

@@ -143,6 +143,14 @@ class ExpertParallel:
         out: list[npt.NDArray[np.float16] | int] = self._drive(self.model.rows_step(xs, positions, slots), positions[0])
         return out
 
+    def decode_window(
+        self, xs: Sequence[list[int] | npt.NDArray[np.float16]], start: int, slot: int
+    ) -> list[npt.NDArray[np.float16] | int]:
+        """A batched slice's speculative window (``ppharness.run.speculation``), its expert calls fanned out as a
+        batch's are; keyed by the window's first position."""
+        out: list[npt.NDArray[np.float16] | int] = self._drive(self.model.window_step(xs, start, slot), start)
+        return out
+
     @property
     def batched(self) -> bool:
         return self.model.batched

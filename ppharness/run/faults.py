@@ -55,6 +55,12 @@ class FaultyModel:
             os._exit(3)
         return self._model.decode_rows(xs, positions, slots)
 
+    def decode_window(
+        self, xs: Sequence[list[int] | npt.NDArray[np.float16]], start: int, slot: int
+    ) -> list[npt.NDArray[np.float16] | int]:
+        self._decodes += 1
+        return self._model.decode_window(xs, start, slot)
+
 
 def with_fault(model: ModelSlice, fault: str) -> ModelSlice | FaultyModel:
     """``model``, or ``model`` with the model-level fault ``fault`` (a node's ``PP_FAULT``) injected."""

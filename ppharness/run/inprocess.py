@@ -22,6 +22,7 @@ from ppharness.model.slicing import ModelSlice
 from ppharness.plan.stages import ENTRY, names_of
 from ppharness.registry import transport_class
 from ppharness.run.loop import Loop
+from ppharness.run.speculation import Speculation
 from ppharness.run.stage import Stage
 from ppharness.run.stage_requests import QUEUE, StageModel
 from ppharness.wire.messages import Error, InferenceRequest, InferenceResponse, Message
@@ -55,7 +56,8 @@ def load_slices(
 
 class InProcessChain:
     """``slices`` (stage order) as Stages on memory endpoints, each on its own loop, and a client endpoint (the
-    stages' seed); started here, closed on leaving the ``with``. ``keep_digests`` and ``policy``: as Stage's."""
+    stages' seed); started here, closed on leaving the ``with``. ``keep_digests``, ``policy`` and ``speculation``: as
+    Stage's."""
 
     def __init__(
         self,
@@ -66,6 +68,7 @@ class InProcessChain:
         queue: int = QUEUE,
         keep_digests: bool = True,
         policy: str = "none",
+        speculation: Speculation | None = None,
     ):
         memory = transport_class("memory")
         n = len(slices)
@@ -89,6 +92,7 @@ class InProcessChain:
                 queue=queue,
                 keep_digests=keep_digests,
                 policy=policy,
+                speculation=speculation,
             )
             for i in range(n)
         ]
@@ -148,12 +152,14 @@ def run_inprocess(
     plan_id: str = "inprocess",
     digests: dict[int, list[bytes]] | None = None,
     on_message: Callable[[int, Message], None] | None = None,
+    speculation: Speculation | None = None,
 ) -> InferenceResponse:
     """Serve one request through ``slices`` (stage order) and return the last stage's response.
 
     ``digests``, when given, receives each stage's digests of the hidden states it sent (ppharness.model.exactness);
     ``on_message(stage, message)`` sees every message a stage receives, as decoded from the wire."""
-    with InProcessChain(gguf_file, slices, plan_id, wire_dtype, keep_digests=digests is not None) as chain:
+    keep = digests is not None
+    with InProcessChain(gguf_file, slices, plan_id, wire_dtype, keep_digests=keep, speculation=speculation) as chain:
         chain.ask(
             InferenceRequest(reply_to=chain.client.address, prompt=prompt, max_tokens=max_tokens, request_id="r0")
         )
@@ -174,9 +180,14 @@ def run_inprocess(
 
 
 def judge(
-    chain: InferenceResponse, oracle: OracleResult, ranges: Sequence[tuple[int, int]], digests: dict[int, list[bytes]]
+    chain: InferenceResponse,
+    oracle: OracleResult,
+    ranges: Sequence[tuple[int, int]],
+    digests: dict[int, list[bytes]],
+    speculative: bool = False,
 ) -> Verdict:
-    """A chain's answer (tokens, stop token, each stage's boundary digests) against the unsplit model's."""
+    """A chain's answer (tokens, stop token, each stage's boundary digests) against the unsplit model's
+    (``speculative``: as ``compare``'s)."""
     return compare(
         chain.token_ids,
         oracle.token_ids,
@@ -186,6 +197,7 @@ def judge(
         oracle.prompt_tokens,
         chain_stop=chain.stop_token_id,
         oracle_stop=oracle.stop_token_id,
+        speculative=speculative,
     )
 
 

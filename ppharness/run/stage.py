@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ppharness.run.reliable import Outbox, RetryPolicy
+from ppharness.run.speculation import Speculation
 from ppharness.run.stage_inbound import Inbound
 from ppharness.run.stage_outbound import Outbound
 from ppharness.run.stage_requests import QUEUE, Request, StageModel, StageState
@@ -88,6 +89,7 @@ class Stage:
         queue: int = QUEUE,
         keep_digests: bool = True,
         max_batch: int = 0,
+        speculation: Speculation | None = None,
     ):
         """``route``: the names the activations come from and go to, as the compiled plan gives them (empty: the
         default pp-stage-{index -/+ 1}). ``policy``: none, retry or failover (module docstring); ``retry`` its
@@ -95,10 +97,11 @@ class Stage:
         wait for a free slot (the model's ``slots`` say how many are served at once). ``keep_digests``: keep the
         digest of every hidden state sent, for a DigestRequest (``ppharness.model.exactness``). ``max_batch``: the
         most requests one step runs (0: every ready one); the rest run in the next step, so that several batches
-        travel the chain at once and its stages compute at the same time."""
+        travel the chain at once and its stages compute at the same time. ``speculation``: the run's speculative
+        decoding (``ppharness.run.speculation``; its draft on stage 0), on a batched model."""
         self.state = StageState(
             index, num_stages, model, transport, names, plan_id, wire_dtype, tokenizer, log, tracer, seed, route,
-            policy, epoch, queue, keep_digests, max_batch,
+            policy, epoch, queue, keep_digests, max_batch, speculation,
         )  # fmt: skip
         self.out = Outbound(self.state, retry or RetryPolicy())
         self.inbound = Inbound(self.state, self.out)

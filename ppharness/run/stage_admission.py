@@ -108,6 +108,8 @@ class Admission:
             t0=time.monotonic(),
             digests=msg.digests,
         )
+        if s.speculation is not None:  # the draft reads the prompt and the answer so far
+            req.context = list(ids)
         s.reqs[request_id] = req
         if not s.last:
             opened = RequestOpen(

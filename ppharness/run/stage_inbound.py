@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from ppharness.errors import CodecError
 from ppharness.model.hidden import Hidden
+from ppharness.run.speculation import runs
 from ppharness.run.stage_admission import Admission
 from ppharness.run.stage_outbound import Outbound, rows_key
 from ppharness.run.stage_replay import ReplayIntake
 from ppharness.run.stage_requests import Request, StageState, Work
+from ppharness.run.stage_windows import Windows
 from ppharness.seams.transport import Received
 from ppharness.wire import codec
 from ppharness.wire.messages import (
@@ -46,6 +48,7 @@ class Inbound:
         self.state, self.out = state, out
         self.admission = Admission(state, out)
         self.replays = ReplayIntake(state, out, self.admission)
+        self.windows = out.windows = Windows(state, out, self.admission)
 
     def handle(self, sender: str, msg: Message, rx: Received | None = None) -> None:
         """Check and record one message; protocol violations are dropped with a log line. ``rx``: the transport's
@@ -155,6 +158,11 @@ class Inbound:
         if msg.position != req.next_position:
             s.log(f"stage 0: dropped NextToken at position {msg.position}, expected {req.next_position}")
             return
+        if s.speculation is not None:  # the prefill's token: the first window goes out
+            if msg.done:
+                out.ack(s.exit_addr, "token", msg.request_id, msg.position)
+            self.windows.take_tokens(req, [msg], rx)
+            return
         if s.reliable:  # the token at q came round: every hop took each position before q
             out.outbox.settle_through("activation", msg.request_id, msg.position)
         if msg.done:  # no later activation will stand for this Ack at the last stage
@@ -172,11 +180,16 @@ class Inbound:
         position would (a row that does not fit its request is dropped with a log line, the others are taken)."""
         s = self.state
         n, dim = len(msg.request_ids), s.model.config.dim
-        if not 0 < n <= s.slots or len(msg.positions) != n or tuple(msg.shape) != (n, 1, dim):
+        most = s.slots * (s.speculation.rows if s.speculation is not None else 1)
+        if not 0 < n <= most or len(msg.positions) != n or tuple(msg.shape) != (n, 1, dim):
             s.log(
-                f"stage {s.index}: dropped ActivationRows of {n} request(s), {len(msg.positions)} position(s) and "
-                f"shape {tuple(msg.shape)}: the plan expects at most {s.slots} rows of (1, {dim})"
+                f"stage {s.index}: dropped ActivationRows of {n} row(s), {len(msg.positions)} position(s) and "
+                f"shape {tuple(msg.shape)}: the plan expects at most {most} rows of (1, {dim})"
             )
+            return
+        if (s.speculation is not None) != bool(msg.tokens):
+            has, runs_ = ("with", "does not speculate") if msg.tokens else ("without", "speculates")
+            s.log(f"stage {s.index}: dropped ActivationRows {has} speculative windows: this run {runs_}")
             return
         try:
             rows = self._rows_of(msg, rx)
@@ -185,6 +198,9 @@ class Inbound:
             return
         if s.reliable:  # one Ack for the message: its rows are taken, or copies of rows taken before
             self.out.ack(s.prev_addr, *rows_key(msg))
+        if s.speculation is not None:
+            self.windows.take_rows(msg, rows, rx)
+            return
         for r, (request_id, position) in enumerate(zip(msg.request_ids, msg.positions, strict=True)):
             taken = s.reqs.get(request_id)
             if s.reliable and (request_id in s.finished or (taken is not None and 0 < position < taken.next_position)):
@@ -222,24 +238,29 @@ class Inbound:
 
     def _on_token_rows(self, msg: TokenRows, rx: Received | None) -> None:
         """A batched step's tokens: each row is the NextToken of its request."""
+        s = self.state
         n = len(msg.request_ids)
-        if not 0 < n <= self.state.slots or not n == len(msg.token_ids) == len(msg.positions) == len(msg.done):
-            self.state.log(
-                f"stage 0: dropped TokenRows of {n} request(s) with lists of other lengths (or over the slots)"
-            )
+        most = s.slots * (s.speculation.rows if s.speculation is not None else 1)
+        if not 0 < n <= most or not n == len(msg.token_ids) == len(msg.positions) == len(msg.done):
+            s.log(f"stage 0: dropped TokenRows of {n} row(s) with lists of other lengths (or over {most} rows)")
             return
-        if self.state.reliable:  # one Ack for the message; each row is then taken as its NextToken (copies too)
-            self.out.ack(self.state.exit_addr, *rows_key(msg))
-        for request_id, token, position, done in zip(msg.request_ids, msg.token_ids, msg.positions, msg.done):
-            one = NextToken(
-                request_id=request_id,
-                token_id=token,
-                position=position,
-                done=done,
-                plan_id=msg.plan_id,
-                epoch=msg.epoch,
-            )
-            self._on_next_token(one, rx)
+        if s.reliable:  # one Ack for the message; each row is then taken as its NextToken (copies too)
+            self.out.ack(s.exit_addr, *rows_key(msg))
+        ones = [
+            NextToken(request_id=r, token_id=t, position=p, done=d, plan_id=msg.plan_id, epoch=msg.epoch)
+            for r, t, p, d in zip(msg.request_ids, msg.token_ids, msg.positions, msg.done, strict=True)
+        ]
+        if s.speculation is None:
+            for one in ones:
+                self._on_next_token(one, rx)
+            return
+        for a, b in runs(msg.request_ids):  # a request's tokens of one trip: taken together
+            rid = msg.request_ids[a]
+            if rid in s.finished:
+                continue
+            req = self._current(rid, msg.plan_id, "TokenRows")
+            if req is not None:
+                self.windows.take_tokens(req, ones[a:b], rx)
 
     def _current(self, request_id: str, plan_id: str, what: str) -> Request | None:
         """The request in flight that a message is for; None (logged) for another plan's or an unknown request."""

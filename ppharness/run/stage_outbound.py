@@ -12,7 +12,7 @@ go to a spare in another process.
 from __future__ import annotations
 
 import time
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import numpy as np
@@ -22,9 +22,13 @@ from ppharness.model.decoding import finish_reason, stop_token, visible
 from ppharness.model.exactness import record_digest
 from ppharness.model.hidden import Hidden
 from ppharness.run.reliable import Key, Outbox, RetryPolicy, ack_of
+from ppharness.run.speculation import current
 from ppharness.run.stage_requests import Request, StageState, Work
 from ppharness.trace.tracer import KEEP_REQUESTS, now_ns
 from ppharness.wire import codec
+
+if TYPE_CHECKING:
+    from ppharness.run.stage_windows import Windows
 from ppharness.wire.messages import (
     ActivationRows,
     InferenceResponse,
@@ -50,6 +54,8 @@ class Outbound:
     """What a stage sends, and how: ``send`` (the one path, through the outbox under a reliable policy), ``tell``
     (once, never resent: refusals), ``ack``; ``hand_on`` a step's outputs; ``rejoin`` a newer directory (and replay to
     a replacement of the next stage). ``due_in``/``tick`` are the outbox's timer."""
+
+    windows: Windows  # the stage's speculative windows (``ppharness.run.stage_windows``), set by its inbound side
 
     def __init__(self, state: StageState, retry: RetryPolicy):
         self.state = state
@@ -157,7 +163,7 @@ class Outbound:
 
     # --- a step's outputs ---------------------------------------------------------------------------------------------
 
-    def hand_on(self, batch: list[Work], outs: list[Hidden | int]) -> None:
+    def hand_on(self, batch: list[Work], outs: list[Hidden | int | list[int]]) -> None:
         """Hand a step's outputs on: a batched model's decode rows in one message (under every policy) unless the stage
         is the whole chain; else one by one."""
         s = self.state
@@ -167,10 +173,16 @@ class Outbound:
             for work, out in zip(batch, outs, strict=True):
                 self._settle(work, out)
 
-    def _settle(self, work: Work, out: Hidden | int) -> None:
+    def _settle(self, work: Work, out: Hidden | int | list[int]) -> None:
         """Hand one output on: the last stage emits its token (N = 1: the token is the request's next input), the
         others send the hidden state down the chain; a replayed position's output is only recorded."""
         s, req = self.state, work.request
+        if isinstance(out, list):  # N = 1: a window verified here, and the next ones drafted here
+            self._commit(work, out)
+            if req.request_id in s.reqs:
+                req.context = [*req.context[: req.prompt_tokens], *req.tokens]
+                self.windows_after(req, work)
+            return
         if isinstance(out, Hidden):
             self._send_activation(req, out, work.position, work.is_prefill, work.step, work.live)
             if work.cascade:
@@ -183,13 +195,18 @@ class Outbound:
                 req.tokens.append(out)
                 req.token_times.append(time.monotonic() - req.t0)
             if s.first and req.request_id in s.reqs:
-                req.work.append(Work(req, position, [out], is_prefill=False, step=len(req.tokens)))
+                if s.speculation is not None:
+                    req.context = [*req.context[: req.prompt_tokens], *req.tokens]
+                    self.windows_after(req, work)
+                else:
+                    req.work.append(Work(req, position, [out], is_prefill=False, step=len(req.tokens)))
         if work.note:
             s.log(f"{work.note} in {time.monotonic() - work.since:.2f} s")
 
-    def _settle_rows(self, batch: list[Work], outs: list[Hidden | int]) -> None:
+    def _settle_rows(self, batch: list[Work], outs: list[Hidden | int | list[int]]) -> None:
         """A batched step's outputs: the live decode rows go on in one message (ActivationRows down the chain, or
-        from the last stage TokenRows to stage 0); the rest as ``_settle`` hands them on."""
+        from the last stage TokenRows to stage 0); the rest as ``_settle`` hands them on. A speculative window's rows
+        go as consecutive rows of the message; on the last stage, what it commits (``ppharness.run.speculation``)."""
         s = self.state
         rows = [(w, o) for w, o in zip(batch, outs, strict=True) if w.live and not w.is_prefill]
         for work, out in zip(batch, outs, strict=True):
@@ -201,7 +218,10 @@ class Outbound:
         if s.last:
             tokens: list[NextToken] = []
             for work, out in rows:
-                self._emit(work.request, int(cast(int, out)), work.position + 1, work.step, tokens)
+                if isinstance(out, list):
+                    self._commit(work, out, tokens)
+                else:
+                    self._emit(work.request, int(cast(int, out)), work.position + 1, work.step, tokens)
             if tokens:
                 token_rows = TokenRows(
                     request_ids=[t.request_id for t in tokens],
@@ -216,7 +236,11 @@ class Outbound:
         hidden = [cast(Hidden, o) for _, o in rows]
         for (work, _), h in zip(rows, hidden, strict=True):
             req = work.request
-            if s.keeps_digests and req.digests:
+            if s.keeps_digests and req.digests and work.tokens is not None:  # a window: from its first row's step on
+                for r in range(h.shape[0]):
+                    at = work.step + r if r else work.step
+                    record_digest(s.digests, req.request_id, Hidden(h.host()[r : r + 1]), KEEP_REQUESTS, at)
+            elif s.keeps_digests and req.digests:
                 record_digest(s.digests, req.request_id, h, KEEP_REQUESTS)
             if s.keeps_history:  # a replay to a spare sends each request's own activations, packed
                 one = codec.header(
@@ -230,16 +254,39 @@ class Outbound:
                 )
                 req.sent.append(cast(StageActivation, codec.attach(one, h)))
         stacked = Hidden(np.concatenate([h.host() for h in hidden]))
+        spans = [(w, h.shape[0]) for (w, _), h in zip(rows, hidden, strict=True)]  # a window's rows, else one
+        windows = s.speculation is not None
         msg = ActivationRows(
-            request_ids=[w.request.request_id for w, _ in rows],
-            positions=[w.position for w, _ in rows],
+            request_ids=[w.request.request_id for w, n in spans for _ in range(n)],
+            positions=[w.position + r for w, n in spans for r in range(n)],
             hidden=b"",  # packed where it leaves the process
             shape=stacked.shape,
             dtype=s.wire_dtype,
             plan_id=s.plan_id,
             epoch=s.epoch,
+            tokens=[t for w, _ in spans for t in (w.tokens or [])] if windows else [],
+            trips=[w.trip for w, n in spans for _ in range(n)] if windows else [],
         )
         self.send_rows(msg, "next", [w for w, _ in rows], t0, stacked)
+
+    def _commit(self, work: Work, greedy: list[int], rows: list[NextToken] | None = None) -> None:
+        """The last stage: emit what a window commits (``Windows.verify``), up to the end of the answer."""
+        req = work.request
+        position = work.position + 1
+        for token in self.windows.verify(work, greedy):
+            self._emit(req, token, position, work.step, rows)
+            if req.request_id not in self.state.reqs:
+                return  # answered: a stop token, or max_tokens
+            position += 1
+
+    def windows_after(self, req: Request, work: Work) -> None:
+        """N = 1: after a window (or the prefill), the windows in flight that no longer continue the answer are void,
+        and the next ones are drafted."""
+        if req.flight and work.tokens is not None and req.flight[0].trip == work.trip:
+            req.flight.popleft()
+        if req.flight and not current(req.flight[0].start, req.flight[0].tokens[0], req.tokens, req.prompt_tokens):
+            req.flight.clear()
+        self.windows.start(req)
 
     def _send_activation(
         self, req: Request, hidden: Hidden, position: int, is_prefill: bool, step: int, live: bool = True

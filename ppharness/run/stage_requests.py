@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from ppharness.errors import StageError
 from ppharness.model.hidden import Hidden
 from ppharness.plan.stages import ENTRY, EXIT, stage_name
+from ppharness.run.speculation import Speculation, Window
 from ppharness.seams.transport import Received, Transport
 from ppharness.trace.tracer import Tracer
 from ppharness.wire.messages import InferenceRequest, RequestOpen, StageActivation
@@ -69,6 +70,13 @@ class StageModel(Protocol):
         self, xs: Sequence[list[int] | npt.NDArray[np.float16]], positions: Sequence[int], slots: Sequence[int]
     ) -> list[npt.NDArray[np.float16] | int]: ...
 
+    def decode_window(
+        self, xs: Sequence[list[int] | npt.NDArray[np.float16]], start: int, slot: int
+    ) -> list[npt.NDArray[np.float16] | int]:
+        """A speculative window: rows of one request slot at positions ``start``, ``start + 1``, ...
+        (``ppharness.run.speculation``)."""
+        ...
+
 
 @dataclass
 class Request:
@@ -90,6 +98,11 @@ class Request:
     # policy failover: what this stage sent down the chain for the request, for a replay to a replacement
     opened: RequestOpen | None = None
     sent: list[StageActivation] = field(default_factory=list)
+    # speculation (ppharness.run.speculation): the last window's trip this stage took (stage 0: sent); stage 0's
+    # prompt and committed answer, and its windows in flight
+    trip: int = 0
+    context: list[int] = field(default_factory=list)
+    flight: deque[Window] = field(default_factory=deque)
 
 
 @dataclass
@@ -110,6 +123,8 @@ class Work:
     note: str = ""
     since: float = 0.0
     cascade: bool = False  # the last call of a replay this stage took: the whole replay goes on (``cascade``)
+    tokens: list[int] | None = None  # a speculative window's rows' tokens on stage 0 (None: one decode position)
+    trip: int = 0  # the window's trip number
 
     @property
     def slot(self) -> int:
@@ -144,6 +159,7 @@ class StageState:
         queue: int,
         keep_digests: bool,
         max_batch: int,
+        speculation: Speculation | None = None,
     ):
         self.index, self.num_stages = index, num_stages
         self.first, self.last = index == 0, index == num_stages - 1
@@ -172,6 +188,9 @@ class StageState:
         self.policy = policy
         self.reliable, self.keeps_history = policy != "none", policy == "failover"
         self.finished: OrderedDict[str, None] = OrderedDict()
+        self.speculation = speculation  # every stage's: windows come down the chain (stage 0 also drafts them)
+        if speculation is not None and not getattr(model, "batched", False):
+            raise StageError(f"stage {index}: speculation needs a batched model (its windows are rows of one step)")
         if (self.first or self.last) and tokenizer is None:
             raise StageError(f"stage {index}: the first and last stages need the tokenizer")
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
+
 from ppharness.errors import HarnessError, StageError
 from ppharness.model.hidden import Hidden
 from ppharness.run.stage_requests import StageState, Work
 from ppharness.trace.tracer import now_ns
 
 if TYPE_CHECKING:
-    import numpy as np
     from numpy.typing import NDArray
     from tinygrad.tensor import Tensor
 
@@ -38,14 +39,17 @@ class Scheduler:
         reqs = [req for req in s.reqs.values() if req.work]
         return [req.work.popleft() for req in (reqs[: s.max_batch] if s.max_batch else reqs)]
 
-    def run(self, batch: list[Work]) -> list[Hidden | int]:
+    def run(self, batch: list[Work]) -> list[Hidden | int | list[int]]:
         """The model for ``batch`` (the module docstring's seam): one output per item, a hidden state or, on the last
         stage, the next token id. A batched model (``ppharness.model.batch``) runs every decode item in one call;
-        prefills, and every item of a model that is not batched, run one at a time."""
+        prefills, and every item of a model that is not batched, run one at a time. A speculative window
+        (``ppharness.run.speculation``) is one call of its own: its rows' hidden states, or on the last stage each
+        row's greedy token."""
         if not self.state.model.batched:
             return [self.compute(work) for work in batch]
-        rows = [w for w in batch if not w.is_prefill]
-        out: dict[int, Hidden | int] = {id(w): self.compute(w) for w in batch if w.is_prefill}
+        rows = [w for w in batch if not w.is_prefill and w.tokens is None]
+        out: dict[int, Hidden | int | list[int]] = {id(w): self.compute(w) for w in batch if w.is_prefill}
+        out.update((id(w), self.compute_window(w)) for w in batch if w.tokens is not None)
         if rows:
             out.update(zip((id(w) for w in rows), self.compute_rows(rows), strict=True))
         return [out[id(w)] for w in batch]
@@ -80,6 +84,39 @@ class Scheduler:
         if s.last:
             return [int(cast(int, o)) for o in outs]
         return [Hidden(cast("NDArray[Any]", o)) for o in outs]
+
+    def compute_window(self, work: Work) -> Hidden | list[int]:
+        """A speculative window of one request in one call: stage 0 embeds its tokens, a later stage takes the rows
+        the stage before sent."""
+        s, req = self.state, work.request
+        assert work.tokens is not None
+        if s.tracer:
+            s.tracer.begin(req.request_id)
+            s.trace_rx(work.step, work.rx)
+        t0 = now_ns()
+        begin = getattr(s.model, "begin_step", None)
+        if begin is not None:
+            begin(req.request_id, work.step)
+        given = work.input
+        xs: list[list[int] | NDArray[np.float16]]
+        if isinstance(given, list):
+            xs = [[t] for t in given]
+        else:
+            rows = given.host()
+            xs = [rows[r : r + 1] for r in range(rows.shape[0])]
+        try:
+            outs = s.model.decode_window(xs, work.position, work.slot)
+        except HarnessError as exc:
+            raise StageError(f"stage {s.index}: {exc}") from exc
+        except Exception as exc:  # tinygrad raises plain exceptions; name the stage and the request
+            what = f"{type(exc).__name__}: {exc}"
+            raise StageError(f"stage {s.index}: compute failed for the window of {req.request_id}: {what}") from exc
+        s.batches.append(len(xs))
+        if s.tracer:
+            s.tracer.add(work.step, "compute", t0, now_ns())
+        if s.last:
+            return [int(cast(int, o)) for o in outs]
+        return Hidden(np.concatenate([cast("NDArray[Any]", o) for o in outs]))
 
     def compute(self, work: Work) -> Hidden | int:
         """One item alone: its prefill or its decode, in its request's slot."""

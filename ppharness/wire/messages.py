@@ -63,7 +63,12 @@ class NextToken(_Msg, frozen=True):
 
 class ActivationRows(_Msg, frozen=True):
     """Stage i -> stage i+1, from a batched step: several requests' next decode position in one message. Row r of
-    ``hidden`` (``shape`` (rows, 1, width)) is request ``request_ids[r]`` at ``positions[r]``."""
+    ``hidden`` (``shape`` (rows, 1, width)) is request ``request_ids[r]`` at ``positions[r]``.
+
+    Speculative windows (``ppharness.run.speculation``): consecutive rows of one request are its window, at
+    consecutive positions; ``tokens[r]`` is the token row r computes on stage 0 (the last committed one, then the
+    drafted ones) and ``trips[r]`` its window's number (each request numbers its windows from 1). Both are empty when
+    the run does not speculate."""
 
     request_ids: list[str]
     positions: list[int]
@@ -72,6 +77,8 @@ class ActivationRows(_Msg, frozen=True):
     dtype: str
     plan_id: str
     epoch: int = 0
+    tokens: list[int] = []
+    trips: list[int] = []
 
 
 class TokenRows(_Msg, frozen=True):
