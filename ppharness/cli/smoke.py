@@ -55,6 +55,18 @@ from ppharness.scenario.schema import Scenario, scenario_from_args
     help="Every stage on one device, driven by one process: the hidden state is handed over in the process "
     "(stages.placement: colocated).",
 )
+@click.option(
+    "--speculate",
+    metavar="DRAFT[:K]",
+    help="Decode by speculative windows the chain verifies, several tokens per trip, every answer still the greedy "
+    "one: ngram[:K] (prompt lookup), layers:N[:K] (the model's first N blocks on stage 0) or model:SOURCE[:K] (a "
+    "small GGUF with the same vocabulary); K drafted tokens per window (serving.speculate; batched with it).",
+)
+@click.option(
+    "--windows",
+    type=click.IntRange(1, 8),
+    help="Speculative windows a request keeps in flight (serving.windows, default 1).",
+)
 @click.option("--transport", help="Transport kind between processes: zmq or iroh.")
 @click.option("--provider", help="Provider kind (local, ...).")
 @click.option("--prompt", help="Prompt text.")
@@ -102,6 +114,8 @@ def smoke_run(
     no_oracle: bool,
     max_context: int | None,
     colocated: bool,
+    speculate: str | None,
+    windows: int | None,
     transport: str | None,
     provider: str | None,
     prompt: str | None,
@@ -141,6 +155,8 @@ def smoke_run(
         max_context=max_context,
         match_oracle=False if no_oracle else None,
         colocated=True if colocated else None,
+        speculate=speculate,
+        windows=windows,
     )
     if chat:
         scenario = chat_or_fail(scenario)

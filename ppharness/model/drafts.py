@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ppharness.errors import ModelError
@@ -142,6 +141,7 @@ def build_draft(spec: DraftSpec, gguf_file: GGUFFile, max_context: int, slots: i
     draft that cannot serve this model (too many layers, another vocabulary)."""
     # imported here: an ngram draft needs no model code
     from ppharness.model.decoding import warm_up
+    from ppharness.model.files import resolve_model
     from ppharness.model.gguf_file import GGUFFile
     from ppharness.model.slicing import ModelSlice
 
@@ -156,7 +156,7 @@ def build_draft(spec: DraftSpec, gguf_file: GGUFFile, max_context: int, slots: i
             )
         model = ModelSlice(gguf_file, 0, spec.layers, True, True, max_context, slots=slots)
     else:
-        other = GGUFFile(Path(spec.source))
+        other = GGUFFile(resolve_model(spec.source))
         if other.config.vocab != cfg.vocab or other.tokenizer.tokens != gguf_file.tokenizer.tokens:
             raise ModelError(
                 f"draft model {spec.source}: its vocabulary ({other.config.vocab} tokens) is not the model's "

@@ -70,6 +70,8 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     slots: int = 1  # requests served at once: a KV cache each (ppharness.run.stage)
     batched: bool = False  # one model call per step for every ready request (ppharness.model.batch)
     max_batch: int = 0  # the most requests one batched step runs (0: every ready one)
+    speculate: str = ""  # a draft name: the run decodes by speculative windows (ppharness.run.speculation)
+    windows: int = 1  # speculative windows a request keeps in flight
     queue: int = 64  # stage 0: requests waiting for a free slot before more are refused
     join_s: float = 120.0
     resolve_s: float = 60.0
@@ -160,6 +162,8 @@ class StageSettings(TypedDict, total=False):
     slots: int
     batched: bool
     max_batch: int
+    speculate: str
+    windows: int
     queue: int
     join_s: float
     resolve_s: float

@@ -16,6 +16,7 @@ co-locates (``ppharness.run.colocated``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import sys
@@ -28,6 +29,7 @@ import msgspec
 
 from ppharness.errors import HarnessError
 from ppharness.model.decoding import warm_up
+from ppharness.model.drafts import build_draft
 from ppharness.model.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.moe import ExpertBank
@@ -45,6 +47,7 @@ from ppharness.run.node_env import make_transport, read_env, read_network, start
 from ppharness.run.node_env import node_log as _log
 from ppharness.run.reliable import RetryPolicy, ack_of
 from ppharness.run.roles import members_refusal, needed_names
+from ppharness.run.speculation import Speculation, speculation_of
 from ppharness.run.stage import Stage
 from ppharness.run.stage_requests import StageModel
 from ppharness.run.standby import MAX_HELD_LENGTHS, Held, assignment_waits, stage_slice
@@ -101,6 +104,17 @@ def load_stage_model(
     tokenizer = gguf_file.tokenizer if plan.first or plan.last else None
     warm_up(model)
     return model, tokenizer, time.monotonic() - t0
+
+
+def stage_speculation(plan: StagePlan, model: ModelSlice, log: Callable[[str], None]) -> Speculation | None:
+    """The run's speculation on this stage (``ppharness.run.speculation``): stage 0 loads and compiles its draft."""
+    speculation = speculation_of(plan.speculate, plan.windows)
+    if speculation is None or not plan.first:
+        return speculation
+    t0 = time.monotonic()
+    draft = build_draft(speculation.spec, model.file, plan.max_context, plan.slots)
+    log(f"draft {speculation.spec.text} ready in {time.monotonic() - t0:.1f} s ({plan.windows} window(s) in flight)")
+    return dataclasses.replace(speculation, draft=draft)
 
 
 def load_expert_bank(model_source: str, plan: StagePlan) -> tuple[ExpertBank, float]:
@@ -466,6 +480,7 @@ class Node:
             epoch=plan.epoch,
             queue=plan.queue,
             max_batch=plan.max_batch,
+            speculation=stage_speculation(plan, loaded, self.log),
         )
         self.loop.add_timer(stage)  # the outbox's resends
         self.loop.add_worker(stage)  # its steps

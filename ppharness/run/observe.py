@@ -119,4 +119,5 @@ class Observer:
             replaced=[r.stage for r in self.recoveries],
             chain_stop=response.stop_token_id,
             oracle_stop=oracle.stop_token_id,
+            speculative=bool(self.session.scenario.serving.speculate),
         )

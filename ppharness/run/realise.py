@@ -133,6 +133,8 @@ def _settings(scenario: Scenario, compiled: Compiled, trace: bool) -> StageSetti
         slots=scenario.serving.slots,
         batched=scenario.serving.batched,
         max_batch=scenario.serving.max_batch,
+        speculate=scenario.serving.speculate,
+        windows=scenario.serving.windows,
         queue=scenario.serving.queue,
         join_s=budget.join_s,
         resolve_s=budget.resolve_s,

@@ -116,6 +116,12 @@ class Scenario(Settings, frozen=True):
                 "the plan file names its spare devices (placement.spares) — remove spares here, or add them to the "
                 "plan",
             )
+        if ft.policy == "failover" and self.serving.speculate:
+            raise FieldError(
+                "fault_tolerance.policy",
+                "a spare's replay of a speculating request is not built yet — use policy retry with "
+                "serving.speculate, or leave speculate out",
+            )
         if ft.policy == "failover" and self.network is not None and self.network.layer == "packet":
             raise FieldError(
                 "fault_tolerance.policy",
@@ -274,10 +280,13 @@ def scenario_from_args(
     max_context: int | None = None,
     match_oracle: bool | None = None,
     colocated: bool | None = None,
+    speculate: str | None = None,
+    windows: int | None = None,
 ) -> Scenario:
     """``base`` (default: the built-in scenario) with the given overrides; ``None`` keeps the base value. ``plan``:
     a plan file the run realises (``with_plan``); ``model``: a source (``model_section``); ``colocated``: every
-    stage in one process (``stages.placement``)."""
+    stage in one process (``stages.placement``); ``speculate``: a draft (``serving.speculate``, batched with it),
+    ``windows`` its windows in flight."""
     s = base if base is not None else Scenario(version=SCENARIO_VERSION)
     if model is not None:
         section = model_section(model, s.model.max_context)
@@ -294,6 +303,14 @@ def scenario_from_args(
         s = _set(s, "$", stages=Stages(count=num_stages, split_rule=s.stages.split_rule, placement=s.stages.placement))
     if colocated is not None:
         s = _set(s, "$", stages=_set(s.stages, "$.stages", placement="colocated" if colocated else "separate"))
+    if speculate is not None or windows is not None:  # speculative windows are rows of a batched step
+        draft = s.serving.speculate if speculate is None else speculate
+        more = {"windows": windows} if windows is not None else {}
+        s = _set(
+            s,
+            "$",
+            serving=_set(s.serving, "$.serving", speculate=draft, batched=s.serving.batched or bool(draft), **more),
+        )
     if provider is not None:  # before the transport, whose checks name the provider
         s = _set(s, "$", provider=_set(s.provider, "$.provider", kind=provider))
     if transport is not None:  # a field of one transport kind is kept for that kind and dropped for the others

@@ -17,6 +17,7 @@ from ppharness import registry
 from ppharness.document.explain import FieldError, show
 from ppharness.document.yaml_limits import MAX_SCALAR_BYTES
 from ppharness.errors import ModelError
+from ppharness.model.drafts import parse_draft
 from ppharness.model.gguf_metadata import MAX_BLOCKS, MAX_WIDTH
 from ppharness.model.spec import PRESETS, SIMULATION_ONLY, WEIGHT_TYPES, ModelSpec, check_fits, preset_spec
 from ppharness.plan.stages import make_plan
@@ -272,12 +273,31 @@ class ServingSection(Settings, frozen=True):
     next position of all its ready requests in one model call (``ppharness.model.batch``), with batch-invariant
     kernels, so each request's answer stays the one it gets alone; else one call per request, with the fastest
     kernels for one row. ``max_batch``: the most requests a batched step runs (0: every ready one); a smaller batch
-    leaves the rest for the next step, so that several batches travel the chain at once."""
+    leaves the rest for the next step, so that several batches travel the chain at once. ``speculate``: a draft
+    (``ppharness.model.drafts``) whose windows the chain verifies, several tokens per trip, every answer still the
+    greedy one; ``windows``: how many a request keeps in flight."""
 
     slots: Annotated[int, Meta(ge=1, le=256)] = 1
     queue: Annotated[int, Meta(ge=0, le=65536)] = 64
     batched: bool = False
     max_batch: Annotated[int, Meta(ge=0, le=256)] = 0
+    # speculative decoding inside the pipeline (ppharness.run.speculation): a draft name (ppharness.model.drafts:
+    # ngram[:K], layers:N[:K], model:SOURCE[:K]; empty: none) and how many windows a request keeps in flight
+    speculate: Annotated[str, Meta(max_length=4096)] = ""
+    windows: Annotated[int, Meta(ge=1, le=8)] = 1
+
+    def __post_init__(self) -> None:
+        if not self.speculate:
+            return
+        try:
+            parse_draft(self.speculate)
+        except ModelError as exc:
+            raise FieldError("speculate", str(exc)) from None
+        if not self.batched:
+            raise FieldError(
+                "speculate",
+                "speculative windows are rows of one batched step — add `batched: true` to serving",
+            )
 
 
 class ExpectSection(Settings, frozen=True):
