@@ -121,3 +121,17 @@ def warm_up(model: ModelSlice) -> None:
             model.warm(x, pos, slot)
     model.use(0)
     model.warm_prefill(1)  # the prefill's chunk step, captured: a prompt of any length replays it
+
+
+def warm_windows(model: ModelSlice, rows: int) -> None:
+    """Compile a batched slice's speculative window steps (``ppharness.run.speculation``) before the first request:
+    one per power of two that holds up to ``rows``, each run enough times for the JIT to capture it, in slot 0 (whose
+    cache the next request's prefill overwrites)."""
+    import numpy as np
+
+    x = [0] if model.first else np.zeros((1, 1, model.config.dim), dtype=np.float16)
+    width = 1
+    while width // 2 < rows and width + 1 < model.max_context:
+        for _ in range(3):
+            model.decode_window([x] * width, 1, 0, stand_in=model.config.moe)
+        width *= 2

@@ -315,6 +315,24 @@ def route_choices() -> None:
     if _ORIGINAL_SEARCH is None:
         _ORIGINAL_SEARCH = search.beam_search
         search.beam_search = cast("Any", _choose)
+        _no_contraction()
+
+
+def _no_contraction() -> None:
+    """A batch-invariant kernel on the CPU is compiled with no fused multiply-adds the C compiler chooses
+    (``#pragma clang fp contract(off)`` heads its source): clang fuses ``a * b + c`` only where both sit in one
+    expression, and how tinygrad's C inlines a value depends on the kernel's upcasts, so one row's product came out
+    other bits at 1 row than at 2 (a Q4_1 projection). The pragma is part of the source, so of its compiled-kernel
+    cache key."""
+    from tinygrad.renderer.cstyle import ClangRenderer
+
+    render = ClangRenderer.render
+
+    def rendered(self: Any, uops: Any) -> str:
+        src = render(self, uops)
+        return f"#pragma clang fp contract(off)\n{src}" if compiling_invariant() else src
+
+    ClangRenderer.render = rendered  # type: ignore[method-assign]
 
 
 def _choose(s: Scheduler, rawbufs: list[Any], amt: int, allow_test_size: bool = True) -> Scheduler:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ppharness.errors import HarnessError
-from ppharness.model.decoding import warm_up
+from ppharness.model.decoding import warm_up, warm_windows
 from ppharness.model.drafts import build_draft
 from ppharness.model.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile
@@ -103,6 +103,9 @@ def load_stage_model(
     model = stage_slice(gguf_file, plan)
     tokenizer = gguf_file.tokenizer if plan.first or plan.last else None
     warm_up(model)
+    speculation = speculation_of(plan.speculate, plan.windows)
+    if speculation is not None:
+        warm_windows(model, speculation.rows)
     return model, tokenizer, time.monotonic() - t0
 
 

@@ -92,6 +92,8 @@ def block_class() -> type[TransformerBlock]:
                 setattr(self, name, DecodeLinear(getattr(self, name)))
 
         def __call__(self, x: Tensor, start_pos: int | UOp | Rows | Chunk) -> Tensor:
+            if isinstance(start_pos, Rows):  # a batch of decode rows: every intermediate in a buffer of its own
+                return feed_forward_rows(self, attention_rows(self, x, start_pos)).cast("float16").contiguous()
             return self._feed_forward(self._attention(x, start_pos)).cast("float16").contiguous()
 
         def _attention(self, x: Tensor, start_pos: int | UOp | Rows | Chunk) -> Tensor:
@@ -146,12 +148,13 @@ def rotary_table(block: Any) -> Tensor:
     return table
 
 
-def heads_qkv(block: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def heads_qkv(block: Any, x: Tensor, own: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """A llama-family block's queries, keys and values of ``x`` (B,T,D), split into heads as tinygrad's
     ``TransformerBlock._attention`` splits them: (B,H,T,Hd), (B,KvH,T,Hd), (B,KvH,T,Hd), the optional q/k norms
-    applied where it applies them (over the projection's width, or over each head's)."""
+    applied where it applies them (over the projection's width, or over each head's). ``own``: the norm's output
+    in a buffer of its own (``feed_forward_rows`` says why)."""
     b, t, h, kvh, hd = int(x.shape[0]), int(x.shape[1]), block.n_heads, block.n_kv_heads, block.head_dim
-    x_norm = block.attn_norm(x)
+    x_norm = block.attn_norm(x).contiguous() if own else block.attn_norm(x)
     q, k, v = block.attn_q(x_norm), block.attn_k(x_norm), block.attn_v(x_norm)
     if block.qk_norm and block.qk_norm != hd:
         q, k = block.attn_q_norm(q), block.attn_k_norm(k)
@@ -172,12 +175,12 @@ def attention_rows(block: Any, x: Tensor, rows: Rows) -> Tensor:
     from tinygrad.tensor import Tensor
 
     w, h, kvh, hd = int(x.shape[0]), block.n_heads, block.n_kv_heads, block.head_dim
-    q, k, v = heads_qkv(block, x)  # (W,H,1,Hd), (W,KvH,1,Hd) twice
+    q, k, v = heads_qkv(block, x, own=True)  # (W,H,1,Hd), (W,KvH,1,Hd) twice
     # buffers of their own: left lazy, the per-head q/k norms (qwen3) fused into the rotary kernel at some widths and
     # not others, and a row's queries came out other bits at 8 rows than at 4
     q, k = q.contiguous(), k.contiguous()
     cos_sin = rows.at_positions(rotary_table(block)).contiguous()  # once, not inside every kernel that reads it
-    q, k = rope_rows(q, cos_sin), rope_rows(k, cos_sin)
+    q, k = rope_rows(q, cos_sin).contiguous(), rope_rows(k, cos_sin).contiguous()
     cache = cast("Tensor", block.slot_cache)  # (2, slots, KvH, context, Hd)
     ctx, g = int(cache.shape[3]), h // kvh
     # the new key and value at each row's own position, the rest of the batch's slots rewritten unchanged (a static
@@ -195,8 +198,21 @@ def attention_rows(block: Any, x: Tensor, rows: Rows) -> Tensor:
     scores = qg.matmul(keys.transpose(-2, -1), dtype=dtypes.float32) / math.sqrt(hd)  # (W*KvH, G, L)
     seen = rows.seen().reshape(w, 1, 1, -1).expand(w, kvh, g, -1).reshape(w * kvh, g, -1)
     scores = scores + seen.where(0.0, -math.inf)
-    attn = scores.cast(q.dtype).softmax(-1) @ values  # (W*KvH, G, Hd), as scaled_dot_product_attention computes it
+    # as scaled_dot_product_attention computes it; the weights in a buffer of their own (``feed_forward_rows``: a
+    # window's rows, reading one slot's values, fused the softmax into the product and came out other bits)
+    attn = scores.cast(q.dtype).softmax(-1).contiguous() @ values  # (W*KvH, G, Hd)
     out: Tensor = x + block.attn_output(attn.reshape(w, 1, h * hd))
+    return out
+
+
+def feed_forward_rows(block: Any, h: Tensor) -> Tensor:
+    """tinygrad's ``TransformerBlock._feed_forward`` for a batch of decode rows, the norm's output in a buffer of its
+    own. Left lazy, a norm is fused into the products that read it at some batch widths and not at others (tinygrad
+    schedules by shape), and a fused one is not rounded where a stored one is: a row's bits then depended on how many
+    rows ran beside it (a Q4_1 projection: 1 row against 2)."""
+    h_norm = block.ffn_norm(h).contiguous()
+    gated = block.ffn_gate(h_norm).silu().contiguous() * block.ffn_up(h_norm)
+    out: Tensor = h + block.ffn_down(gated)
     return out
 
 
