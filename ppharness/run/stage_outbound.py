@@ -361,6 +361,13 @@ class Outbound:
         )
         self.send(("response", req.request_id, -1), "client:" + req.reply_to, response)
         s.finish(req.request_id)
+        w = self.windows
+        if s.speculation is not None and w.trips:
+            s.log(
+                f"stage {s.index}: speculation so far: {w.trips} trip(s) committed {w.committed} token(s), "
+                f"{w.committed / w.trips:.2f} per trip; {w.accepted} of {w.drafted} drafted token(s) accepted; "
+                f"{w.void} void window(s)"
+            )
 
     # --- replays sent (policy failover: ppharness.run.stage_replay) -------------------------------------------------
 

@@ -1,0 +1,232 @@
+"""Speculative decoding inside the pipeline: a window of drafted tokens is verified in one trip round the chain, and
+every answer is still the greedy answer of the unsplit model decoded one token at a time, token for token and hidden
+state for hidden state.
+
+The property drives batched slices of a split directly: after a prefill, windows of random drafts (some rows the true
+continuation, some not) run through every stage in one call each, the last stage's greedy tokens decide what is
+committed, and every committed row's boundary bytes and token are compared with one-at-a-time decoding through the
+same slices. The chain tests run real Stages over the memory transport with each draft and windows in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppharness.document.explain import FieldError
+from ppharness.errors import ModelError, ScenarioError
+from ppharness.model.drafts import DEFAULT_K, NGramDraft, build_draft, parse_draft
+from ppharness.model.oracle import oracle_decode
+from ppharness.model.slicing import ModelSlice
+from ppharness.run.inprocess import InProcessChain, judge, load_slices, run_inprocess
+from ppharness.run.speculation import Speculation, accepted, current, rows_ok
+from ppharness.scenario.schema import scenario_from_args
+
+MAX_CONTEXT = 96
+SPLITS = [[(0, 8)], [(0, 3), (3, 8)], [(0, 2), (2, 5), (5, 8)]]
+_slices: dict = {}
+
+
+def slices_of(gguf, split):
+    return load_slices(gguf, split, MAX_CONTEXT, cache=_slices, slots=3, batched=True)
+
+
+def digest(x) -> str:
+    return hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()[:16]
+
+
+def one_at_a_time(slices, prompt: list[int], steps: int, slot: int) -> tuple[list[int], list[list[str]]]:
+    """Greedy decoding one position per call: tokens, and each decode step's boundary digests."""
+    h = prompt
+    for s in slices[:-1]:
+        h = s.prefill(h, slot)
+    tokens, bounds = [slices[-1].prefill(h, slot)], []
+    for k in range(steps):
+        h, row = [tokens[-1]], []
+        for s in slices[:-1]:
+            h = s.decode(h, len(prompt) + k, slot)
+            row.append(digest(h))
+        bounds.append(row)
+        tokens.append(slices[-1].decode(h, len(prompt) + k, slot))
+    return tokens, bounds
+
+
+@settings(max_examples=2, deadline=None)
+@given(split=st.sampled_from(SPLITS), k=st.integers(1, 9), seed=st.integers(0, 2**16), slot=st.integers(0, 2))
+def test_a_window_verified_in_one_call_gives_the_bytes_of_one_at_a_time_decoding(tiny_gguf, split, k, seed, slot):
+    slices = slices_of(tiny_gguf, split)
+    rng = random.Random(seed)
+    prompt = [1] + [rng.randrange(tiny_gguf.config.vocab) for _ in range(rng.randrange(1, 12))]
+    steps = 24
+    truth, truth_bounds = one_at_a_time(slices, prompt, steps, 0)
+    h = prompt
+    for s in slices[:-1]:
+        h = s.prefill(h, slot)
+    tokens, bounds = [slices[-1].prefill(h, slot)], {}
+    windows = 0
+    while len(tokens) <= steps:
+        p, n = len(prompt) + len(tokens) - 1, len(tokens)
+        drafts = [
+            truth[n + i] if n + i < len(truth) and rng.random() < 0.75 else rng.randrange(tiny_gguf.config.vocab)
+            for i in range(rng.randrange(0, k + 1))
+        ]
+        rows, seen = [[tokens[-1]]] + [[t] for t in drafts], []
+        for s in slices[:-1]:
+            rows = s.decode_window(rows, p, slot)
+            seen.append([digest(r) for r in rows])
+        greedy = slices[-1].decode_window(rows, p, slot)
+        committed = accepted([tokens[-1], *drafts], greedy)
+        for i in range(len(committed)):
+            bounds[n - 1 + i] = [b[i] for b in seen]
+        tokens += committed
+        windows += 1
+    assert tokens[: steps + 1] == truth, "a speculative window changed the greedy answer"
+    for step in range(steps):
+        assert bounds[step] == truth_bounds[step], f"decode step {step}: a window row's hidden state differs"
+    assert windows < steps, "the windows never committed more than one token per call"
+
+
+def test_qwen3_rows_have_the_same_bits_at_every_batch_width(tiny_qwen3_path):
+    """The per-head q/k norms are fused by width unless stored: row 0 at width 8 equals row 0 alone."""
+    from ppharness.model.gguf_file import GGUFFile
+
+    s = ModelSlice(GGUFFile(tiny_qwen3_path), 0, 2, True, False, 32, slots=8, batched=True)
+    out = {}
+    for slot in (0, 4, 7):
+        s.prefill([1, 5, 7, 9], slot)
+        out[slot] = digest(s.decode([3], 4, slot))
+    assert len(set(out.values())) == 1, f"a row's bytes depend on the batch width: {out}"
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_path() -> str:
+    from ppharness.model.files import synthetic_path
+    from ppharness.model.spec import PRESETS
+
+    return str(synthetic_path(PRESETS["tiny-qwen3"]))
+
+
+PROMPT = "one two three one two three one two"
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_gguf, tiny_model_path):
+    whole = load_slices(tiny_gguf, [(0, 8)], MAX_CONTEXT, taps=True, slots=3, batched=True)[0]
+    return oracle_decode(tiny_model_path, PROMPT, 40, MAX_CONTEXT, model=whole, boundaries=True)
+
+
+@pytest.mark.parametrize(
+    "draft,windows",
+    [
+        ("ngram:4", 1),
+        ("layers:2:2", 2),
+        pytest.param("ngram:6", 3, marks=pytest.mark.slow),  # each chain test takes about 25 s here
+        pytest.param("layers:3:3", 1, marks=pytest.mark.slow),
+    ],
+    ids=lambda v: str(v),
+)
+def test_a_speculating_chain_answers_as_one_at_a_time_greedy_decoding(tiny_gguf, oracle, draft, windows):
+    spec = parse_draft(draft)
+    speculation = Speculation(spec, build_draft(spec, tiny_gguf, MAX_CONTEXT, 3), windows)
+    for split in SPLITS:
+        digests: dict[int, list[bytes]] = {}
+        response = run_inprocess(tiny_gguf, slices_of(tiny_gguf, split), PROMPT, 40, digests=digests,
+                                 speculation=speculation)  # fmt: skip
+        verdict = judge(response, oracle, split, digests, speculative=True)
+        assert verdict.exact, f"{draft}, {windows} window(s), split {split}: {verdict}"
+        assert verdict.boundaries_compared >= 40 * (len(split) - 1), "the hidden states were not all compared"
+
+
+def test_an_ngram_draft_commits_several_tokens_per_trip_on_a_repeating_answer(tiny_gguf, oracle):
+    spec = parse_draft("ngram:6")
+    speculation = Speculation(spec, build_draft(spec, tiny_gguf, MAX_CONTEXT, 3), 1)
+    from ppharness.wire.messages import InferenceRequest, InferenceResponse
+
+    with InProcessChain(tiny_gguf, slices_of(tiny_gguf, SPLITS[2]), speculation=speculation) as chain:
+        chain.ask(InferenceRequest(reply_to=chain.client.address, prompt=PROMPT, max_tokens=40, request_id="r"))
+        reply = None
+        while reply is None:
+            for i in range(3):
+                chain.turn(i)
+            reply = chain.reply()
+        assert isinstance(reply, InferenceResponse)
+        last = chain.stages[2].inbound.windows
+        assert reply.token_ids == oracle.token_ids
+        per_trip = last.committed / last.trips
+        assert last.trips < 39 and per_trip > 1.0, f"{last.trips} trips for 39 tokens: nothing was accepted"
+
+
+def test_windows_in_flight_behind_a_rejected_one_are_void():
+    assert accepted([5, 6, 7, 8], [6, 7, 9, 1]) == [6, 7, 9]
+    assert accepted([5], [3]) == [3]
+    assert accepted([5, 6], [6, 2]) == [6, 2]
+    assert current(10, 4, [1, 4], 9), "a window at the last committed token continues the answer"
+    assert not current(11, 4, [1, 4], 9), "a window past the committed position is void"
+    assert not current(10, 3, [1, 4], 9), "a window whose first token is not the committed one is void"
+
+
+def test_malformed_windows_are_named():
+    assert rows_ok(["a", "a", "b"], [4, 5, 9], [1, 2, 3], [1, 1, 2]) == ""
+    assert "consecutive" in rows_ok(["a", "a"], [4, 6], [1, 2], [1, 1])
+    assert "together" in rows_ok(["a", "b", "a"], [4, 9, 5], [1, 2, 3], [1, 1, 1])
+    assert "trip" in rows_ok(["a"], [4], [1], [])
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
+    d = NGramDraft()
+    assert d.propose(0, [1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]
+    assert d.propose(0, [7, 8, 7, 8, 7], 5) == [8, 7, 8, 7, 8], "a cycle is proposed round and round"
+    assert d.propose(0, [1, 2, 3, 4], 3) == [], "nothing repeats: nothing is proposed"
+
+
+def test_draft_names_are_read_or_refused_with_the_fix():
+    assert parse_draft("ngram").k == DEFAULT_K
+    assert parse_draft("ngram:8").k == 8
+    assert (parse_draft("layers:4:6").layers, parse_draft("layers:4:6").k) == (4, 6)
+    assert parse_draft("model:/x/draft.gguf:3").source == "/x/draft.gguf"
+    assert parse_draft("model:synthetic:tiny").source == "synthetic:tiny"
+    for bad, words in [
+        ("beam:4", "unknown kind"),
+        ("ngram:0", "outside 1..31"),
+        ("ngram:40", "outside 1..31"),
+        ("layers", "how many"),
+        ("layers:x", "how many"),
+        ("model", "needs the draft model's file"),
+    ]:
+        with pytest.raises(ModelError, match=words):
+            parse_draft(bad)
+
+
+def test_a_draft_of_as_many_layers_as_the_model_is_refused(tiny_gguf):
+    with pytest.raises(ModelError, match="needs N < 8"):
+        build_draft(parse_draft("layers:8"), tiny_gguf, MAX_CONTEXT, 1)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_gguf):
+    with pytest.raises(ModelError, match="vocabulary"):
+        build_draft(parse_draft("model:synthetic:tiny-qwen3"), tiny_gguf, MAX_CONTEXT, 1)
+
+
+def test_scenarios_turn_speculation_on_with_one_key_and_refuse_what_cannot_run():
+    s = scenario_from_args(speculate="ngram:8", windows=2)
+    assert (s.serving.speculate, s.serving.windows, s.serving.batched) == ("ngram:8", 2, True)
+    with pytest.raises((ScenarioError, FieldError), match="unknown kind"):
+        scenario_from_args(speculate="beam:2")
+    base = scenario_from_args()
+    import msgspec
+
+    raw = msgspec.to_builtins(base)
+    raw["serving"] = {"speculate": "ngram:4"}
+    from ppharness.scenario.schema import Scenario
+
+    with pytest.raises(msgspec.ValidationError, match="batched: true"):
+        msgspec.convert(raw, type=Scenario)
+    raw["serving"] = {"speculate": "ngram:4", "batched": True}
+    raw["fault_tolerance"] = {"policy": "failover"}
+    with pytest.raises(msgspec.ValidationError, match="not built yet"):
+        msgspec.convert(raw, type=Scenario)
