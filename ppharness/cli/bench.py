@@ -20,6 +20,7 @@ from ppharness.benchmarks import planner as planner_bench
 from ppharness.benchmarks import transport as transport_bench
 from ppharness.benchmarks import wan as wan_bench
 from ppharness.benchmarks import wan_chain as wan_chain_bench
+from ppharness.cli.bench_spec import bench_spec
 from ppharness.cli.common import exit_1_on_failure, fail, split_csv
 from ppharness.model.files import resolve_model
 from ppharness.run.orchestrator import Progress
@@ -571,3 +572,6 @@ def bench_load(
     click.echo(load_bench.report(res))
     if not res.exact:
         fail("an answer differs from the unsplit model's")
+
+
+bench.add_command(bench_spec)  # ``ppharness bench spec``, in a module of its own

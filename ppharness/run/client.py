@@ -127,10 +127,11 @@ class Client:
         self._stream_acks = StreamAcks()
 
     def request(
-        self, prompt: str, max_tokens: int, stream: bool = False, digests: bool = True
+        self, prompt: str, max_tokens: int, stream: bool = False, digests: bool = True, speculate: bool = True
     ) -> tuple[InferenceResponse, float]:
         """Send one request to pp-entry; return the response and its round trip in seconds on our clock
-        (``digests``: every stage keeps its hidden states' digests, for ``Chain.verdict``).
+        (``digests``: every stage keeps its hidden states' digests, for ``Chain.verdict``; ``speculate``: in a run
+        that speculates, drafted windows for it, else one row per trip).
 
         A request sent right after another may find stage 0 still waiting for that one's last token (over a slow
         link it arrives after the response reached us): stage 0 refuses it as busy, and it is sent again, within the
@@ -140,7 +141,7 @@ class Client:
         sent: list[tuple[InferenceRequest, float]] = []  # each send: the request and when it went
 
         def send() -> None:
-            sent.append(self._send_new(prompt, max_tokens, stream, digests))
+            sent.append(self._send_new(prompt, max_tokens, stream, digests, speculate))
 
         def answered() -> bool:
             return sent[-1][0].request_id in self.responses
@@ -175,7 +176,7 @@ class Client:
         return self.responses.pop(request.request_id), time.monotonic() - t0
 
     def _send_new(
-        self, prompt: str, max_tokens: int, stream: bool = False, digests: bool = True
+        self, prompt: str, max_tokens: int, stream: bool = False, digests: bool = True, speculate: bool = True
     ) -> tuple[InferenceRequest, float]:
         """Send the request in progress, under a new id (``stream``: its tokens come back as they are sampled);
         returns it and when it went."""
@@ -186,7 +187,13 @@ class Client:
         t0 = time.monotonic()
         request_id = uuid.uuid4().hex[:12]
         request = InferenceRequest(
-            reply_to=s.seed, prompt=prompt, max_tokens=max_tokens, request_id=request_id, stream=stream, digests=digests
+            reply_to=s.seed,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            request_id=request_id,
+            stream=stream,
+            digests=digests,
+            speculate=speculate,
         )
         self.active = request
         self._send(request)

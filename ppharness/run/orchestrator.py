@@ -146,12 +146,13 @@ class Chain:
     # --- the client and the observer --------------------------------------------------------------------------------
 
     def request(
-        self, prompt: str, max_tokens: int, stream: bool = False, digests: bool = True
+        self, prompt: str, max_tokens: int, stream: bool = False, digests: bool = True, speculate: bool = True
     ) -> tuple[InferenceResponse, float]:
         """Send one request to pp-entry; return the response and its round trip in seconds (``Client.request``;
         ``stream``: its tokens come back as they are sampled, to ``client.on_stream``; ``digests``: the stages keep
-        the digests ``verdict`` compares, which read every hidden state on the host)."""
-        return self.client.request(prompt, max_tokens, stream, digests)
+        the digests ``verdict`` compares, which read every hidden state on the host; ``speculate``: drafted windows
+        for it in a run that speculates)."""
+        return self.client.request(prompt, max_tokens, stream, digests, speculate)
 
     def serve(self, jobs: list[Job]) -> list[Served]:
         """Serve an open-loop load (``Client.serve``); the results are in job order."""

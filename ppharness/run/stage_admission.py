@@ -109,7 +109,7 @@ class Admission:
             digests=msg.digests,
         )
         if s.speculation is not None:  # the draft reads the prompt and the answer so far
-            req.context = list(ids)
+            req.context, req.speculate = list(ids), msg.speculate
         s.reqs[request_id] = req
         if not s.last:
             opened = RequestOpen(

@@ -358,6 +358,10 @@ class Outbound:
             finish_reason=reason,
             stop_token_id=stop,
             stop_token=s.tokenizer.decode([stop]) if stop is not None else "",
+            trips=req.verified[0],
+            drafted=req.verified[1],
+            accepted=req.verified[2],
+            rejected=req.verified[3],
         )
         self.send(("response", req.request_id, -1), "client:" + req.reply_to, response)
         s.finish(req.request_id)

@@ -103,6 +103,8 @@ class Request:
     trip: int = 0
     context: list[int] = field(default_factory=list)
     flight: deque[Window] = field(default_factory=deque)
+    speculate: bool = True  # stage 0: draft for it (False: windows of one row)
+    verified: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # last stage: trips, drafted, accepted, rejected
 
 
 @dataclass

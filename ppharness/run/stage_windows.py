@@ -4,6 +4,7 @@ verifies a window and commits what it accepts."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from ppharness.model.hidden import Hidden
@@ -66,6 +67,8 @@ class Windows:
         assert spec is not None
         if not req.context:
             return
+        if not req.speculate:  # greedy within a speculating run: one row per trip
+            spec = dataclasses.replace(spec, windows=1, spec=dataclasses.replace(spec.spec, k=0))
         for start, tokens in next_windows(
             spec, req.context, req.flight, req.prompt_tokens, req.max_tokens, s.model.max_context, req.slot
         ):
@@ -129,4 +132,6 @@ class Windows:
         self.drafted += len(work.tokens) - 1
         self.accepted += len(out) - 1
         self.committed += len(out)
+        for i, n in enumerate((1, len(work.tokens) - 1, len(out) - 1, int(len(out) < len(work.tokens)))):
+            req.verified[i] += n
         return out

@@ -33,6 +33,7 @@ class InferenceRequest(_Msg, frozen=True):
     request_id: str = ""
     stream: bool = False  # also send each token to reply_to as a StreamedToken when it is sampled
     digests: bool = True  # every stage keeps the digest of each hidden state it sends (a DigestRequest's answer)
+    speculate: bool = True  # in a run that speculates: draft windows for it (False: windows of one row, greedy)
 
 
 class StageActivation(_Msg, frozen=True):
@@ -105,6 +106,12 @@ class InferenceResponse(_Msg, frozen=True):
     finish_reason: str  # "eos" (an end-of-generation token ended it) | "length" (max_tokens did)
     stop_token_id: int | None = None  # the end-of-generation token that ended it, not in token_ids; None at max_tokens
     stop_token: str = ""  # that token's text ("<|eot_id|>"); "" at max_tokens
+    # speculation (ppharness.run.speculation): windows the last stage verified for it, tokens they drafted, drafts
+    # accepted, and windows that rejected a draft (0 in a run that does not speculate)
+    trips: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejected: int = 0
 
 
 # --- what the harness adds ----------------------------------------------------------------------------------------
