@@ -101,8 +101,8 @@ def _compute_sum(chain: Chain, response: InferenceResponse, num_stages: int) -> 
     """The stages' compute p50 over the request's decode steps (a speculative request's: its windows), summed."""
     rows = chain.trace_of(response).decode
     total = 0.0
-    for i in range(num_stages):
-        got = [r.parts[f"stage {i} compute"] for r in rows if f"stage {i} compute" in r.parts]
+    for i in range(num_stages):  # a window's compute is under its first row's step: the tokens after it have none
+        got = [r.parts[f"stage {i} compute"] for r in rows if r.parts.get(f"stage {i} compute", 0.0) > 0.0]
         if not got:
             return math.nan
         total += percentile(got, 50)

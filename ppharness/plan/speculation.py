@@ -15,6 +15,12 @@ and what a trip costs, from the draft's acceptance, K and the chain's own costs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from ppharness.plan.doc import ModelGraph
 
 
 def tokens_per_trip(alpha: float, k: float) -> float:
@@ -49,3 +55,73 @@ def predict(alpha: float, k: float, delay_ms: float, window_ms: float, draft_ms:
     per_trip = tokens_per_trip(alpha, k)
     trip = delay_ms + window_ms + draft_ms
     return SpecPrediction(alpha, k, per_trip, trip, per_trip * 1000.0 / trip if trip > 0 else 0.0)
+
+
+def distinct_experts(count: int, active: int, rows: int) -> float:
+    """Experts a window of ``rows`` rows reads in one MoE block, each row routed to ``active`` of ``count``
+    independently and uniformly (an assumption: real routing is correlated between neighbouring tokens, so fewer)."""
+    return count * (1.0 - (1.0 - active / count) ** rows)
+
+
+def window_graph(graph: ModelGraph, rows: int) -> ModelGraph:
+    """``graph`` with one decode step standing for a window of ``rows`` rows: each MoE block reads the experts the
+    window's rows are routed to between them (``distinct_experts``), and a hop carries every row's hidden state.
+    The dense weights are read once for all rows; their compute is taken as free beside the bytes (decode is
+    bandwidth-bound at a handful of rows)."""
+    blocks = tuple(
+        msgspec.structs.replace(
+            b,
+            experts=msgspec.structs.replace(
+                b.experts,
+                active=min(b.experts.count, max(1, round(distinct_experts(b.experts.count, b.experts.active, rows)))),
+            ),
+        )
+        if b.experts.count
+        else b
+        for b in graph.blocks
+    )
+    return msgspec.structs.replace(graph, blocks=blocks, activation_bytes=graph.activation_bytes * rows)
+
+
+@dataclass(frozen=True)
+class WindowRow:
+    """A speculating Kimi-class chain at one acceptance and K: the planner's best plan for a window of K+1 rows."""
+
+    alpha: float
+    k: int
+    tokens_per_trip: float
+    trip_ms: float
+    tok_s: float
+    greedy_tok_s: float
+
+
+def kimi_table(alphas: tuple[float, ...] = (0.6, 0.7, 0.8, 0.9), ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8),
+               card: str = "4090", count: int = 32) -> list[WindowRow]:  # fmt: skip
+    """Kimi K2 (Q4_K) on ``count`` consumer cards in 8-GPU hosts (``ppharness.plan.consumer``'s measured-basis
+    cluster): per acceptance, the best K, its trip (the simulator's time for one step of the window graph) and the
+    decode rate; beside it, greedy decoding's."""
+    from ppharness.plan.consumer import consumer_cluster, kimi_graph  # the consumer clusters: only for this table
+    from ppharness.plan.doc import Objective
+    from ppharness.plan.search import policy_plan
+    from ppharness.plan.simulate import simulate
+
+    graph = kimi_graph()
+    cluster = consumer_cluster(card, count, "hosts8")
+    trips = {}
+    for k in (0, *ks):
+        doc = policy_plan("optimal", window_graph(graph, k + 1), cluster, Objective())
+        trips[k] = simulate(doc).per_token_ms
+    out = []
+    for alpha in alphas:
+        best = max(ks, key=lambda k: tokens_per_trip(alpha, k) / trips[k])
+        per_trip = tokens_per_trip(alpha, best)
+        out.append(WindowRow(alpha, best, per_trip, trips[best], per_trip * 1000 / trips[best], 1000 / trips[0]))
+    return out
+
+
+if __name__ == "__main__":
+    for row in kimi_table():
+        print(
+            f"alpha {row.alpha:.1f}: K = {row.k}, {row.tokens_per_trip:.2f} tokens per trip of {row.trip_ms:.1f} ms: "
+            f"{row.tok_s:.1f} tok/s (greedy {row.greedy_tok_s:.1f})"
+        )
