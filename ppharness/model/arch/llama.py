@@ -22,7 +22,7 @@ import numpy as np
 
 from ppharness.errors import ModelError
 from ppharness.model.arch.base import BLOCK_TENSOR, Architecture, Shape, check_no_mla
-from ppharness.model.batch import Rows, per_row, place, rope_rows, slot_view
+from ppharness.model.batch import Rows, place, rope_rows, slot_view
 from ppharness.model.chunks import Chunk, attention_chunk
 from ppharness.model.direct import DecodeLinear
 
@@ -189,19 +189,41 @@ def attention_rows(block: Any, x: Tensor, rows: Rows) -> Tensor:
     new = Tensor.stack(k, v).cast(cache.dtype).contiguous()  # (2,W,KvH,1,Hd)
     here = Tensor.arange(ctx).reshape(1, 1, 1, ctx, 1) == rows.pos.reshape(1, w, 1, 1, 1)
     view.assign(place(rows, view, new, here, 1)).realize()
-    # each row over [0, L), the positions after its own masked: rows and KV heads one axis, a KV head's queries the next
     length = cast(int, rows.length)
-    cached = per_row(slot_view(cache, rows, 1)[:, :, :, 0:length, :], rows, 1)  # (2,W,KvH,L,Hd)
-    keys = cached[0].reshape(w * kvh, -1, hd)  # (W*KvH, L, Hd)
-    values = cached[1].reshape(w * kvh, -1, hd)
-    qg = q.reshape(w * kvh, g, hd)  # query head j of KV head i is head i*G + j (tinygrad's repeat_interleave)
-    scores = qg.matmul(keys.transpose(-2, -1), dtype=dtypes.float32) / math.sqrt(hd)  # (W*KvH, G, L)
-    seen = rows.seen().reshape(w, 1, 1, -1).expand(w, kvh, g, -1).reshape(w * kvh, g, -1)
+    if rows.slot is not None:
+        attn = window_attention(rows, q, cache, kvh, g, hd)
+    else:
+        # each row over [0, L), the positions after its own masked: rows and KV heads one axis, a KV head's queries
+        # the next
+        cached = slot_view(cache, rows, 1)[:, :, :, 0:length, :]  # (2,W,KvH,L,Hd)
+        keys = cached[0].reshape(w * kvh, -1, hd)  # (W*KvH, L, Hd)
+        values = cached[1].reshape(w * kvh, -1, hd)
+        qg = q.reshape(w * kvh, g, hd)  # query head j of KV head i is head i*G + j (tinygrad's repeat_interleave)
+        scores = qg.matmul(keys.transpose(-2, -1), dtype=dtypes.float32) / math.sqrt(hd)  # (W*KvH, G, L)
+        seen = rows.seen().reshape(w, 1, 1, -1).expand(w, kvh, g, -1).reshape(w * kvh, g, -1)
+        scores = scores + seen.where(0.0, -math.inf)
+        # as scaled_dot_product_attention computes it; the weights in a buffer of their own (``feed_forward_rows``:
+        # fused into the product, they came out other bits in a window)
+        attn = (scores.cast(q.dtype).softmax(-1).contiguous() @ values).reshape(w, 1, h * hd)  # (W*KvH, G, Hd)
+    out: Tensor = x + block.attn_output(attn)
+    return out
+
+
+def window_attention(rows: Rows, q: Tensor, cache: Tensor, kvh: int, g: int, hd: int) -> Tensor:
+    """A speculative window's attention (its rows all in one slot): per KV head, the window's rows and that head's
+    queries one axis, over the slot's keys and values [0, L), each row's positions after its own masked. Three axes
+    in every kernel, as in a row's (a symbolic length among four is more than CUDA's grid takes), and each sum in the
+    same order as a row's alone: the (W, L) (1, L) products differ only in which outputs they hold. (W,1,H*Hd)."""
+    from tinygrad.dtype import dtypes
+
+    w = rows.width
+    cached = slot_view(cache, rows, 1)[:, :, :, 0 : cast(int, rows.length), :].reshape(2, kvh, -1, hd)  # (2,KvH,L,Hd)
+    qg = q.reshape(w, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, w * g, hd)  # (KvH, W*G, Hd)
+    scores = qg.matmul(cached[0].transpose(-2, -1), dtype=dtypes.float32) / math.sqrt(hd)  # (KvH, W*G, L)
+    seen = rows.seen().reshape(1, w, 1, -1).expand(kvh, w, g, -1).reshape(kvh, w * g, -1)
     scores = scores + seen.where(0.0, -math.inf)
-    # as scaled_dot_product_attention computes it; the weights in a buffer of their own (``feed_forward_rows``: a
-    # window's rows, reading one slot's values, fused the softmax into the product and came out other bits)
-    attn = scores.cast(q.dtype).softmax(-1).contiguous() @ values  # (W*KvH, G, Hd)
-    out: Tensor = x + block.attn_output(attn.reshape(w, 1, h * hd))
+    attn = scores.cast(q.dtype).softmax(-1).contiguous() @ cached[1]  # (KvH, W*G, Hd)
+    out: Tensor = attn.reshape(kvh, w, g, hd).permute(1, 0, 2, 3).reshape(w, 1, kvh * g * hd)
     return out
 
 
