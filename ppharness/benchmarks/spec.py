@@ -59,6 +59,7 @@ class SpecBenchResult:
     accepted: int = 0
     rejected: int = 0
     decode_tokens: int = 0
+    window_drafts: list[int] = field(default_factory=list)  # each speculative window's drafts, every repeat
     greedy_compute_ms: float = math.nan  # the stages' compute p50 of one row, summed
     window_compute_ms: float = math.nan  # the stages' compute p50 of a window, summed
     delay_sum_ms: float = 0.0
@@ -157,6 +158,7 @@ def run_spec_bench(
                     res.accepted += response.accepted
                     res.rejected += response.rejected
                     res.decode_tokens += max(len(response.token_ids) - 1, 0)
+                    res.window_drafts += response.window_drafts
                     window_compute.append(compute)
                 else:
                     res.greedy_tok_s.append(rate)
@@ -168,8 +170,7 @@ def run_spec_bench(
     res.greedy_compute_ms = statistics.median(greedy_compute)
     res.window_compute_ms = statistics.median(window_compute)
     alpha = acceptance(res.accepted, res.rejected)
-    k = res.drafted / res.trips if res.trips else 0.0
-    pred: SpecPrediction = predict(alpha, k, res.delay_sum_ms, res.window_compute_ms)
+    pred: SpecPrediction = predict(alpha, res.window_drafts, res.delay_sum_ms, res.window_compute_ms)
     res.prediction = asdict(pred)
     res.predicted_greedy_tok_s = 1000.0 / (res.delay_sum_ms + res.greedy_compute_ms)
     res.elapsed_s = time.monotonic() - t0

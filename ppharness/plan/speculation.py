@@ -49,10 +49,17 @@ class SpecPrediction:
     tok_s: float
 
 
-def predict(alpha: float, k: float, delay_ms: float, window_ms: float, draft_ms: float = 0.0) -> SpecPrediction:
+def predict(
+    alpha: float, k: float | list[int], delay_ms: float, window_ms: float, draft_ms: float = 0.0
+) -> SpecPrediction:
     """A chain whose trip costs ``delay_ms`` (the token loop's link delays) + ``window_ms`` (every stage's compute of
-    a window) + ``draft_ms`` (the draft on stage 0), its windows drafting ``k`` tokens accepted at ``alpha``."""
-    per_trip = tokens_per_trip(alpha, k)
+    a window) + ``draft_ms`` (the draft on stage 0), its windows drafting ``k`` tokens accepted at ``alpha``; ``k``
+    may be each window's drafts (a draft that proposes fewer than K, or none, commits accordingly)."""
+    if isinstance(k, list):
+        per_trip = sum(tokens_per_trip(alpha, n) for n in k) / len(k) if k else 1.0
+        k = sum(k) / len(k) if k else 0.0
+    else:
+        per_trip = tokens_per_trip(alpha, k)
     trip = delay_ms + window_ms + draft_ms
     return SpecPrediction(alpha, k, per_trip, trip, per_trip * 1000.0 / trip if trip > 0 else 0.0)
 

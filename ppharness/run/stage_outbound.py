@@ -362,6 +362,7 @@ class Outbound:
             drafted=req.verified[1],
             accepted=req.verified[2],
             rejected=req.verified[3],
+            window_drafts=req.window_drafts,
         )
         self.send(("response", req.request_id, -1), "client:" + req.reply_to, response)
         s.finish(req.request_id)

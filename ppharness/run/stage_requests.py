@@ -105,6 +105,7 @@ class Request:
     flight: deque[Window] = field(default_factory=deque)
     speculate: bool = True  # stage 0: draft for it (False: windows of one row)
     verified: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # last stage: trips, drafted, accepted, rejected
+    window_drafts: list[int] = field(default_factory=list)  # last stage: each verified window's drafted tokens
 
 
 @dataclass

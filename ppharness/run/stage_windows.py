@@ -134,4 +134,5 @@ class Windows:
         self.committed += len(out)
         for i, n in enumerate((1, len(work.tokens) - 1, len(out) - 1, int(len(out) < len(work.tokens)))):
             req.verified[i] += n
+        req.window_drafts.append(len(work.tokens) - 1)
         return out

@@ -112,6 +112,7 @@ class InferenceResponse(_Msg, frozen=True):
     drafted: int = 0
     accepted: int = 0
     rejected: int = 0
+    window_drafts: list[int] = []  # each verified window's drafted tokens, in order
 
 
 # --- what the harness adds ----------------------------------------------------------------------------------------

@@ -215,12 +215,16 @@ def window_attention(rows: Rows, q: Tensor, cache: Tensor, kvh: int, g: int, hd:
     in every kernel, as in a row's (a symbolic length among four is more than CUDA's grid takes), and each sum in the
     same order as a row's alone: the (W, L) (1, L) products differ only in which outputs they hold. (W,1,H*Hd)."""
     from tinygrad.dtype import dtypes
+    from tinygrad.tensor import Tensor
 
     w = rows.width
     cached = slot_view(cache, rows, 1)[:, :, :, 0 : cast(int, rows.length), :].reshape(2, kvh, -1, hd)  # (2,KvH,L,Hd)
-    qg = q.reshape(w, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, w * g, hd)  # (KvH, W*G, Hd)
+    # the queries and each query's row position laid out per KV head in buffers of their own (no kernel that reads
+    # the symbolic length splits the rows from the heads again)
+    qg = q.reshape(w, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, w * g, hd).contiguous()  # (KvH, W*G, Hd)
+    at = rows.pos.reshape(w, 1).expand(w, g).reshape(w * g).contiguous()  # (W*G,) each query's row's position
     scores = qg.matmul(cached[0].transpose(-2, -1), dtype=dtypes.float32) / math.sqrt(hd)  # (KvH, W*G, L)
-    seen = rows.seen().reshape(1, w, 1, -1).expand(kvh, w, g, -1).reshape(kvh, w * g, -1)
+    seen = Tensor.arange(cast(int, rows.length)).reshape(1, 1, -1) <= at.reshape(1, -1, 1)  # (1, W*G, L)
     scores = scores + seen.where(0.0, -math.inf)
     attn = scores.cast(q.dtype).softmax(-1).contiguous() @ cached[1]  # (KvH, W*G, Hd)
     out: Tensor = attn.reshape(kvh, w, g, hd).permute(1, 0, 2, 3).reshape(w, 1, kvh * g * hd)
