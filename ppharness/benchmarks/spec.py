@@ -149,6 +149,11 @@ def run_spec_bench(
                         f"{'speculative' if speculate else 'greedy'} request {r}: the chain's answer differs from the "
                         f"unsplit model's: {verdict.describe(response.token_ids, oracle.token_ids)}"
                     )
+                if len(response.token_ids) < 2:
+                    raise HarnessError(
+                        f"the answer to {prompt[:60]!r} has {len(response.token_ids)} token(s): nothing to decode, "
+                        f"so nothing to measure — give a prompt the model continues (--prompt), or more --tokens"
+                    )
                 rate = decode_tok_s(response)
                 compute = _compute_sum(chain, response, num_stages)
                 if speculate:
