@@ -23,6 +23,7 @@ from ppharness.errors import ModelError, ScenarioError
 from ppharness.model.drafts import DEFAULT_K, NGramDraft, build_draft, parse_draft
 from ppharness.model.oracle import oracle_decode
 from ppharness.model.slicing import ModelSlice
+from ppharness.plan.speculation import acceptance, distinct_experts, predict, tokens_per_trip
 from ppharness.run.inprocess import InProcessChain, judge, load_slices, run_inprocess
 from ppharness.run.speculation import Speculation, accepted, current, rows_ok
 from ppharness.scenario.schema import scenario_from_args
@@ -56,13 +57,24 @@ def one_at_a_time(slices, prompt: list[int], steps: int, slot: int) -> tuple[lis
     return tokens, bounds
 
 
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=1, deadline=None)
+@given(k=st.integers(1, 3), seed=st.integers(0, 2**16), slot=st.integers(0, 2))
+def test_a_window_verified_in_one_call_gives_the_bytes_of_one_at_a_time_decoding(tiny_gguf, k, seed, slot):
+    """Windows of up to 4 rows (the default run's: each width compiles once per slice), a 2-stage split."""
+    window_property(tiny_gguf, SPLITS[1], k, seed, slot, steps=12)
+
+
+@pytest.mark.slow  # about 3 minutes: every split, windows up to 16 rows
+@settings(max_examples=4, deadline=None)
 @given(split=st.sampled_from(SPLITS), k=st.integers(1, 9), seed=st.integers(0, 2**16), slot=st.integers(0, 2))
-def test_a_window_verified_in_one_call_gives_the_bytes_of_one_at_a_time_decoding(tiny_gguf, split, k, seed, slot):
+def test_windows_of_every_width_through_every_split_give_one_at_a_time_bytes(tiny_gguf, split, k, seed, slot):
+    window_property(tiny_gguf, split, k, seed, slot)
+
+
+def window_property(tiny_gguf, split, k: int, seed: int, slot: int, steps: int = 24) -> None:
     slices = slices_of(tiny_gguf, split)
     rng = random.Random(seed)
     prompt = [1] + [rng.randrange(tiny_gguf.config.vocab) for _ in range(rng.randrange(1, 12))]
-    steps = 24
     truth, truth_bounds = one_at_a_time(slices, prompt, steps, 0)
     h = prompt
     for s in slices[:-1]:
@@ -121,19 +133,21 @@ def oracle(tiny_gguf, tiny_model_path):
 
 
 @pytest.mark.parametrize(
-    "draft,windows",
+    "draft,windows,splits",
     [
-        ("ngram:4", 1),
-        ("layers:2:2", 2),
-        pytest.param("ngram:6", 3, marks=pytest.mark.slow),  # each chain test takes about 25 s here
-        pytest.param("layers:3:3", 1, marks=pytest.mark.slow),
+        ("ngram:3", 2, SPLITS[1:2]),
+        # each of these takes a minute or more here: every split, windows up to 8 rows, a draft model compiled
+        pytest.param("ngram:4", 1, SPLITS, marks=pytest.mark.slow),
+        pytest.param("ngram:6", 3, SPLITS, marks=pytest.mark.slow),
+        pytest.param("layers:2:2", 2, SPLITS, marks=pytest.mark.slow),
+        pytest.param("layers:3:3", 1, SPLITS, marks=pytest.mark.slow),
     ],
-    ids=lambda v: str(v),
+    ids=lambda v: str(v) if not isinstance(v, list) else f"{len(v)}splits",
 )
-def test_a_speculating_chain_answers_as_one_at_a_time_greedy_decoding(tiny_gguf, oracle, draft, windows):
+def test_a_speculating_chain_answers_as_one_at_a_time_greedy_decoding(tiny_gguf, oracle, draft, windows, splits):
     spec = parse_draft(draft)
     speculation = Speculation(spec, build_draft(spec, tiny_gguf, MAX_CONTEXT, 3), windows)
-    for split in SPLITS:
+    for split in splits:
         digests: dict[int, list[bytes]] = {}
         response = run_inprocess(tiny_gguf, slices_of(tiny_gguf, split), PROMPT, 40, digests=digests,
                                  speculation=speculation)  # fmt: skip
@@ -143,19 +157,19 @@ def test_a_speculating_chain_answers_as_one_at_a_time_greedy_decoding(tiny_gguf,
 
 
 def test_an_ngram_draft_commits_several_tokens_per_trip_on_a_repeating_answer(tiny_gguf, oracle):
-    spec = parse_draft("ngram:6")
+    spec = parse_draft("ngram:3")
     speculation = Speculation(spec, build_draft(spec, tiny_gguf, MAX_CONTEXT, 3), 1)
     from ppharness.wire.messages import InferenceRequest, InferenceResponse
 
-    with InProcessChain(tiny_gguf, slices_of(tiny_gguf, SPLITS[2]), speculation=speculation) as chain:
+    with InProcessChain(tiny_gguf, slices_of(tiny_gguf, SPLITS[1]), speculation=speculation) as chain:
         chain.ask(InferenceRequest(reply_to=chain.client.address, prompt=PROMPT, max_tokens=40, request_id="r"))
         reply = None
         while reply is None:
-            for i in range(3):
+            for i in range(2):
                 chain.turn(i)
             reply = chain.reply()
         assert isinstance(reply, InferenceResponse)
-        last = chain.stages[2].inbound.windows
+        last = chain.stages[1].inbound.windows
         assert reply.token_ids == oracle.token_ids
         per_trip = last.committed / last.trips
         assert last.trips < 39 and per_trip > 1.0, f"{last.trips} trips for 39 tokens: nothing was accepted"
@@ -230,3 +244,19 @@ def test_scenarios_turn_speculation_on_with_one_key_and_refuse_what_cannot_run()
     raw["fault_tolerance"] = {"policy": "failover"}
     with pytest.raises(msgspec.ValidationError, match="not built yet"):
         msgspec.convert(raw, type=Scenario)
+
+
+def test_the_window_model_predicts_tokens_per_trip_and_the_rate():
+    assert tokens_per_trip(0.0, 8) == 1.0, "nothing accepted: one token per trip"
+    assert tokens_per_trip(1.0, 8) == 9.0, "everything accepted: K + 1"
+    assert abs(tokens_per_trip(0.5, 2) - 1.75) < 1e-12  # 1 + 0.5 + 0.25
+    assert acceptance(8, 2) == 0.8
+    p = predict(0.5, [2, 0], delay_ms=100.0, window_ms=25.0)
+    assert abs(p.tokens_per_trip - (1.75 + 1.0) / 2) < 1e-12, "a window with no drafts commits one token"
+    assert abs(p.tok_s - p.tokens_per_trip * 1000 / 125.0) < 1e-9
+
+
+def test_a_window_of_moe_rows_reads_the_experts_its_rows_are_routed_to():
+    assert distinct_experts(384, 8, 1) == pytest.approx(8.0)
+    assert 8 * 4 > distinct_experts(384, 8, 4) > 8 * 3.5, "four rows read almost four tokens' experts"
+    assert distinct_experts(16, 4, 64) == pytest.approx(16.0, rel=1e-6), "many rows read every expert"
