@@ -260,3 +260,51 @@ def test_a_window_of_moe_rows_reads_the_experts_its_rows_are_routed_to():
     assert distinct_experts(384, 8, 1) == pytest.approx(8.0)
     assert 8 * 4 > distinct_experts(384, 8, 4) > 8 * 3.5, "four rows read almost four tokens' experts"
     assert distinct_experts(16, 4, 64) == pytest.approx(16.0, rel=1e-6), "many rows read every expert"
+
+
+@pytest.mark.slow  # a chain of processes, its oracle and two requests: about two minutes
+def test_bench_spec_prints_the_speed_up_tokens_per_trip_and_efficiency_beside_the_prediction():
+    from ppharness.benchmarks.spec import report, run_spec_bench
+
+    res = run_spec_bench(
+        "synthetic:tiny", num_stages=2, delay_ms=5.0, draft="ngram:3", prompt="one two three one two three one",
+        tokens=24, repeats=1, progress=lambda _: None,
+    )  # fmt: skip
+    text = report(res)
+    assert res.exact, "a bench request's answer differs from the unsplit model's"
+    assert res.trips >= 1 and res.decode_tokens == 23, f"{res.trips} trips for {res.decode_tokens} decode tokens"
+    for line in ("speed-up vs greedy:", "tokens per trip:", "efficiency:", "speculative tok/s  predicted"):
+        assert line in text, f"the bench's report lacks {line!r}"
+
+
+@pytest.mark.slow  # three node processes and the oracle: about a minute
+def test_pp_smoke_run_speculates_with_one_flag_and_matches_the_oracle(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "ppharness.cli.smoke", "--num-stages", "3", "--speculate", "ngram:4",
+         "--max-tokens", "24", "--prompt", "one two three one two three", "--no-trace"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "MATCH" in out.stdout + out.stderr, "the speculating chain's answer was not the unsplit model's"
+
+
+def test_under_retry_a_speculating_chain_acknowledges_windows_and_answers_the_same(tiny_gguf, oracle):
+    """Policy retry: every window and every trip's tokens are acknowledged (or resent); the answer is the same."""
+    from ppharness.wire.messages import InferenceRequest, InferenceResponse
+
+    spec = parse_draft("ngram:3")
+    speculation = Speculation(spec, build_draft(spec, tiny_gguf, MAX_CONTEXT, 3), 2)
+    with InProcessChain(tiny_gguf, slices_of(tiny_gguf, SPLITS[1]), speculation=speculation, policy="retry") as chain:
+        chain.ask(InferenceRequest(reply_to=chain.client.address, prompt=PROMPT, max_tokens=40, request_id="r"))
+        reply = None
+        for _ in range(100_000):
+            for i in range(2):
+                chain.turn(i, drain=True)
+            reply = chain.reply()
+            if isinstance(reply, InferenceResponse):
+                break
+        assert isinstance(reply, InferenceResponse), "the speculating chain under retry gave no answer"
+        assert reply.token_ids == oracle.token_ids, "under retry the speculating chain's answer changed"
