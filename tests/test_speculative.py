@@ -308,3 +308,50 @@ def test_under_retry_a_speculating_chain_acknowledges_windows_and_answers_the_sa
                 break
         assert isinstance(reply, InferenceResponse), "the speculating chain under retry gave no answer"
         assert reply.token_ids == oracle.token_ids, "under retry the speculating chain's answer changed"
+
+
+def _rows(request_id: str, start: int, n: int, dim: int, tokens: bool = True, trip: int = 1):
+    from ppharness.model.hidden import Hidden
+    from ppharness.wire import codec
+    from ppharness.wire.messages import ActivationRows
+
+    hidden = np.zeros((n, 1, dim), dtype=np.float16)
+    msg = ActivationRows(
+        request_ids=[request_id] * n, positions=list(range(start, start + n)), hidden=b"", shape=hidden.shape,
+        dtype="f16", plan_id="inprocess", tokens=[5] * n if tokens else [], trips=[trip] * n if tokens else [],
+    )  # fmt: skip
+    return codec.attach(msg, Hidden(hidden))
+
+
+def test_a_stage_refuses_windows_that_skip_ahead_replay_a_trip_or_do_not_fit_the_run(tiny_gguf):
+    from ppharness.model.hidden import Hidden
+    from ppharness.wire import codec
+    from ppharness.wire.messages import RequestOpen
+
+    spec = parse_draft("ngram:3")
+    dim = tiny_gguf.config.dim
+    with InProcessChain(tiny_gguf, slices_of(tiny_gguf, SPLITS[1]), speculation=Speculation(spec)) as chain:
+        stage, logs = chain.stages[1], []
+        stage.state.log = logs.append
+        sender = chain.names["pp-stage-0"]
+        opened = RequestOpen(request_id="r", reply_to=chain.client.address, max_tokens=8, prompt_tokens=3,
+                             plan_id="inprocess")  # fmt: skip
+        stage.handle(sender, opened)
+        prefill = codec.header(Hidden(np.zeros((1, 3, dim), np.float16)), "f16", request_id="r", position=0,
+                               is_prefill=True, plan_id="inprocess", epoch=0)  # fmt: skip
+        stage.handle(sender, codec.attach(prefill, Hidden(np.zeros((1, 3, dim), np.float16))))
+        stage.handle(sender, _rows("r", 5, 2, dim))
+        assert any("computed up to 2" in line for line in logs), f"a window skipping ahead was taken: {logs}"
+        stage.handle(sender, _rows("r", 3, 2, dim, trip=1))
+        assert stage.reqs["r"].trip == 1 and stage.reqs["r"].next_position == 5, "a good window was not taken"
+        stage.handle(sender, _rows("r", 4, 2, dim, trip=1))
+        assert any("took trip 1" in line for line in logs), f"a replayed trip was taken: {logs}"
+        stage.handle(sender, _rows("r", 5, 1, dim, tokens=False))
+        assert any("without speculative windows" in line for line in logs), f"rows without windows taken: {logs}"
+    with InProcessChain(tiny_gguf, slices_of(tiny_gguf, SPLITS[1])) as plain:
+        stage, logs = plain.stages[1], []
+        stage.state.log = logs.append
+        stage.handle(plain.names["pp-stage-0"], _rows("r", 3, 2, dim))
+        assert any("with speculative windows" in line for line in logs), (
+            f"a run without speculation took a window: {logs}"
+        )

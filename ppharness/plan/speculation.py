@@ -19,6 +19,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from ppharness.plan.consumer import consumer_cluster, kimi_graph
+from ppharness.plan.doc import Objective
+from ppharness.plan.search import policy_plan
+from ppharness.plan.simulate import simulate
+
 if TYPE_CHECKING:
     from ppharness.plan.doc import ModelGraph
 
@@ -107,11 +112,6 @@ def kimi_table(alphas: tuple[float, ...] = (0.6, 0.7, 0.8, 0.9), ks: tuple[int, 
     """Kimi K2 (Q4_K) on ``count`` consumer cards in 8-GPU hosts (``ppharness.plan.consumer``'s measured-basis
     cluster): per acceptance, the best K, its trip (the simulator's time for one step of the window graph) and the
     decode rate; beside it, greedy decoding's."""
-    from ppharness.plan.consumer import consumer_cluster, kimi_graph  # the consumer clusters: only for this table
-    from ppharness.plan.doc import Objective
-    from ppharness.plan.search import policy_plan
-    from ppharness.plan.simulate import simulate
-
     graph = kimi_graph()
     cluster = consumer_cluster(card, count, "hosts8")
     trips = {}
