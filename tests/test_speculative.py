@@ -355,3 +355,22 @@ def test_a_stage_refuses_windows_that_skip_ahead_replay_a_trip_or_do_not_fit_the
         assert any("with speculative windows" in line for line in logs), (
             f"a run without speculation took a window: {logs}"
         )
+
+
+def test_plan_simulate_predicts_a_plan_with_speculation_beside_greedy():
+    import json
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from ppharness.cli import main as cli
+
+    plan = str(Path(__file__).resolve().parent.parent / "scenarios" / "kimi.json")
+    out = CliRunner().invoke(cli, ["plan", "simulate", plan, "--speculate", "0.9:8", "--json"])
+    assert out.exit_code == 0, out.output
+    spec = json.loads(out.stdout)["speculation"]
+    assert spec["tokens_per_trip"] == pytest.approx(tokens_per_trip(0.9, 8))
+    assert spec["trip_ms"] > spec["greedy_ms"], "a window of 9 rows read no more experts than one row"
+    assert spec["tok_s"] > 1000 / spec["greedy_ms"], "speculation at alpha 0.9 predicted no gain"
+    bad = CliRunner().invoke(cli, ["plan", "simulate", plan, "--speculate", "1.5:8"])
+    assert bad.exit_code == 2 and "acceptance must be in (0, 1]" in bad.output

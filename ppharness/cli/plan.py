@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import json
@@ -51,6 +52,7 @@ from ppharness.plan.probe import (
 from ppharness.plan.routing import load_routing, with_frequencies
 from ppharness.plan.search import policy_plan
 from ppharness.plan.simulate import simulate
+from ppharness.plan.speculation import parse_alpha_k, plan_with_speculation
 from ppharness.plan.text import render
 from ppharness.run.loop import ticking
 
@@ -451,6 +453,13 @@ def plan_show(
     is_flag=True,
     help="Re-measure the plan's local and docker devices on this machine first (one probe of the model).",
 )
+@click.option(
+    "--speculate",
+    metavar="ALPHA:K",
+    help="Also predict speculative decoding: K drafted tokens per window, each accepted with probability ALPHA "
+    "(docs/speculative-decoding.md).",
+)
+@click.option("--draft-ms", type=float, default=0.0, show_default=True, help="The draft's time per window on stage 0.")
 @_text_options
 def plan_simulate(
     plan_file: str,
@@ -458,11 +467,19 @@ def plan_simulate(
     prompt_tokens: int,
     batch: int,
     reprobe: bool,
+    speculate: str | None,
+    draft_ms: float,
     model: str | None,
     cluster: str | None,
     json_out: bool,
 ) -> None:
     """Predict time to first token, per-token latency (its parts, as the trace lists them) and throughput."""
+    alpha_k = None
+    if speculate is not None:
+        try:
+            alpha_k = parse_alpha_k(speculate)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--speculate") from None
     doc = _load(plan_file, model, cluster)
     if reprobe:
         with exit_1_on_failure():
@@ -471,7 +488,12 @@ def plan_simulate(
     if batch < 1:
         raise click.BadParameter(f"--batch must be at least 1, got {batch}")
     prediction = simulate(doc, prompt_tokens=prompt_tokens, requests=requests, batch=batch)
-    click.echo(json.dumps(prediction.as_json(), indent=1) if json_out else prediction.summary())
+    spec = plan_with_speculation(doc, *alpha_k, draft_ms=draft_ms) if alpha_k is not None else None
+    if json_out:
+        extra = {"speculation": dataclasses.asdict(spec)} if spec is not None else {}
+        click.echo(json.dumps(prediction.as_json() | extra, indent=1))
+    else:
+        click.echo(prediction.summary() + (f"\n{spec.summary()}" if spec is not None else ""))
 
 
 @plan.command("probe")

@@ -25,7 +25,7 @@ from ppharness.plan.search import policy_plan
 from ppharness.plan.simulate import simulate
 
 if TYPE_CHECKING:
-    from ppharness.plan.doc import ModelGraph
+    from ppharness.plan.doc import ModelGraph, PlanDoc
 
 
 def tokens_per_trip(alpha: float, k: float) -> float:
@@ -93,6 +93,50 @@ def window_graph(graph: ModelGraph, rows: int) -> ModelGraph:
         for b in graph.blocks
     )
     return msgspec.structs.replace(graph, blocks=blocks, activation_bytes=graph.activation_bytes * rows)
+
+
+@dataclass(frozen=True)
+class PlanSpeculation:
+    """A plan's prediction with speculation: a window of ``k + 1`` rows per trip (``window_graph``), beside greedy
+    decoding's one token per trip."""
+
+    alpha: float
+    k: int
+    draft_ms: float
+    greedy_ms: float  # the plan's time per token, greedy
+    trip_ms: float  # one window's trip: the window graph's time per step, plus the draft
+    tokens_per_trip: float
+    tok_s: float
+
+    def summary(self) -> str:
+        return (
+            f"with speculation (alpha {self.alpha:g}, K = {self.k}, a draft of {self.draft_ms:g} ms on stage 0): a "
+            f"window of {self.k + 1} rows costs {self.trip_ms:.1f} ms per trip (greedy: {self.greedy_ms:.1f} ms per "
+            f"token) and commits {self.tokens_per_trip:.2f} tokens on average: {self.tok_s:.1f} tok/s for one request "
+            f"(greedy {1000 / self.greedy_ms:.1f}); ppharness.plan.speculation says what is assumed"
+        )
+
+
+def parse_alpha_k(text: str) -> tuple[float, int]:
+    """``ALPHA:K`` (acceptance in (0, 1], drafted tokens 1..31) as a pair; ValueError saying what is expected."""
+    alpha_text, _, k_text = text.partition(":")
+    try:
+        alpha, k = float(alpha_text), int(k_text)
+    except ValueError:
+        raise ValueError(f"{text!r}: expected ALPHA:K, e.g. 0.8:6 (acceptance, drafted tokens)") from None
+    if not 0.0 < alpha <= 1.0 or not 1 <= k <= 31:
+        raise ValueError(f"{text!r}: the acceptance must be in (0, 1] and K in 1..31")
+    return alpha, k
+
+
+def plan_with_speculation(doc: PlanDoc, alpha: float, k: int, draft_ms: float = 0.0) -> PlanSpeculation:
+    """``doc``'s one-request prediction with speculation (``PlanSpeculation``), from the simulator's time for one
+    step of the plan with its model as a window of ``k + 1`` rows."""
+    greedy = simulate(doc).per_token_ms
+    window = simulate(msgspec.structs.replace(doc, model=window_graph(doc.model, k + 1))).per_token_ms
+    per_trip = tokens_per_trip(alpha, k)
+    trip = window + draft_ms
+    return PlanSpeculation(alpha, k, draft_ms, greedy, trip, per_trip, per_trip * 1000 / trip)
 
 
 @dataclass(frozen=True)
