@@ -26,9 +26,6 @@ from ppharness.run.speculation import current
 from ppharness.run.stage_requests import Request, StageState, Work
 from ppharness.trace.tracer import KEEP_REQUESTS, now_ns
 from ppharness.wire import codec
-
-if TYPE_CHECKING:
-    from ppharness.run.stage_windows import Windows
 from ppharness.wire.messages import (
     ActivationRows,
     InferenceResponse,
@@ -41,6 +38,9 @@ from ppharness.wire.messages import (
     StreamedToken,
     TokenRows,
 )
+
+if TYPE_CHECKING:
+    from ppharness.run.stage_windows import Windows
 
 
 def rows_key(msg: ActivationRows | TokenRows) -> Key:
@@ -238,8 +238,7 @@ class Outbound:
             req = work.request
             if s.keeps_digests and req.digests and work.tokens is not None:  # a window: from its first row's step on
                 for r in range(h.shape[0]):
-                    at = work.step + r if r else work.step
-                    record_digest(s.digests, req.request_id, Hidden(h.host()[r : r + 1]), KEEP_REQUESTS, at)
+                    record_digest(s.digests, req.request_id, Hidden(h.host()[r : r + 1]), KEEP_REQUESTS, work.step + r)
             elif s.keeps_digests and req.digests:
                 record_digest(s.digests, req.request_id, h, KEEP_REQUESTS)
             if s.keeps_history:  # a replay to a spare sends each request's own activations, packed
