@@ -374,3 +374,17 @@ def test_plan_simulate_predicts_a_plan_with_speculation_beside_greedy():
     assert spec["tok_s"] > 1000 / spec["greedy_ms"], "speculation at alpha 0.9 predicted no gain"
     bad = CliRunner().invoke(cli, ["plan", "simulate", plan, "--speculate", "1.5:8"])
     assert bad.exit_code == 2 and "acceptance must be in (0, 1]" in bad.output
+
+
+def test_the_trace_says_which_trip_committed_each_token_and_what_its_window_drafted():
+    from ppharness.trace.report import trips_of
+    from ppharness.wire.messages import InferenceResponse
+
+    response = InferenceResponse(
+        request_id="r", text="", token_ids=[1] * 7, prompt_tokens=3, token_times=[0.0] * 7, finish_reason="length",
+        trips=3, window_drafts=[4, 4, 4], window_accepted=[4, 0, 3],
+    )  # fmt: skip
+    trips = trips_of(response, 6)
+    assert [t["n"] for t in trips] == [1, 1, 1, 1, 1, 2], "each decoded token names the trip that committed it"
+    assert trips[0] == {"n": 1, "drafted": 4, "accepted": 4, "committed": 5, "row": 0}
+    assert trips[-1]["committed"] == 1 and len(trips) == 6, "the last trip is cut at the end of the answer"

@@ -165,6 +165,12 @@ def print_summary(result: RunResult, err: bool = False) -> None:
         f"chain ({plural(n, 'stage')}, as the tokens reached this process): time to first token "
         f"{result.ttft_s * 1000:.0f} ms, decode {result.decode_tok_s:.1f} tok/s"
     )
+    if r.trips:
+        decoded = max(len(r.token_ids) - 1 + (r.stop_token_id is not None), 0)
+        echo(
+            f"speculation: {plural(r.trips, 'trip')} round the chain for {decoded} decoded token(s), "
+            f"{decoded / r.trips:.2f} per trip; {r.accepted} of {r.drafted} drafted token(s) accepted"
+        )
     echo(f"\n{'stage':>5} {'blocks':>9} {'params':>12} {'tied':>10} {'load+compile':>13} {'peak RSS':>9}")
     for s in result.stages:
         blocks = f"[{s.lo},{s.hi})" if s.hi > s.lo else "experts"  # an expert node runs no block range

@@ -362,6 +362,7 @@ class Outbound:
             accepted=req.verified[2],
             rejected=req.verified[3],
             window_drafts=req.window_drafts,
+            window_accepted=req.window_accepted,
         )
         self.send(("response", req.request_id, -1), "client:" + req.reply_to, response)
         s.finish(req.request_id)

@@ -106,6 +106,7 @@ class Request:
     speculate: bool = True  # stage 0: draft for it (False: windows of one row)
     verified: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # last stage: trips, drafted, accepted, rejected
     window_drafts: list[int] = field(default_factory=list)  # last stage: each verified window's drafted tokens
+    window_accepted: list[int] = field(default_factory=list)  # and the drafts it accepted
 
 
 @dataclass

@@ -135,4 +135,5 @@ class Windows:
         for i, n in enumerate((1, len(work.tokens) - 1, len(out) - 1, int(len(out) < len(work.tokens)))):
             req.verified[i] += n
         req.window_drafts.append(len(work.tokens) - 1)
+        req.window_accepted.append(len(out) - 1)
         return out

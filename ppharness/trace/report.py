@@ -33,6 +33,9 @@ class TokenRecord:
     total_ms: float
     parts: dict[str, float]  # "stage 2 compute" -> ms, "hop 2->3" -> ms
     hop_bytes: dict[str, int]
+    # speculation: the trip that committed the token (its number, what its window drafted and accepted, how many
+    # tokens it committed, and this token's place among them); the window's spans are at its first token's step
+    trip: dict[str, int] | None = None
 
     @property
     def other_ms(self) -> float:
@@ -89,6 +92,7 @@ class Trace:
                     "parts_ms": {k: round(v, 4) for k, v in r.parts.items()},
                     "hop_bytes": r.hop_bytes,
                 }
+                | ({"trip": r.trip} if r.trip is not None else {})
             )
             + "\n"
             for r in self.records
@@ -251,4 +255,19 @@ def build_trace(
                             "args": {"step": step, "bytes": nbytes},
                         }
                     )
+    for record, trip in zip(records[1:], trips_of(response, len(records) - 1), strict=False):
+        record.trip = trip
     return Trace(request_id=response.request_id, num_stages=n, records=records, events=events)
+
+
+def trips_of(response: InferenceResponse, decoded: int) -> list[dict[str, int]]:
+    """For a speculating request, each of its ``decoded`` tokens' trip (``TokenRecord.trip``), in order: a trip
+    commits its accepted drafts and the model's own token after them, the last one up to the end of the answer."""
+    out: list[dict[str, int]] = []
+    for t, (drafted, accepted) in enumerate(zip(response.window_drafts, response.window_accepted, strict=True)):
+        committed = min(accepted + 1, decoded - len(out))
+        out += [
+            {"n": t + 1, "drafted": drafted, "accepted": accepted, "committed": committed, "row": i}
+            for i in range(committed)
+        ]
+    return out

@@ -113,6 +113,7 @@ class InferenceResponse(_Msg, frozen=True):
     accepted: int = 0
     rejected: int = 0
     window_drafts: list[int] = []  # each verified window's drafted tokens, in order
+    window_accepted: list[int] = []  # and the drafts it accepted
 
 
 # --- what the harness adds ----------------------------------------------------------------------------------------
