@@ -22,7 +22,6 @@ from ppharness.model.decoding import finish_reason, stop_token, visible
 from ppharness.model.exactness import record_digest
 from ppharness.model.hidden import Hidden
 from ppharness.run.reliable import Key, Outbox, RetryPolicy, ack_of
-from ppharness.run.speculation import current
 from ppharness.run.stage_requests import Request, StageState, Work
 from ppharness.trace.tracer import KEEP_REQUESTS, now_ns
 from ppharness.wire import codec
@@ -180,8 +179,7 @@ class Outbound:
         if isinstance(out, list):  # N = 1: a window verified here, and the next ones drafted here
             self._commit(work, out)
             if req.request_id in s.reqs:
-                req.context = [*req.context[: req.prompt_tokens], *req.tokens]
-                self.windows_after(req, work)
+                self.windows.committed_here(req, work.position)
             return
         if isinstance(out, Hidden):
             self._send_activation(req, out, work.position, work.is_prefill, work.step, work.live)
@@ -196,8 +194,7 @@ class Outbound:
                 req.token_times.append(time.monotonic() - req.t0)
             if s.first and req.request_id in s.reqs:
                 if s.speculation is not None:
-                    req.context = [*req.context[: req.prompt_tokens], *req.tokens]
-                    self.windows_after(req, work)
+                    self.windows.committed_here(req, work.position)
                 else:
                     req.work.append(Work(req, position, [out], is_prefill=False, step=len(req.tokens)))
         if work.note:
@@ -277,15 +274,6 @@ class Outbound:
             if req.request_id not in self.state.reqs:
                 return  # answered: a stop token, or max_tokens
             position += 1
-
-    def windows_after(self, req: Request, work: Work) -> None:
-        """N = 1: after a window (or the prefill), the windows in flight that no longer continue the answer are void,
-        and the next ones are drafted."""
-        if req.flight and work.tokens is not None and req.flight[0].trip == work.trip:
-            req.flight.popleft()
-        if req.flight and not current(req.flight[0].start, req.flight[0].tokens[0], req.tokens, req.prompt_tokens):
-            req.flight.clear()
-        self.windows.start(req)
 
     def _send_activation(
         self, req: Request, hidden: Hidden, position: int, is_prefill: bool, step: int, live: bool = True

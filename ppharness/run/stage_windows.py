@@ -33,9 +33,8 @@ class Windows:
     # --- stage 0 ------------------------------------------------------------------------------------------------------
 
     def take_tokens(self, req: Request, rows: list[NextToken], rx: Received | None) -> None:
-        """Stage 0: the tokens the last stage committed for ``req`` (one trip's, in position order). The window they
-        answer leaves the flight, and the windows behind it too where they do not continue what was committed; then
-        new windows are drafted (``start``)."""
+        """Stage 0: the tokens the last stage committed for ``req`` (one trip's, in position order), taken; then the
+        request advances (``advance``)."""
         s = self.state
         first = rows[0].position
         if first < req.next_position:
@@ -54,10 +53,22 @@ class Windows:
         if any(r.done for r in rows):
             self.admission.close_down(req)
             return
-        if req.flight and req.flight[0].start == first - 1:
-            req.flight.popleft()  # the window these tokens answer
+        self.advance(req, first - 1, rx)
+
+    def committed_here(self, req: Request, answered: int) -> None:
+        """N = 1: the stage verified the window at ``answered`` (or ran the prefill) and emitted what it committed
+        into ``req.tokens``; the draft's context takes them, and the request advances."""
+        req.context.extend(req.tokens[len(req.context) - req.prompt_tokens :])
+        self.advance(req, answered)
+
+    def advance(self, req: Request, answered: int, rx: Received | None = None) -> None:
+        """Stage 0, once a trip's tokens are committed: the window that answered (first position ``answered``) leaves
+        the flight, and the windows behind it too where they do not continue what was committed (void: the last stage
+        drops them); then new windows are drafted (``start``)."""
+        if req.flight and req.flight[0].start == answered:
+            req.flight.popleft()
         if req.flight and not current(req.flight[0].start, req.flight[0].tokens[0], req.tokens, req.prompt_tokens):
-            req.flight.clear()  # in flight behind a window not accepted whole: void (the last stage drops them)
+            req.flight.clear()
         self.start(req, rx)
 
     def start(self, req: Request, rx: Received | None = None) -> None:
