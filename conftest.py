@@ -16,6 +16,7 @@ import pytest
 import tinygrad  # noqa: F401  (raises the recursion limit on import: do it before hypothesis watches it)
 from hypothesis import HealthCheck, settings
 
+from ppharness.run.drops import PROCESS_DROPS
 from ppharness.testing import plugin
 from tests.availability import must_fail, unavailable_reason
 
@@ -153,6 +154,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                 pytest.fail(f"{marker}: {reason} (CI=true: in CI a missing {marker} backend fails)", pytrace=False)
             if reason:
                 pytest.skip(f"{marker}: {reason}")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_drop_log() -> None:
+    """Each test starts with the process's drop log empty: its 16 lines are the test's own."""
+    PROCESS_DROPS.reset()
 
 
 @pytest.fixture(scope="session")

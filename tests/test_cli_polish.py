@@ -15,7 +15,8 @@ from click.testing import CliRunner
 from ppharness.cli import main
 from ppharness.cli.smoke import smoke_run
 from ppharness.model.spec import PRESETS, preset_spec, short_source, synthetic_source
-from ppharness.run.session import fingerprinted, member_name
+from ppharness.run.drops import fingerprinted
+from ppharness.run.session import member_name
 from ppharness.scenario.schema import load_scenario, scenario_from_args, scenario_warnings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,6 +4,8 @@ every stage-boundary hidden state."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -14,9 +16,11 @@ import pytest
 
 from backends.local import labelled_pids
 from ppharness.network.spec import Event, Impairment, Network
-from ppharness.run.orchestrator import run_scenario
+from ppharness.run.failover import WARM_ANSWER_S
+from ppharness.run.orchestrator import Chain, run_scenario
 from ppharness.scenario.schema import Scenario, scenario_from_args
 from ppharness.scenario.sections import ClusterSection, FaultToleranceSection
+from ppharness.wire.messages import Join, Message
 
 pytestmark = pytest.mark.local
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,3 +161,29 @@ def test_two_neighbours_replaced_at_once_are_replayed_through_both_and_the_answe
     assert result.matches_oracle, "the run with two neighbours replaced differs from the unsplit model"
     assert sorted(r.stage for r in result.recoveries) == [1, 2], result.recoveries
     assert labelled_pids(label) == [], "the run left processes behind"
+
+
+@pytest.mark.slow
+def test_a_standby_that_does_not_answer_its_warm_up_is_a_failed_spare_within_seconds():
+    """The standby spare is stopped (SIGSTOP) the moment it joins: it never answers its Warm. The run treats it as a
+    failed spare within WARM_ANSWER_S, not the ready budget, destroys it, and serves the request exactly."""
+    label = f"pp-test-{uuid.uuid4().hex[:8]}"
+    sc = _scenario(max_tokens=16)
+    sc = msgspec.structs.replace(sc, budget=msgspec.structs.replace(sc.budget, ready_s=120.0))
+    lines: list[str] = []
+    chain = Chain(sc, progress=lines.append, run_label=label)
+
+    def stop_the_spare(sender: str, msg: Message) -> None:
+        if isinstance(msg, Join) and msg.stage < 0:
+            os.kill(msg.pid, signal.SIGSTOP)
+
+    chain.session.keepers.append(stop_the_spare)
+    with chain:
+        ready = [ln for ln in lines if "did not answer its warm-up" in ln]
+        assert ready and f"within {WARM_ANSWER_S:g} s" in ready[0] and "treated as failed" in ready[0], lines
+        assert not chain.session.standbys, "the silent standby is still counted on"
+        response = chain.request(sc.request.prompt, 16)
+    waited = [ln for ln in lines if "did not warm up in time" in ln]
+    assert not waited, "the run waited the ready budget for the silent standby"
+    assert response[0].token_ids, "no answer"
+    assert labelled_pids(label) == [], "the silent standby was left behind"

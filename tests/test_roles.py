@@ -27,11 +27,13 @@ from ppharness.model.oracle import oracle_decode
 from ppharness.network.clock import EventClock
 from ppharness.plan.stages import ENTRY, EXIT, StagePlan, stage_name
 from ppharness.run.cluster import Directory, resolve_members
+from ppharness.run.drops import MAX_DROP_LINES, fingerprinted
 from ppharness.run.loop import Loop
 from ppharness.run.membership import HeartbeatDetector
 from ppharness.run.node import Node, Standing
 from ppharness.run.orchestrator import Chain
-from ppharness.run.roles import MAX_DROP_LINES, Roles, needed_names
+from ppharness.run.roles import Identities, Roles, member_role, needed_names, spare_role
+from ppharness.run.session import Standby
 from ppharness.scenario.schema import scenario_from_args
 from ppharness.seams.provider import NodeSpec
 from ppharness.wire.messages import (
@@ -44,6 +46,7 @@ from ppharness.wire.messages import (
     Join,
     Members,
     Ready,
+    StageActivation,
     Stopped,
     StreamedToken,
     TraceReport,
@@ -51,6 +54,7 @@ from ppharness.wire.messages import (
 from transports.zmq import ZmqTransport
 
 N = 5  # stages of the run under test; stage 2 holds the forger's key, stage 4 is the exit
+SPARE = "local-4"  # the standby spare's device
 WAIT = 5.0
 
 
@@ -80,13 +84,18 @@ class Run:
         s.directory = Directory(N)
         for i, t in enumerate(self.stages):
             s.directory.add(_join(i, t))
+        s.identities = Identities(ZmqTransport.identity, ZmqTransport.identity_of)  # as ``Session.open`` binds them
+        for i, o in enumerate(opts[1 : N + 1]):
+            s.identities.give(member_role(i), o)
+        s.identities.give(spare_role(SPARE), opts[N + 1])
+        s.standbys = {SPARE: Standby(SimpleNamespace(id="spare-instance", name="pp-spare-0"))}
 
     @property
     def forger(self) -> ZmqTransport:
         return self.stages[2]
 
     def dropped(self, kind: str) -> list[str]:
-        return [ln for ln in self.lines if f"dropped {kind} from {self.forger.address}" in ln]
+        return [ln for ln in self.lines if f"dropped {kind} from {fingerprinted(self.forger.address)}" in ln]
 
     def pump(self, until, timeout: float = WAIT, seen: list | None = None) -> None:
         """Turn the session's loop (its real handler) until ``until()``; what reaches the wait's own handler is
@@ -241,6 +250,37 @@ def test_a_join_naming_another_address_registers_nothing(run):
         run.session.resolve("pp-stage-3", 1.0)
     run.stages[3].send(run.seed.address, _join(3, run.stages[3]))
     assert run.session.resolve("pp-stage-3", WAIT) == run.stages[3].address
+
+
+def test_a_member_cannot_take_a_standby_spares_place(run):
+    """Stage 2's key announces itself as the spare before the spare does: refused, so the seed's Warm and Assign for
+    that spare can only go to the key the run made for it, whose Join is then taken."""
+    impostor = Join(stage=-1, num_stages=0, address=run.forger.address, names=[f"spare:{SPARE}"], run_label="x", pid=9)
+    run.forger.send(run.seed.address, impostor)
+    run.pump(lambda: any("ignored a Join as standby spare:" in ln for ln in run.lines))
+    assert run.session.standbys[SPARE].address == "", "a member's key stands by as the spare"
+    refused = [ln for ln in run.lines if "ignored a Join as standby spare:" in ln]
+    assert refused and fingerprinted(run.forger.address) in refused[0] and "another key" in refused[0], run.lines
+    real = Join(stage=-1, num_stages=0, address=run.spare.address, names=[f"spare:{SPARE}"], run_label="x", pid=10)
+    run.spare.send(run.seed.address, real)
+    run.pump(lambda: run.session.standbys[SPARE].address != "")
+    assert run.session.standbys[SPARE].address == run.spare.address
+    assert sum(f"spare {SPARE} standing by" in ln for ln in run.lines) == 1
+
+
+def test_a_member_cannot_join_as_another_stage_an_expert_node_or_a_spare_it_is_not(run):
+    s = run.session
+    assert s.join_ok(run.stages[3].address, _join(3, run.stages[3]))
+    assert not s.join_ok(run.forger.address, _join(3, run.forger)), "stage 2's key joined as stage 3"
+    assert not s.join_ok(run.forger.address, _join(N, run.forger, n=N)), "stage 2's key joined as an expert node"
+    other_spare = Join(
+        stage=-1, num_stages=0, address=run.spare.address, names=["spare:elsewhere"], run_label="x", pid=1
+    )
+    assert not s.join_ok(run.spare.address, other_spare), "the spare's key joined as another spare"
+    lines = [ln for ln in run.lines if "ignored a Join" in ln]
+    assert "as stage 3" in lines[0] and "the run made another key for it" in lines[0], lines
+    assert f"as stage {N}" in lines[1] and "the run made no member for it" in lines[1], lines
+    assert "standby spare:elsewhere" in lines[2] and "made no member for it" in lines[2], lines
 
 
 def test_one_address_joins_as_one_stage():
@@ -443,5 +483,56 @@ def test_stage_2s_key_forges_nothing_in_a_live_five_stage_run(tiny_model_path):
         oracle = oracle_decode(tiny_model_path, "forged", 12, scenario.model.max_context, boundaries=True)
         verdict = chain.verdict(response, oracle)
         assert verdict.exact, verdict.describe(response.token_ids, oracle.token_ids)
-    assert any(f"dropped InferenceResponse from {forger.address}" in ln for ln in lines), lines
-    assert any(f"dropped Error from {forger.address}" in ln for ln in lines), lines
+    assert any(f"dropped InferenceResponse from {fingerprinted(forger.address)}" in ln for ln in lines), lines
+    assert any(f"dropped Error from {fingerprinted(forger.address)}" in ln for ln in lines), lines
+
+
+@pytest.mark.slow
+@pytest.mark.local
+def test_stage_1s_key_pushing_positions_past_the_context_ends_the_run_naming_it(tiny_model_path):
+    """Within its role: an adversary holding stage 1's key and speaking as stage 1 (its address) sends stage 2 an
+    activation of the live request past the request's end. Stage 2 refuses it and the run ends naming pp-stage-1,
+    instead of an answer nobody blames."""
+    scenario = scenario_from_args(num_stages=N, transport="zmq", max_tokens=200, prompt="pushed")
+    lines: list[str] = []
+    with Chain(scenario, progress=lines.append, run_label=f"pp-test-{uuid.uuid4().hex[:8]}") as chain:
+        environ = Path(f"/proc/{chain.stage_instances[1].id}/environ").read_bytes().split(b"\0")
+        opts = dict(e.decode().split("=", 1) for e in environ if e.startswith(b"PP_TRANSPORT_OPTS="))
+        stage_1 = chain.directory.joins[1].address
+        port = int(stage_1.split("?")[0].rsplit(":", 1)[1])
+        forger = ZmqTransport(**json.loads(opts["PP_TRANSPORT_OPTS"]), advertise_port=port)
+        forger.start()
+        assert forger.address == stage_1, "the adversary does not speak as stage 1"
+        stop = threading.Event()
+
+        def push() -> None:
+            while not stop.is_set() and chain.client.active is None:
+                time.sleep(0.005)
+            active = chain.client.active
+            if active is not None:
+                time.sleep(0.3)  # the request is open on every stage
+                far = scenario.model.max_context + 5
+                pushed = StageActivation(
+                    request_id=active.request_id,
+                    position=far,
+                    hidden=bytes(16),
+                    seq_len=1,
+                    is_prefill=False,
+                    shape=(1, 1, 8),
+                    dtype="f16",
+                    plan_id=chain.plan.plan_id,
+                )
+                forger.send(chain.directory.joins[2].address, pushed)
+
+        helper = threading.Thread(target=push)
+        helper.start()
+        try:
+            with pytest.raises(StageError) as failed:
+                chain.request("pushed", 200)
+        finally:
+            stop.set()
+            helper.join()
+            forger.close()
+    said = str(failed.value)
+    assert said.startswith("stage 2: refused an activation") and "from pp-stage-1" in said, said
+    assert "past the request's end" in said, said

@@ -7,6 +7,7 @@ import pytest
 from ppharness.errors import TransportTimeout
 from ppharness.plan.stages import names_of
 from ppharness.registry import transport_class
+from ppharness.run.drops import MAX_DROP_LINES, fingerprinted
 from ppharness.run.inprocess import load_slices
 from ppharness.run.stage import Stage
 from ppharness.wire import codec
@@ -238,3 +239,63 @@ def test_a_request_beyond_the_slots_and_the_queue_is_refused_as_busy_and_the_orc
     finally:
         for t in (t0, t1, client):
             t.close()
+
+
+# --- positions out of turn: refused, and the member that sent them named to the orchestrator -------------------------
+
+
+def _blame(client) -> Error:
+    _, msg = client.recv(1.0)
+    assert isinstance(msg, Error), f"the orchestrator got {type(msg).__name__}, not the stage's Error"
+    return msg
+
+
+def test_an_activation_past_the_requests_end_is_refused_and_its_sender_named(two_stage):
+    """Positions past what the request can reach (its prompt and max_tokens, inside the context) come from no stage
+    doing its work: refused before compute, and the orchestrator is told which member sent them."""
+    stage, t0, client, logs, slices = two_stage
+    stage.handle(t0.address, _open(client, max_tokens=3))
+    stage.deliver(t0.address, _activation(slices))  # the prefill: positions 0-2
+    t0.recv(0)
+    end = stage.state.end_of(stage.reqs["r1"])
+    stage.handle(t0.address, _activation(slices, position=end, ids=(1,), is_prefill=False))
+    error = _blame(client)
+    assert error.stage == 1 and error.request_id == "r1"
+    assert "pp-stage-0" in error.reason and f"position {end} is past the request's end" in error.reason, error
+    assert stage.reqs["r1"].next_position == 3, "the stage computed a position past the request's end"
+    assert "refused an activation of r1 from pp-stage-0" in logs[-1]
+
+
+def test_an_activation_skipping_ahead_is_refused_and_its_sender_named_once(two_stage):
+    stage, t0, client, logs, slices = two_stage
+    stage.handle(t0.address, _open(client, max_tokens=6))
+    stage.deliver(t0.address, _activation(slices))
+    t0.recv(0)
+    for _ in range(3):
+        stage.handle(t0.address, _activation(slices, position=5, ids=(1,), is_prefill=False))
+    error = _blame(client)
+    assert "pp-stage-0" in error.reason and "position 5 skips ahead of 3" in error.reason, error
+    with pytest.raises(TransportTimeout):  # the orchestrator is told once; the run ends on it
+        client.recv(0.2)
+    stage.deliver(t0.address, _activation(slices, position=3, ids=(1,), is_prefill=False))  # the real step still runs
+    _, msg = t0.recv(0)
+    assert isinstance(msg, NextToken) and msg.position == 4
+
+
+# --- a flood of drops costs a counter, not a log --------------------------------------------------------------------
+
+
+def test_forty_thousand_drops_from_two_members_make_a_bounded_log(two_stage):
+    """Wrong-role activations from one member and rows of unknown requests from another: the process logs its first
+    16 drops, then counts them per reason and sender, and says so at every power of ten and when it closes."""
+    stage, t0, client, logs, slices = two_stage
+    forged, unknown = _activation(slices), _activation(slices, request_id="nobody")
+    for _ in range(20_000):
+        stage.handle(client.address, forged)  # only stage 0 sends activations
+        stage.handle(t0.address, unknown)
+    stage.state.drop.close()
+    assert len(logs) <= MAX_DROP_LINES + 6, f"{len(logs)} lines for 40,000 drops"
+    summary = logs[-1]
+    assert summary.startswith("40000 messages dropped so far"), summary
+    assert f"StageActivation not its role's from {fingerprinted(client.address)}" in summary, summary
+    assert f"an unknown request from {fingerprinted(t0.address)}" in summary, summary

@@ -153,6 +153,16 @@ class ZmqTransport(Transport):
         allowed = [_z85_to_hex(public) for public, _ in pairs]
         return [{"secret_key": secret.decode("ascii"), "allowed": allowed} for _, secret in pairs]
 
+    @classmethod
+    def identity(cls, opts: JsonObject) -> str:
+        """The CURVE public key (hex) of the endpoint with ``opts``' secret key."""
+        secret = opts.get("secret_key")
+        return _z85_to_hex(zmq.curve_public(secret.encode("ascii"))) if isinstance(secret, str) else ""
+
+    @classmethod
+    def identity_of(cls, address: str) -> str:
+        return split_address(address)[1].lower()
+
     def __init__(
         self,
         host: str = "127.0.0.1",

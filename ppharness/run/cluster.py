@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ppharness.errors import ClusterError
+from ppharness.run.drops import DropLog
 from ppharness.run.loop import Loop
-from ppharness.run.roles import DropLog, members_refusal
+from ppharness.run.roles import members_refusal
 from ppharness.seams.transport import Received
 from ppharness.wire.messages import Join, Members, Message
 

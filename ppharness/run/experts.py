@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 from ppharness.errors import CodecError, HarnessError, ModelError, WaitTimedOut
 from ppharness.model import handoff
+from ppharness.run.drops import DropLog, fingerprinted
 from ppharness.run.loop import Loop
 from ppharness.run.reliable import Key, Outbox, RetryPolicy
 from ppharness.seams.transport import Received, Transport
@@ -312,6 +313,7 @@ class ExpertServer:
     ):
         self.bank, self.transport, self.plan_id, self.wire_dtype = bank, transport, plan_id, wire_dtype
         self.owner_names, self.log = owners, log
+        self.drop = DropLog(log)
         self.answers: OrderedDict[tuple[str, int, int], ExpertResult] = OrderedDict()
         self.served = 0
         self.computed = 0
@@ -324,14 +326,25 @@ class ExpertServer:
 
     def handle(self, sender: str, msg: Message, rx: Received | None = None) -> None:
         if not isinstance(msg, ExpertRequest):
-            self.log(f"dropped unexpected {type(msg).__name__} from {sender[:120]}: an expert node answers experts")
+            self.drop(
+                f"dropped unexpected {type(msg).__name__} from {fingerprinted(sender)}: an expert node answers experts",
+                f"unexpected {type(msg).__name__}",
+                sender,
+            )
             return
         if msg.plan_id != self.plan_id:
-            self.log(f"dropped ExpertRequest of plan {msg.plan_id}, this node serves {self.plan_id}")
+            self.drop(
+                f"dropped ExpertRequest of plan {msg.plan_id[:64]}, this node serves {self.plan_id}",
+                "another plan",
+                sender,
+            )
             return
         if self.owners.get(msg.layer) != sender:
-            self.log(
-                f"dropped ExpertRequest for block {msg.layer} from {sender[:120]}: only that block's stage sends it"
+            self.drop(
+                f"dropped ExpertRequest for block {msg.layer} from {fingerprinted(sender)}: only that block's stage "
+                "sends it",
+                "ExpertRequest not its role's",
+                sender,
             )
             return
         key = (msg.request_id, msg.position, msg.layer)
@@ -340,7 +353,11 @@ class ExpertServer:
             try:
                 answer = self._compute(msg)
             except (CodecError, ModelError) as exc:
-                self.log(f"refused ExpertRequest for block {msg.layer} from {sender[:120]}: {exc}")
+                self.drop(
+                    f"refused ExpertRequest for block {msg.layer} from {fingerprinted(sender)}: {exc}",
+                    "a bad ExpertRequest",
+                    sender,
+                )
                 return
             self.answers[key] = answer
             while len(self.answers) > ANSWERS_KEPT:

@@ -19,14 +19,17 @@ from ppharness.model.gguf_file import GGUFFile
 from ppharness.plan.stages import stage_name
 from ppharness.run.realise import gossip_name, replacement
 from ppharness.run.replan import Placed, stage_need, survivor
+from ppharness.run.roles import member_role
 from ppharness.wire.messages import Ack, Assign, InferenceResponse, Join, Members, Message, Ready, StreamedToken, Warm
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ppharness.model.tokenizer import Tokenizer
     from ppharness.plan.doc import Device, PlanDoc
     from ppharness.plan.stages import StagePlan
     from ppharness.run.client import Client
-    from ppharness.run.session import Death, Session
+    from ppharness.run.session import Death, OnMessage, Session
     from ppharness.seams.transport import JsonObject
 
 
@@ -55,6 +58,9 @@ class Recovery:
         """The spare's Ready to the next token at the client: the replay and the token's way round (None: no token
         came after it)."""
         return self.next_token_at - self.ready_at if self.next_token_at is not None else None
+
+
+WARM_ANSWER_S = 5.0  # a standby that has not answered a Warm by then is a failed spare
 
 
 class SpareLost(ClusterError):
@@ -163,13 +169,18 @@ class Failover:
             )
             return not waiting
 
+        answered: set[str] = set()
+
         def on_ack(sender: str, msg: Message) -> bool:
-            if isinstance(msg, Ack) and msg.kind == "warm":
-                waiting.discard(sender)
+            if isinstance(msg, Ack) and msg.kind in ("warming", "warm"):
+                answered.add(sender)
+                if msg.kind == "warm":
+                    waiting.discard(sender)
             return warm()
 
         if waiting:
             t0 = time.monotonic()
+            self._silent_standbys(on_ack, answered, warm)
             suffix = f" for prompts of {', '.join(map(str, lengths))} tokens" if lengths else ""
             what = ("the stages and " if lengths else "the ") + "standby spares to warm up" + suffix
             try:
@@ -180,6 +191,35 @@ class Failover:
             s.progress(
                 f"{'stages and ' if lengths else ''}standby spare(s) warm{suffix} in {time.monotonic() - t0:.2f} s"
             )
+
+    def _silent_standbys(self, on_ack: OnMessage, answered: set[str], warm: Callable[[], bool]) -> None:
+        """A standby answers a Warm at once (``Ack(kind="warming")``) and again when it is warm: one that has not
+        answered within ``WARM_ANSWER_S`` is a failed spare, destroyed now and started afresh if a stage dies."""
+        s = self.session
+        told = {sb.address: device for device, sb in s.standbys.items() if sb.address}
+        try:
+            s.wait(
+                on_ack,
+                WARM_ANSWER_S,
+                "the standby spares to answer the warm-up",
+                "warming the standbys",
+                done=lambda: warm() or set(told) <= answered,
+            )
+        except WaitTimedOut:
+            pass
+        for address, device in told.items():
+            sb = s.standbys.get(device)
+            if address in answered or sb is None or sb.address != address:
+                continue
+            del s.standbys[device]
+            s.retired.add(sb.instance.id)
+            assert s.provider is not None
+            s.provider.destroy(sb.instance)
+            s.progress(
+                f"warning: the standby on spare {device} did not answer its warm-up within {WARM_ANSWER_S:g} s; "
+                "it is treated as failed (destroyed, and started afresh if a stage dies)"
+            )
+        warm()
 
     def _program(self, stage: int, spare: Device) -> StagePlan:
         s = self.session
@@ -298,6 +338,7 @@ class Failover:
             f"{list(s.plan.ranges[stage])} (epoch {epoch})"
         )
         recovery = Recovery(stage, death.cause, spare.id, epoch, detected_at=detected, replanned=replanned)
+        s.identities.give(member_role(stage), opts)  # the stage's role is the spare's key's from now on
         node = replacement(s.scenario, s.compiled, s.endpoints, stage, spare, epoch, opts, s.trace_on)
         sb = None if replanned else s.standbys.pop(spare.id, None)
         try:
@@ -322,7 +363,12 @@ class Failover:
             joined: list[Join] = []
 
             def on_join(sender: str, msg: Message) -> bool:
-                if isinstance(msg, Join) and msg.stage == stage and msg.address == sender and sender not in self.fenced:
+                if (
+                    isinstance(msg, Join)
+                    and msg.stage == stage
+                    and sender not in self.fenced
+                    and s.join_ok(sender, msg)
+                ):
                     joined.append(msg)
                 return bool(joined)
 

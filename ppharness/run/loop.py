@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from ppharness.errors import CodecError, TransportTimeout, WaitTimedOut
+from ppharness.run.drops import DropLog
 from ppharness.seams.transport import Received
 from ppharness.wire.messages import Message
 
@@ -59,6 +60,7 @@ class Loop:
 
     def __init__(self, transport: Inbox, log: Callable[[str], None], poll_s: float = POLL_S, drain: int = 0):
         self.transport, self.log, self.poll_s = transport, log, poll_s
+        self.drop = DropLog(log)
         self.drain = drain  # messages already waiting that a turn also takes (a batched stage's loop: DRAIN)
         self.timers: list[Timed] = []
         self.checks: list[Callable[[], None]] = []
@@ -144,7 +146,7 @@ class Loop:
             except TransportTimeout:
                 return None
             except CodecError as exc:  # dropped; what else came within the time left is still taken
-                self.log(f"dropped a bad frame: {exc}")
+                self.drop(f"dropped a bad frame: {exc}", "a bad frame", "")
         return rx.sender, rx.message, rx
 
     def wait(

@@ -39,6 +39,7 @@ from ppharness.network.clock import EventClock
 from ppharness.network.spec import stage_node
 from ppharness.plan.stages import StagePlan, decode_program
 from ppharness.run.cluster import resolve_members
+from ppharness.run.drops import DropLog, fingerprinted
 from ppharness.run.experts import ExpertParallel, ExpertServer, warm_bank
 from ppharness.run.faults import with_fault
 from ppharness.run.loop import DRAIN, Loop
@@ -237,10 +238,12 @@ def _await_assignment(
     """Wait for the orchestrator's Assign: (the program, the gossip name); None on Shutdown. A Warm is carried out
     meanwhile (``ppharness.run.standby``). Anything else, and anything from another member, is dropped."""
     assigned: list[tuple[StagePlan, str] | None] = []
+    drop = DropLog(log)
 
     def on_message(sender: str, msg: Message, rx: Received | None) -> bool:
         if sender != seed:
-            log(f"dropped {type(msg).__name__} from {sender[:120]}: a standby takes orders from the seed")
+            line = f"dropped {type(msg).__name__} from {fingerprinted(sender)}: a standby takes orders from the seed"
+            drop(line, f"{type(msg).__name__} not its role's", sender)
             return False
         match msg:
             case Shutdown():
@@ -250,11 +253,12 @@ def _await_assignment(
                 assigned.append((decode_program(program), gossip))
             case NetworkStart(t0_unix_ns=t0):
                 clock.start(t0)
-            case Warm():
+            case Warm():  # answered at once (the seed's bound on a silent spare), then when warm
+                _reply(transport, seed, Ack(kind="warming", request_id="", position=0, plan_id=""), log)
                 held.warm(msg, lambda: assignment_waits(loop))
                 _reply(transport, seed, Ack(kind="warm", request_id="", position=0, plan_id=""), log)
             case other:
-                log(f"dropped {type(other).__name__}: a standby waits for an Assign")
+                drop(f"dropped {type(other).__name__}: a standby waits for an Assign", "unexpected", sender)
         return bool(assigned)
 
     loop.wait(on_message, None, "an Assign from the orchestrator")
@@ -323,6 +327,7 @@ class Node:
 
     def __init__(self, plan: StagePlan, env: dict[str, str], started: Standing, log: Callable[[str], None]):
         self.plan, self.env, self.log, self.seed = plan, env, log, env["SEED_ADDR"]
+        self.stage_drop = DropLog(log)
         self.transport, self.address, self.clock = started.transport, started.address, started.clock
         self.gguf_file, self.bridge, self.held = started.gguf_file, started.bridge, started.held
         self.fault = env.get("PP_FAULT", "")
@@ -497,7 +502,11 @@ class Node:
         served = self.served
         assert served is not None  # the loop runs once the node serves
         if isinstance(msg, CONTROL) and sender != self.seed:
-            self.log(f"dropped {type(msg).__name__} from {sender[:120]}: only the orchestrator sends it")
+            self.stage_drop(
+                f"dropped {type(msg).__name__} from {fingerprinted(sender)}: only the orchestrator sends it",
+                f"{type(msg).__name__} not its role's",
+                sender,
+            )
             return False
         stage = self.plan.stage
         match msg:

@@ -12,10 +12,10 @@ against that address here:
 - a node takes the directory (``Members``) only from the seed (``SEED_ADDR``), and only one that names every address
   the node needs (``needed_names``); at start and after a failover alike.
 
-A Join is the one message taken before the directory exists: it must name the address it came from
-(``join_refusal``), and one address joins as one stage (``Directory``). Which stage a key was made for is not checked
-(a transport's keys carry no stage): a member's key that joins first under another stage's index takes that index,
-and the real node's Join then fails the run. Dropped messages are logged a bounded number of times (``DropLog``).
+A Join is the one message taken before the directory exists: it must name the address it came from, and come with
+the key the seed made for the member it announces (``Identities``): a member cannot join as another stage, an expert
+node or a standby spare, so a spare's Warm and Assign go only to the key made for that spare. Dropped messages go to
+the process's one bounded drop log (``ppharness.run.drops``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ppharness.plan.stages import ENTRY, EXIT, StagePlan, stage_name
+from ppharness.run.drops import DropLog, fingerprinted
 from ppharness.wire.messages import (
     ClockReply,
     DigestReport,
@@ -41,31 +42,13 @@ from ppharness.wire.messages import (
 
 if TYPE_CHECKING:
     from ppharness.run.cluster import Directory
-
-MAX_DROP_LINES = 16  # dropped messages logged one line each; later ones are counted
+    from ppharness.seams.transport import JsonObject
 
 
 def member_name(index: int, num_stages: int) -> str:
     """A member of the run as its lines name it: ``stage i`` on the loop, ``expert node k`` after it (an expert node's
     index follows the stages')."""
     return f"stage {index}" if index < num_stages else f"expert node {index - num_stages}"
-
-
-class DropLog:
-    """Log lines about dropped messages, bounded: the first ``limit`` in full, then a count at every power of ten, so
-    a member that floods the run with forgeries cannot flood its log."""
-
-    def __init__(self, log: Callable[[str], None], limit: int = MAX_DROP_LINES):
-        self.log, self.limit = log, limit
-        self.dropped = 0
-
-    def __call__(self, line: str) -> None:
-        self.dropped += 1
-        n = self.dropped
-        if n <= self.limit:
-            self.log(line + ("" if n < self.limit else "; further drops are counted, not logged"))
-        elif str(n).rstrip("0") == "1":
-            self.log(f"{n} messages dropped so far (the first {self.limit} are logged above)")
 
 
 EXIT_ROLE = -1  # the role of the answer (responses, streamed tokens): whichever stage pp-exit names
@@ -117,8 +100,9 @@ class Roles:
             who = "the exit stage (pp-exit)"
         else:
             who = member_name(role, directory.num_stages) if directory is not None else f"member {role}"
-        held = f"its address is {address[:120]}" if address else "it has not joined"
-        self.drop(f"warning: dropped {type(msg).__name__} from {sender[:120]}: only {who} sends it ({held})")
+        held = f"its address is {fingerprinted(address)}" if address else "it has not joined"
+        line = f"warning: dropped {type(msg).__name__} from {fingerprinted(sender)}: only {who} sends it ({held})"
+        self.drop(line, f"{type(msg).__name__} not its role's", sender)
         return False
 
     def screen(self, sender: str, msg: Message) -> bool:
@@ -131,8 +115,52 @@ def join_refusal(sender: str, msg: Join) -> str:
     if msg.address == sender:
         return ""
     return (
-        f"warning: ignored a Join of stage {msg.stage} from {sender[:120]} naming another address ({msg.address[:120]})"
+        f"warning: ignored a Join of stage {msg.stage} from {fingerprinted(sender)} naming another address "
+        f"({fingerprinted(msg.address)})"
     )
+
+
+def member_role(index: int) -> str:
+    """The role a Join of member ``index`` (a stage, or an expert node after the stages) announces."""
+    return f"member {index}"
+
+
+def spare_role(device: str) -> str:
+    """The role a standby spare's Join announces (its one name)."""
+    return f"spare:{device}"
+
+
+class Identities:
+    """Which member each key of the run was made for: the seed makes one key per member (``plan_endpoints``) and
+    records here which role it made it for (``give``); a Join then counts only from the key made for the member it
+    announces, a stage, an expert node or a spare. A spare that takes over a stage takes that stage's role with its
+    own key. A transport without identities (its endpoints share one process) binds nothing."""
+
+    def __init__(self, identity: Callable[[JsonObject], str], identity_of: Callable[[str], str]):
+        self.identity, self.identity_of = identity, identity_of  # the transport's (``Transport.identity``)
+        self.made: dict[str, str] = {}  # role -> the identity made for it
+
+    def give(self, role: str, opts: JsonObject) -> None:
+        """``role`` is the member whose endpoint has the transport options ``opts`` from now on."""
+        identity = self.identity(opts)
+        if identity:
+            self.made[role] = identity
+
+    def refusal(self, sender: str, msg: Join) -> str:
+        """Why ``msg`` is not taken from ``sender`` ('' when it is): it names another address, or the key it came with
+        is not the one made for the member it announces."""
+        why = join_refusal(sender, msg)
+        if why or not self.made:
+            return why
+        role = (
+            spare_role(msg.names[0].removeprefix("spare:")) if msg.stage < 0 and msg.names else member_role(msg.stage)
+        )
+        shown = f"standby {role}" if msg.stage < 0 else f"stage {msg.stage}"
+        want = self.made.get(role)
+        if want is not None and self.identity_of(sender) == want:
+            return ""
+        made = "the run made no member for it" if want is None else "the run made another key for it"
+        return f"warning: ignored a Join as {shown} from {fingerprinted(sender)}: {made}"
 
 
 def needed_names(plan: StagePlan) -> list[str]:

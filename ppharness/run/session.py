@@ -34,6 +34,7 @@ from ppharness.plan.compile import load_compiled, plan_network
 from ppharness.plan.stages import ENTRY, EXIT, stage_name
 from ppharness.registry import impaired_transport, provider_class, transport_class
 from ppharness.run.cluster import Directory
+from ppharness.run.drops import fingerprinted
 from ppharness.run.locks import RunLock
 from ppharness.run.loop import Handler, Loop, heartbeat
 from ppharness.run.membership import HeartbeatDetector, KinshipDetector, choose_engine
@@ -47,7 +48,7 @@ from ppharness.run.realise import (
     transport_settings,
 )
 from ppharness.run.reliable import Outbox, RetryPolicy
-from ppharness.run.roles import Roles, join_refusal, member_name
+from ppharness.run.roles import Identities, Roles, member_name, member_role, spare_role
 from ppharness.wire.messages import Ack, Error, Join, Members, Message, Ready, Shutdown, Stopped
 
 if TYPE_CHECKING:
@@ -78,16 +79,6 @@ def members(indices: list[int], num_stages: int) -> str:
     """``stage 1, expert node 0``: the first six, then how many more."""
     names = [member_name(i, num_stages) for i in sorted(indices)]
     return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-
-
-def fingerprinted(address: str) -> str:
-    """An address as a progress line shows it: a key it carries (``tcp://h:p?curve=<64 hex>``) cut to its first 8
-    hex digits, its fingerprint; another long address (an iroh ticket) cut short."""
-    base, sep, query = address.partition("?")
-    name, eq, key = query.partition("=")
-    if sep and eq and len(key) > 8:
-        return f"{base} ({name} key {key[:8]})"
-    return address if len(address) <= 72 else f"{address[:48]}... ({len(address)} characters)"
 
 
 @dataclass
@@ -156,6 +147,7 @@ class Session:
         self.spares: list[Device] = []  # the spare devices not used yet
         self.spare_opts: dict[str, JsonObject] = {}  # spare device -> its endpoint's transport options
         self.reserve_opts: list[JsonObject] = []  # member identities not used yet, for re-placed stages
+        self.identities = Identities(lambda opts: "", lambda address: "")  # which key is which member's (``open``)
         self.standbys: dict[str, Standby] = {}  # spare device -> its standby node
         self.stage_instances: dict[int, Instance] = {}  # stage -> the instance serving it now
         self.instance_stages: dict[str, int] = {}  # instance id -> the stage it serves or served
@@ -222,6 +214,11 @@ class Session:
             self.spare_opts = {d.id: o for d, o in zip(self.spares, spare_opts, strict=True)}
             self.reserve_opts = endpoint_opts[n + 1 + len(self.spares) :]
             endpoint_opts = endpoint_opts[: n + 1]
+            self.identities = Identities(transport_cls.identity, transport_cls.identity_of)  # keys bound to roles
+            for i, opts in enumerate(endpoint_opts[1:]):
+                self.identities.give(member_role(i), opts)
+            for device, opts in self.spare_opts.items():
+                self.identities.give(spare_role(device), opts)
             seed_opts = endpoint_opts[0] | provider.seed_transport_options(sc.transport.kind)
             self.network = network = plan_network(self.compiled, sc.network)
             if network is not None and network.layer == "packet":
@@ -298,11 +295,7 @@ class Session:
         self.directory = directory = Directory(self.plan.num_stages, len(self.compiled.expert_nodes))
 
         def on_join(sender: str, msg: Message) -> bool:
-            if isinstance(msg, Join) and msg.stage < 0:  # a standby spare (_take)
-                pass
-            elif isinstance(msg, Join) and join_refusal(sender, msg):
-                progress(join_refusal(sender, msg))
-            elif isinstance(msg, Join):
+            if isinstance(msg, Join) and msg.stage >= 0 and self.join_ok(sender, msg):  # a spare's: _take
                 directory.add(msg)
                 detector.watch([msg.stage])
                 progress(f"{member_name(msg.stage, self.plan.num_stages)} joined from {fingerprinted(msg.address)}")
@@ -365,7 +358,7 @@ class Session:
             return self.directory.names[name]
 
         def on_join(sender: str, msg: Message) -> bool:
-            if isinstance(msg, Join) and msg.stage >= 0 and not join_refusal(sender, msg):
+            if isinstance(msg, Join) and msg.stage >= 0 and self.join_ok(sender, msg):
                 self.directory.add(msg)
             return name in self.directory.names
 
@@ -440,13 +433,21 @@ class Session:
         match msg:
             case Ack() if self.outbox is not None:
                 self.outbox.ack(sender, msg)
-            case Join(stage=-1, names=[name]) if msg.address == sender:
+            case Join(stage=-1, names=[name]) if self.join_ok(sender, msg):
                 sb = self.standbys.get(name.removeprefix("spare:"))
                 if sb is not None and not sb.address:
                     sb.address = sender
                     self.progress(f"spare {name.removeprefix('spare:')} standing by")
         for keep in self.keepers:
             keep(sender, msg)
+
+    def join_ok(self, sender: str, msg: Join) -> bool:
+        """Whether a Join is taken: it names its own address and comes with the key made for the member it announces
+        (``ppharness.run.roles.Identities``); a refusal goes to the drop log."""
+        why = self.identities.refusal(sender, msg)
+        if why:
+            self.roles.drop(why, "Join as another member", sender)
+        return not why
 
     def _check_deaths(self) -> None:
         """Between messages: a death ``on_deaths`` does not deal with ends the wait, after the node's own last words."""

@@ -134,7 +134,11 @@ class Admission:
         if not self.reply_to_ok(msg.reply_to, "RequestOpen"):
             return
         if msg.plan_id != s.plan_id:
-            s.log(f"stage {s.index}: dropped RequestOpen of plan {msg.plan_id}, this stage serves {s.plan_id}")
+            s.drop(
+                f"stage {s.index}: dropped RequestOpen of plan {msg.plan_id}, this stage serves {s.plan_id}",
+                "another plan",
+                s.prev_addr or "",
+            )
             return
         if s.reliable and s.known(msg.request_id):
             self.out.ack(s.prev_addr, "open", msg.request_id, -1)  # a resent RequestOpen already taken
@@ -149,9 +153,11 @@ class Admission:
         old = s.reqs.get(msg.request_id)
         slot = old.slot if old is not None else s.free_slot()
         if slot is None:
-            s.log(
+            s.drop(
                 f"stage {s.index}: dropped RequestOpen of {msg.request_id}: all {s.slots} request slot(s) are "
-                f"taken by {sorted(s.reqs)} (the RequestClose of one of them should have come first)"
+                f"taken by {sorted(s.reqs)[:8]} (the RequestClose of one of them should have come first)",
+                "no free slot",
+                s.prev_addr or "",
             )
             return None
         req = Request(
@@ -179,7 +185,11 @@ class Admission:
         freed its own when it answered)."""
         s = self.state
         if msg.plan_id != s.plan_id:
-            s.log(f"stage {s.index}: dropped RequestClose of plan {msg.plan_id}, this stage serves {s.plan_id}")
+            s.drop(
+                f"stage {s.index}: dropped RequestClose of plan {msg.plan_id}, this stage serves {s.plan_id}",
+                "another plan",
+                s.prev_addr or "",
+            )
             return
         self.out.ack(s.prev_addr, "close", msg.request_id, -1)
         if s.reliable:  # stage 0 had the last token: every hop took every position
@@ -204,7 +214,11 @@ class Admission:
         s = self.state
         if s.seed is None or reply_to == s.seed:
             return True
-        s.log(f"stage {s.index}: dropped {what} whose reply_to {reply_to[:120]!r} is not the orchestrator")
+        s.drop(
+            f"stage {s.index}: dropped {what} whose reply_to {reply_to[:120]!r} is not the orchestrator",
+            "a reply_to not the orchestrator's",
+            s.prev_addr or "",
+        )
         return False
 
     # --- an activation taken into its request -------------------------------------------------------------------------
@@ -214,29 +228,39 @@ class Admission:
         when it is the one this stage expects next and holds the request's rows for its positions; else None
         (logged)."""
         s = self.state
+        if s.out_of_turn(req, msg.position, "an activation", s.prev_addr or ""):
+            return None
         if msg.position != req.next_position or msg.is_prefill != (msg.position == 0):
-            s.log(
+            s.drop(
                 f"stage {s.index}: dropped activation at position {msg.position} (prefill={msg.is_prefill}), "
-                f"expected position {req.next_position}"
+                f"expected position {req.next_position}",
+                "a position out of turn",
+                s.prev_addr or "",
             )
             return None
         want = (req.rows, req.prompt_tokens if msg.is_prefill else 1, s.model.config.dim)
         if msg.seq_len != want[1] or tuple(msg.shape) != want:
-            s.log(
-                f"stage {s.index}: dropped activation of shape {tuple(msg.shape)} (seq_len {msg.seq_len}) at "
-                f"position {msg.position}: the plan expects {want}"
+            s.drop(
+                f"stage {s.index}: dropped activation of shape {tuple(msg.shape)[:4]} (seq_len {msg.seq_len}) at "
+                f"position {msg.position}: the plan expects {want}",
+                "a shape not the plan's",
+                s.prev_addr or "",
             )
             return None
         t0 = now_ns() if s.tracer else 0
         try:
             hidden = rx.tensor if rx is not None and rx.tensor is not None else Hidden(codec.unpack_hidden(msg))
         except CodecError as exc:
-            s.log(f"stage {s.index}: dropped activation: {exc}")
+            s.drop(f"stage {s.index}: dropped activation: {exc}", "a bad tensor", s.prev_addr or "")
             return None
         if s.tracer:
             s.tracer.add(step_of(msg, req), "deserialize", t0, now_ns())
         if hidden.shape != want:
-            s.log(f"stage {s.index}: dropped activation of shape {hidden.shape}, expected {want}")
+            s.drop(
+                f"stage {s.index}: dropped activation of shape {hidden.shape}, expected {want}",
+                "a shape not the plan's",
+                s.prev_addr or "",
+            )
             return None
         return hidden
 

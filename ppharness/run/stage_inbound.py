@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ppharness.errors import CodecError
 from ppharness.model.hidden import Hidden
+from ppharness.run.drops import fingerprinted
 from ppharness.run.speculation import runs
 from ppharness.run.stage_admission import Admission
 from ppharness.run.stage_outbound import Outbound, rows_key
@@ -56,9 +57,13 @@ class Inbound:
         s = self.state
         role = self._sender_role(msg)
         if role is not None and sender != role[1]:
-            s.log(f"stage {s.index}: dropped {type(msg).__name__} from {sender}: only {role[0]} sends it")
+            s.drop(
+                f"stage {s.index}: dropped {type(msg).__name__} from {fingerprinted(sender)}: only {role[0]} sends it",
+                f"{type(msg).__name__} not its role's",
+                sender,
+            )
             return
-        if not self._epoch_ok(msg):
+        if not self._epoch_ok(msg, sender):
             return
         match msg:
             case Ack():
@@ -82,7 +87,11 @@ class Inbound:
             case Resume() if s.first and s.keeps_history:
                 self.replays.on_resume(msg)
             case _:
-                s.log(f"stage {s.index}: dropped unexpected {type(msg).__name__} from {sender}")
+                s.drop(
+                    f"stage {s.index}: dropped unexpected {type(msg).__name__} from {fingerprinted(sender)}",
+                    f"unexpected {type(msg).__name__}",
+                    sender,
+                )
         if s.first and s.waiting:
             self.admission.admit_waiting()
 
@@ -100,7 +109,7 @@ class Inbound:
                 return f"stage {s.num_stages - 1}", s.exit_addr
         return None
 
-    def _epoch_ok(self, msg: Message) -> bool:
+    def _epoch_ok(self, msg: Message, sender: str) -> bool:
         """A message stamped with an older epoch comes from a node a spare replaced: refused. One from a newer
         epoch arrived before this stage's directory did: dropped unacknowledged, so it is sent again."""
         s = self.state
@@ -108,12 +117,18 @@ class Inbound:
         if epoch is None or epoch == s.epoch:
             return True
         if epoch < s.epoch:
-            s.log(
+            s.drop(
                 f"stage {s.index}: fenced off {type(msg).__name__} of epoch {epoch}, older than this stage's "
-                f"{s.epoch} (a replaced node's, or sent before its sender learnt of the new epoch: it is resent)"
+                f"{s.epoch} (a replaced node's, or sent before its sender learnt of the new epoch: it is resent)",
+                "an old epoch",
+                sender,
             )
         else:
-            s.log(f"stage {s.index}: held off {type(msg).__name__} of epoch {epoch} until its directory comes")
+            s.drop(
+                f"stage {s.index}: held off {type(msg).__name__} of epoch {epoch} until its directory comes",
+                "a newer epoch",
+                sender,
+            )
         return False
 
     def _on_activation(self, msg: StageActivation, rx: Received | None) -> None:
@@ -121,12 +136,16 @@ class Inbound:
         if s.reliable and msg.request_id in s.finished:
             out.ack(s.prev_addr, "activation", msg.request_id, msg.position)
             return
-        req = self._current(msg.request_id, msg.plan_id, "StageActivation")
+        req = self._current(msg.request_id, msg.plan_id, "StageActivation", s.prev_addr or "")
         if req is None:
             return
         if msg.position < req.next_position:
             out.ack(s.prev_addr, "activation", msg.request_id, msg.position)
-            s.log(f"stage {s.index}: dropped duplicate activation at position {msg.position}")
+            s.drop(
+                f"stage {s.index}: dropped duplicate activation at position {msg.position}",
+                "a duplicate",
+                s.prev_addr or "",
+            )
             return
         if s.tracer:
             s.tracer.begin(req.request_id)
@@ -147,16 +166,15 @@ class Inbound:
         if s.reliable and msg.request_id in s.finished:
             out.ack(s.exit_addr, "token", msg.request_id, msg.position)
             return
-        req = self._current(msg.request_id, msg.plan_id, "NextToken")
+        req = self._current(msg.request_id, msg.plan_id, "NextToken", s.exit_addr)
         if req is None:
             return
         step = msg.position - req.prompt_tokens + 1
         if msg.position < req.next_position:
             out.ack(s.exit_addr, "token", msg.request_id, msg.position)
-            s.log(f"stage 0: dropped duplicate NextToken at position {msg.position}")
+            s.drop(f"stage 0: dropped duplicate NextToken at position {msg.position}", "a duplicate", s.exit_addr)
             return
-        if msg.position != req.next_position:
-            s.log(f"stage 0: dropped NextToken at position {msg.position}, expected {req.next_position}")
+        if s.out_of_turn(req, msg.position, "a token", s.exit_addr):
             return
         if s.speculation is not None:  # the prefill's token: the first window goes out
             if msg.done:
@@ -182,19 +200,25 @@ class Inbound:
         n, dim = len(msg.request_ids), s.model.config.dim
         most = s.slots * (s.speculation.rows if s.speculation is not None else 1)
         if not 0 < n <= most or len(msg.positions) != n or tuple(msg.shape) != (n, 1, dim):
-            s.log(
+            s.drop(
                 f"stage {s.index}: dropped ActivationRows of {n} row(s), {len(msg.positions)} position(s) and "
-                f"shape {tuple(msg.shape)}: the plan expects at most {most} rows of (1, {dim})"
+                f"shape {tuple(msg.shape)[:4]}: the plan expects at most {most} rows of (1, {dim})",
+                "rows not the plan's",
+                s.prev_addr or "",
             )
             return
         if (s.speculation is not None) != bool(msg.tokens):
             has, runs_ = ("with", "does not speculate") if msg.tokens else ("without", "speculates")
-            s.log(f"stage {s.index}: dropped ActivationRows {has} speculative windows: this run {runs_}")
+            s.drop(
+                f"stage {s.index}: dropped ActivationRows {has} speculative windows: this run {runs_}",
+                "rows not the plan's",
+                s.prev_addr or "",
+            )
             return
         try:
             rows = self._rows_of(msg, rx)
         except CodecError as exc:
-            s.log(f"stage {s.index}: dropped ActivationRows: {exc}")
+            s.drop(f"stage {s.index}: dropped ActivationRows: {exc}", "a bad tensor", s.prev_addr or "")
             return
         if s.reliable:  # one Ack for the message: its rows are taken, or copies of rows taken before
             self.out.ack(s.prev_addr, *rows_key(msg))
@@ -205,13 +229,17 @@ class Inbound:
             taken = s.reqs.get(request_id)
             if s.reliable and (request_id in s.finished or (taken is not None and 0 < position < taken.next_position)):
                 continue  # a copy of a row this stage took (its sender resent the message)
-            req = self._current(request_id, msg.plan_id, "a row of ActivationRows")
+            req = self._current(request_id, msg.plan_id, "a row of ActivationRows", s.prev_addr or "")
             if req is None:
                 continue
+            if s.out_of_turn(req, position, "a row", s.prev_addr or ""):
+                continue
             if position != req.next_position or position < 1:
-                s.log(
+                s.drop(
                     f"stage {s.index}: dropped the row of {request_id} at position {position}, expected "
-                    f"{req.next_position}"
+                    f"{req.next_position}",
+                    "a position out of turn",
+                    s.prev_addr or "",
                 )
                 continue
             if s.tracer:
@@ -242,7 +270,11 @@ class Inbound:
         n = len(msg.request_ids)
         most = s.slots * (s.speculation.rows if s.speculation is not None else 1)
         if not 0 < n <= most or not n == len(msg.token_ids) == len(msg.positions) == len(msg.done):
-            s.log(f"stage 0: dropped TokenRows of {n} row(s) with lists of other lengths (or over {most} rows)")
+            s.drop(
+                f"stage 0: dropped TokenRows of {n} row(s) with lists of other lengths (or over {most} rows)",
+                "rows not the plan's",
+                s.exit_addr,
+            )
             return
         if s.reliable:  # one Ack for the message; each row is then taken as its NextToken (copies too)
             self.out.ack(s.exit_addr, *rows_key(msg))
@@ -258,17 +290,23 @@ class Inbound:
             rid = msg.request_ids[a]
             if rid in s.finished:
                 continue
-            req = self._current(rid, msg.plan_id, "TokenRows")
+            req = self._current(rid, msg.plan_id, "TokenRows", s.exit_addr)
             if req is not None:
                 self.windows.take_tokens(req, ones[a:b], rx)
 
-    def _current(self, request_id: str, plan_id: str, what: str) -> Request | None:
+    def _current(self, request_id: str, plan_id: str, what: str, sender: str) -> Request | None:
         """The request in flight that a message is for; None (logged) for another plan's or an unknown request."""
         s = self.state
         if plan_id != s.plan_id:
-            s.log(f"stage {s.index}: dropped {what} of plan {plan_id}, this stage serves {s.plan_id}")
+            s.drop(
+                f"stage {s.index}: dropped {what} of plan {plan_id[:64]}, this stage serves {s.plan_id}",
+                "another plan",
+                sender,
+            )
             return None
         req = s.reqs.get(request_id)
         if req is None:
-            s.log(f"stage {s.index}: dropped {what} for unknown request {request_id!r}")
+            s.drop(
+                f"stage {s.index}: dropped {what} for unknown request {request_id[:64]!r}", "an unknown request", sender
+            )
         return req

@@ -98,7 +98,11 @@ class Outbound:
         replacement, replay the request in progress to it."""
         s = self.state
         if epoch <= s.epoch:
-            s.log(f"stage {s.index}: ignored a directory of epoch {epoch}, this stage is at epoch {s.epoch}")
+            s.drop(
+                f"stage {s.index}: ignored a directory of epoch {epoch}, this stage is at epoch {s.epoch}",
+                "an old directory",
+                s.seed or "",
+            )
             return
         old_next = s.next_addr
         s.epoch = epoch

@@ -82,7 +82,9 @@ class ReplayIntake:
             self.out.ack(req_msg.reply_to, "resume", req_msg.request_id, -1)
             return
         if s.free_slot() is None or not admission.reply_to_ok(req_msg.reply_to, "Resume"):
-            s.log(f"stage 0: dropped Resume of {req_msg.request_id}: no free request slot")
+            s.drop(
+                f"stage 0: dropped Resume of {req_msg.request_id}: no free request slot", "no free slot", s.seed or ""
+            )
             return
         self.out.ack(req_msg.reply_to, "resume", req_msg.request_id, -1)
         ids = admission.tokenize(req_msg.prompt, req_msg.request_id)

@@ -18,13 +18,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from ppharness.errors import StageError
+from ppharness.errors import HarnessError, StageError
 from ppharness.model.hidden import Hidden
 from ppharness.plan.stages import ENTRY, EXIT, stage_name
+from ppharness.run.drops import DropLog, fingerprinted
 from ppharness.run.speculation import Speculation, Window
 from ppharness.seams.transport import Received, Transport
 from ppharness.trace.tracer import Tracer
-from ppharness.wire.messages import InferenceRequest, RequestOpen, StageActivation
+from ppharness.wire.messages import Error, InferenceRequest, RequestOpen, StageActivation
 
 if TYPE_CHECKING:
     import numpy as np
@@ -170,6 +171,8 @@ class StageState:
         self.next_is_middle = index + 1 < num_stages - 1  # a stage that frees its slot on RequestClose
         self.model, self.transport, self.plan_id = model, transport, plan_id
         self.wire_dtype, self.tokenizer, self.log = wire_dtype, tokenizer, log
+        self.drop = DropLog(log)  # the process's bounded log of dropped messages (``ppharness.run.drops``)
+        self.blamed = False  # the seed was told of a member that sent positions out of turn (``out_of_turn``)
         prev, nxt = route
         self.route = (prev or stage_name(index - 1), nxt or stage_name(index + 1))
         self.epoch = epoch  # the directory's epoch this stage is at
@@ -205,6 +208,45 @@ class StageState:
         self.prev_addr = None if self.first else names[prev]
         self.entry_addr = names[ENTRY]
         self.exit_addr = names[EXIT]
+
+    def end_of(self, req: Request) -> int:
+        """The first position ``req`` never computes: the end of the context, or of its answer."""
+        return min(self.model.max_context, req.prompt_tokens + req.max_tokens)
+
+    def out_of_turn(self, req: Request, position: int, what: str, sender: str, ahead: bool = True) -> bool:
+        """Whether ``position`` of ``req`` is one no member sends in its role: past the request's context or answer
+        (``end_of``), or (``ahead``) skipping positions this stage has not computed. Then it is refused, and the
+        seed told (once) which member sent it, so the run ends naming that member instead of answering wrongly."""
+        end = self.end_of(req)
+        if position < end and not (ahead and position > req.next_position):
+            return False
+        why = (
+            f"position {position} is past the request's end ({end}: context {self.model.max_context}, "
+            f"{req.prompt_tokens}-token prompt, {req.max_tokens} new tokens)"
+            if position >= end
+            else f"position {position} skips ahead of {req.next_position}, the next this stage computes"
+        )
+        sent_by = f"{self.sender_name(sender)} ({fingerprinted(sender)})"
+        line = f"stage {self.index}: refused {what} of {req.request_id} from {sent_by}: {why}"
+        self.drop(line, "a position out of turn", sender)
+        if not self.blamed and self.seed is not None:
+            self.blamed = True
+            reason = f"refused {what} of request {req.request_id} from {sent_by}: {why} — that member is misbehaving"
+            try:
+                self.transport.send(self.seed, Error(stage=self.index, reason=reason, request_id=req.request_id))
+            except HarnessError as exc:
+                self.log(f"stage {self.index}: could not tell the orchestrator: {exc}")
+        return True
+
+    def sender_name(self, address: str) -> str:
+        """The member at ``address`` as its role names it: the previous stage, the last stage, or the orchestrator."""
+        if address == self.seed:
+            return "the orchestrator"
+        if address and address == self.prev_addr:
+            return self.route[0]
+        if address and address == self.exit_addr:
+            return EXIT
+        return "an unknown member"
 
     def finish(self, request_id: str, served: bool = True) -> None:
         """The request is over here: free its slot, forget its state, remember its id (late duplicates are

@@ -40,9 +40,11 @@ class Windows:
         if first < req.next_position:
             return  # a copy of tokens taken before (its sender resent them)
         if first != req.next_position or any(r.position != first + i for i, r in enumerate(rows)):
-            s.log(
+            s.drop(
                 f"stage 0: dropped tokens of {req.request_id} at positions {[r.position for r in rows][:8]}, "
-                f"expected {req.next_position} onwards"
+                f"expected {req.next_position} onwards",
+                "a position out of turn",
+                s.exit_addr,
             )
             return
         if s.reliable:  # the token at q came round: every hop took each position before q
@@ -97,7 +99,7 @@ class Windows:
         s = self.state
         why = rows_ok(msg.request_ids, msg.positions, msg.tokens, msg.trips)
         if why:
-            s.log(f"stage {s.index}: dropped ActivationRows: {why}")
+            s.drop(f"stage {s.index}: dropped ActivationRows: {why}", "rows not the plan's", s.prev_addr or "")
             return
         for a, b in runs(msg.request_ids):
             rid, start, trip = msg.request_ids[a], msg.positions[a], msg.trips[a]
@@ -107,13 +109,21 @@ class Windows:
             if rid in s.finished:
                 continue  # a window in flight when the request ended: nothing to do
             if req is None or msg.plan_id != s.plan_id:
-                s.log(f"stage {s.index}: dropped the window of unknown request {rid!r} (plan {msg.plan_id})")
+                s.drop(
+                    f"stage {s.index}: dropped the window of unknown request {rid[:64]!r} (plan {msg.plan_id[:64]})",
+                    "an unknown request",
+                    s.prev_addr or "",
+                )
                 continue
             end = start + b - a
-            if trip <= req.trip or not 1 <= start <= req.next_position or end > s.model.max_context:
-                s.log(
+            if end > s.model.max_context and s.out_of_turn(req, end - 1, "a window", s.prev_addr or "", ahead=False):
+                continue
+            if trip <= req.trip or not 1 <= start <= req.next_position:
+                s.drop(
                     f"stage {s.index}: dropped the window of {rid} (trip {trip}) at positions {start}..{end - 1}: "
-                    f"this stage took trip {req.trip} and computed up to {req.next_position - 1}"
+                    f"this stage took trip {req.trip} and computed up to {req.next_position - 1}",
+                    "a position out of turn",
+                    s.prev_addr or "",
                 )
                 continue
             req.trip, req.next_position = trip, end

@@ -77,6 +77,18 @@ class Transport(abc.ABC):
         """
         return [{} for _ in range(count)]
 
+    @classmethod
+    def identity(cls, opts: JsonObject) -> str:
+        """The public identity (its key) that an endpoint made from ``opts``, one of ``plan_endpoints``', authenticates
+        with: what binds a member of the run to the role it was made for. '' for a transport without identities."""
+        return ""
+
+    @classmethod
+    def identity_of(cls, address: str) -> str:
+        """The identity a sender's address carries: the one the endpoint that received from it authenticated (a
+        message's sender is always the address of the key it came with). '' when it carries none."""
+        return ""
+
     @abc.abstractmethod
     def start(self) -> str:
         """Bind and return this endpoint's address (e.g. ``tcp://127.0.0.1:5555``)."""

@@ -147,6 +147,23 @@ class IrohTransport(Transport):
         ids = [str(k.public()) for k in keys]
         return [{"secret_key": k.to_bytes().hex(), "allowed": ids, "relay": relay} for k in keys]
 
+    @classmethod
+    def identity(cls, opts: JsonObject) -> str:
+        """The endpoint id of the endpoint with ``opts``' secret key."""
+        secret = opts.get("secret_key")
+        if not isinstance(secret, str):
+            return ""
+        return str(load_iroh().SecretKey.from_bytes(bytes.fromhex(secret)).public())
+
+    @classmethod
+    def identity_of(cls, address: str) -> str:
+        """The endpoint id in the ticket: a received message's sender ticket names the connection's own endpoint."""
+        iroh = load_iroh()
+        try:
+            return str(parse_address(iroh, address).id())
+        except (TypeError, ValueError, iroh.IrohError):
+            return ""
+
     @staticmethod
     def bulk_copy(enable: bool | None = None) -> str:
         """The bulk-copy fix's status line; ``True``/``False`` first applies/reverts it (for benchmarks)."""
