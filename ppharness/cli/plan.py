@@ -8,6 +8,7 @@ import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 import msgspec
@@ -16,7 +17,7 @@ from ppharness.benchmarks.plan import calibrated
 from ppharness.cli.common import exit_1_on_failure, fail
 from ppharness.document.reader import read_text_file
 from ppharness.errors import HarnessError, PlanError
-from ppharness.model.files import resolve_model
+from ppharness.model.files import download_deadline, resolve_model
 from ppharness.model.spec import PRESETS, parse_synthetic, preset_spec, short_source, synthetic_source
 from ppharness.plan import show
 from ppharness.plan.budget import DEFAULT_SECONDS, MAX_SECONDS, Budget
@@ -104,6 +105,27 @@ def _load(plan_file: str, model: str | None = None, cluster: str | None = None) 
         return load_plan(plan_file, model=model, cluster=cluster)
     except HarnessError as exc:
         fail(str(exc))
+
+
+DOWNLOAD_SECONDS = 1800.0  # a model URL's download: a 40 GB file at about 180 Mbit/s, the 64 GiB cap at 300
+
+
+def _download_limit(f: Callable[..., None]) -> Callable[..., None]:
+    """``--download-time-limit``: the seconds each download of a model URL may take (``download_deadline``)."""
+
+    @functools.wraps(f)
+    def bounded(*args: Any, download_time_limit: float, **kwargs: Any) -> None:
+        fix = f"raise --download-time-limit (now {download_time_limit:g} s), or download it and give the path instead"
+        with download_deadline(download_time_limit, fix):
+            f(*args, **kwargs)
+
+    return click.option(
+        "--download-time-limit",
+        type=click.FloatRange(0, MAX_SECONDS, min_open=True),
+        default=DOWNLOAD_SECONDS,
+        show_default=True,
+        help="Seconds each download of a model URL may take: when they run out, exit 1 naming the URL.",
+    )(bounded)
 
 
 TEXT_MODEL_HELP = (
@@ -203,6 +225,7 @@ def plan_schema_cmd() -> None:
     help="A cluster file: checked as one whatever it holds, and the devices of the text plans among FILES (over "
     "their `cluster:` lines; `local`: every device a local process).",
 )
+@_download_limit
 def plan_check(files: tuple[str, ...], model: str | None, cluster: str | None) -> None:
     """Check plan files (documents or the text form) and cluster files without running them, each told apart by its
     content; exit 1 if any is bad."""
@@ -245,6 +268,7 @@ def plan_fmt(plan_file: str, out: str | None) -> None:
 @plan.command("text")
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @_text_options
+@_download_limit
 def plan_text(plan_file: str, model: str | None, cluster: str | None) -> None:
     """Print a plan's placement in the compact text form (one line per node)."""
     click.echo(render(_load(plan_file, model, cluster).placement).rstrip("\n"))
@@ -328,6 +352,7 @@ def plan_text(plan_file: str, model: str | None, cluster: str | None) -> None:
     help="Re-measure the cluster's local and docker devices on this machine first (one probe of the model).",
 )
 @click.option("-o", "--out", help="Plan file to write (JSON); default: standard output.")
+@_download_limit
 def plan_make(
     model: str,
     cluster_file: str,
@@ -410,6 +435,7 @@ def plan_make(
 @click.option("--mermaid", "mermaid_file", type=click.Path(dir_okay=False), help="Also write a Mermaid flowchart.")
 @click.option("--dot", "dot_file", type=click.Path(dir_okay=False), help="Also write a Graphviz DOT file.")
 @_text_options
+@_download_limit
 def plan_show(
     plan_file: str,
     png: str | None,
@@ -461,6 +487,7 @@ def plan_show(
 )
 @click.option("--draft-ms", type=float, default=0.0, show_default=True, help="The draft's time per window on stage 0.")
 @_text_options
+@_download_limit
 def plan_simulate(
     plan_file: str,
     requests: int | None,
@@ -528,6 +555,7 @@ def plan_simulate(
     help="Also write what was measured as JSON (the device entry with its `measured`, the fit, the hop), as "
     "`python -m ppharness.plan.consumer --basis FILE` reads it.",
 )
+@_download_limit
 def plan_probe(
     model: str,
     device_id: str,

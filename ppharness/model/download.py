@@ -1,7 +1,7 @@
 """A model file fetched over http(s) within bounds: ``fetch(url, dest, limits)`` writes at most the expected size (a
 scenario's ``model.size``, else the server's Content-Length) and never more than a cap, gives up when no byte arrives
-for a while, and ends by the caller's deadline (a run's budget). Each bound broken is a ``ModelError`` naming the URL,
-the bound and how to change it; a partial file is removed.
+for a while, and ends by the caller's deadline (a run's budget, a plan command's ``--download-time-limit``). Each bound
+broken is a ``ModelError`` naming the URL, the bound and how to change it; a partial file is removed.
 
 The cap is 64 GiB unless ``$PPHARNESS_DOWNLOAD_MAX`` says otherwise (``200GiB``, ``500M``, bytes); the stall timeout
 is 60 s unless ``$PPHARNESS_DOWNLOAD_STALL_S`` says otherwise.
@@ -24,6 +24,8 @@ MAX_ENV, STALL_ENV = "PPHARNESS_DOWNLOAD_MAX", "PPHARNESS_DOWNLOAD_STALL_S"
 _CONNECT_S = 30.0
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+# what a run's deadline says to change when it runs out
+BUDGET_FIX = "raise the budget (budget.total_s), or download the file first and point model.gguf at it"
 
 
 def parse_size(text: str, where: str) -> int:
@@ -37,17 +39,20 @@ def parse_size(text: str, where: str) -> int:
 @dataclass(frozen=True)
 class DownloadLimits:
     """The bounds of one download: the expected size (None: the server's Content-Length), the cap, the longest wait
-    for a byte, and when it must end (``time.monotonic()``; None: no deadline)."""
+    for a byte, when it must end (``time.monotonic()``; None: no deadline) and what to change when it runs out."""
 
     size: int | None = None
     max_bytes: int = DEFAULT_MAX_BYTES
     stall_s: float = DEFAULT_STALL_S
     deadline: float | None = None
+    deadline_fix: str = BUDGET_FIX
 
     @staticmethod
-    def from_env(size: int | None = None, deadline_s: float | None = None) -> DownloadLimits:
+    def from_env(
+        size: int | None = None, deadline_s: float | None = None, deadline_fix: str = BUDGET_FIX
+    ) -> DownloadLimits:
         """The limits ``$PPHARNESS_DOWNLOAD_MAX`` and ``$PPHARNESS_DOWNLOAD_STALL_S`` set (else the defaults), with
-        ``size`` and a deadline ``deadline_s`` from now."""
+        ``size`` and a deadline ``deadline_s`` from now, whose error says ``deadline_fix``."""
         cap = os.environ.get(MAX_ENV)
         stall = os.environ.get(STALL_ENV)
         stall_s = DEFAULT_STALL_S
@@ -63,6 +68,7 @@ class DownloadLimits:
             max_bytes=parse_size(cap, f"${MAX_ENV}") if cap else DEFAULT_MAX_BYTES,
             stall_s=stall_s,
             deadline=None if deadline_s is None else time.monotonic() + deadline_s,
+            deadline_fix=deadline_fix,
         )
 
 
@@ -75,7 +81,7 @@ def fetch(url: str, dest: Path, limits: DownloadLimits, on_bytes: Callable[[int,
         return float("inf") if limits.deadline is None else limits.deadline - time.monotonic()
 
     if remaining() <= 0:
-        raise _deadline(url, 0)
+        raise _deadline(url, 0, limits)
     wait = min(limits.stall_s, remaining())
     timeout = httpx.Timeout(min(_CONNECT_S, wait), read=wait)
     written = 0
@@ -97,7 +103,7 @@ def fetch(url: str, dest: Path, limits: DownloadLimits, on_bytes: Callable[[int,
                 f.write(chunk)
                 on_bytes(len(chunk), expected)
                 if remaining() <= 0:
-                    raise _deadline(url, written)
+                    raise _deadline(url, written, limits)
         if expected is not None and written != expected:
             raise ModelError(
                 f"downloading {url}: the body ended after {written:,} of {expected:,} bytes — try again (a partial "
@@ -106,7 +112,7 @@ def fetch(url: str, dest: Path, limits: DownloadLimits, on_bytes: Callable[[int,
     except httpx.TimeoutException as exc:
         dest.unlink(missing_ok=True)
         if remaining() <= 0:
-            raise _deadline(url, written) from exc
+            raise _deadline(url, written, limits) from exc
         raise ModelError(
             f"downloading {url} failed: no data for {wait:g} s after {written:,} bytes — the server stalled; try "
             f"again, or raise ${STALL_ENV}"
@@ -149,8 +155,5 @@ def _too_long(url: str, written: int, expected: int | None, limits: DownloadLimi
     )
 
 
-def _deadline(url: str, written: int) -> ModelError:
-    return ModelError(
-        f"downloading {url}: the time allowed ran out after {written:,} bytes — raise the budget (budget.total_s), "
-        "or download the file first and point model.gguf at it"
-    )
+def _deadline(url: str, written: int, limits: DownloadLimits) -> ModelError:
+    return ModelError(f"downloading {url}: the time allowed ran out after {written:,} bytes — {limits.deadline_fix}")

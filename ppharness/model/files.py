@@ -1,13 +1,16 @@
 """A scenario's model as a local GGUF file: ``resolve_model(source)`` turns a synthetic spec, a local path or a URL into
 a path, building a synthetic model (``ppharness.model.synthetic``) or downloading a file once into the cache
-directory."""
+directory. ``download_deadline`` bounds the downloads of callers that give no deadline of their own."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import sys
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 
 from ppharness.errors import ModelError
@@ -38,6 +41,18 @@ def sha256_file(path: Path) -> str:
 
 
 _BLOB_DIGEST = re.compile(r"/blobs/sha256:([0-9a-fA-F]{64})$")
+_DEADLINE: ContextVar[tuple[float, str] | None] = ContextVar("download_deadline", default=None)
+
+
+@contextlib.contextmanager
+def download_deadline(seconds: float, fix: str) -> Iterator[None]:
+    """Within it, each download that ``resolve_model`` is given no ``deadline_s`` for may take ``seconds``; the error
+    when they run out says ``fix`` (the caller's knob, e.g. a command's flag)."""
+    token = _DEADLINE.set((seconds, fix))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
 
 
 def download(url: str, sha256: str | None = None, progress: bool = True, limits: DownloadLimits | None = None) -> Path:
@@ -91,7 +106,7 @@ def resolve_model(
     ``source`` is ``synthetic:<preset>[,key=value...]`` (e.g. ``synthetic:tiny,blocks=4,seed=3``), a local path, or an
     http(s) URL (downloaded once with a progress bar, checked against ``sha256`` when given). ``size``: the file's
     size in bytes (a scenario's ``model.size``), which a download may not exceed and a file must have;
-    ``deadline_s``: the seconds a download may take (the caller's budget).
+    ``deadline_s``: the seconds a download may take (the caller's budget; None: ``download_deadline``'s, if any).
     """
     if source.startswith("synthetic:"):
         preset = source.removeprefix("synthetic:").split(",")[0]
@@ -102,7 +117,9 @@ def resolve_model(
             )
         return synthetic_path(parse_synthetic(source))
     if source.startswith(("http://", "https://")):
-        return download(source, sha256, limits=DownloadLimits.from_env(size, deadline_s))
+        given = _DEADLINE.get() if deadline_s is None else None
+        limits = DownloadLimits.from_env(size, *given) if given else DownloadLimits.from_env(size, deadline_s)
+        return download(source, sha256, limits=limits)
     path = Path(source).expanduser()
     if not path.is_file():
         raise ModelError(f"model file {path} does not exist")
