@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import base64
 import hmac
-import json
 import shlex
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from backends.vastai.emulator.intake import BadRequest, parse_json, shown
 from backends.vastai.emulator.state import matches, order_key, priced, sort_records
 
 if TYPE_CHECKING:
@@ -80,24 +80,28 @@ def handle_search(emu: Emulator, body: Any) -> Reply:
     if not isinstance(body, dict):
         return _bad(400, "invalid_request", "the search query must be a JSON object")
     kind = body.get("type", "on-demand")
-    if kind not in OFFER_TYPES:
-        return _bad(400, "invalid_request", f"unknown offer type {kind!r}")
+    if not isinstance(kind, str) or kind not in OFFER_TYPES:
+        return _bad(400, "invalid_request", f"unknown offer type {shown(repr(kind))}")
     try:
         storage = float(body.get("allocated_storage") or DEFAULT_STORAGE_GB)
         limit = int(body["limit"]) if body.get("limit") is not None else 64
-    except (TypeError, ValueError):
-        return _bad(400, "invalid_request", "allocated_storage and limit must be numbers")
+    except (TypeError, ValueError, OverflowError):
+        return _bad(400, "invalid_request", "allocated_storage and limit must be finite numbers")
     filters = {k: v for k, v in body.items() if k not in SEARCH_KEYS and isinstance(v, dict)}
     for name, ops in filters.items():
         bad = [op for op in ops if op not in ("eq", "neq", "gt", "gte", "lt", "lte", "in", "notin")]
         if bad or any(op in ("in", "notin") and not isinstance(ops[op], list) for op in ops):
-            return _bad(400, "invalid_request", f"bad filter on {name}: {ops}")
+            return _bad(400, "invalid_request", f"bad filter on {shown(name)}: {shown(repr(ops))}")
+    try:
+        order = order_key(body.get("order") or [["score", "desc"]])
+    except ValueError as exc:
+        return _bad(400, "invalid_request", str(exc))
     offers = [
         priced({**o, "rented": o["rented"] or o["id"] in emu.consumed}, storage, kind == "bid")
         for o in emu.catalog.values()
     ]
     found = [o for o in offers if matches(o, filters)]
-    found = sort_records(found, order_key(body.get("order") or [["score", "desc"]]))[: max(limit, 0)]
+    found = sort_records(found, order)[: max(limit, 0)]
     if emu.faults.offers_cap is not None:
         found = found[: emu.faults.offers_cap]
     return Reply(200, {"offers": found})
@@ -109,7 +113,10 @@ def _parse_env(raw: Any) -> tuple[dict[str, str], list[str]] | str:
         return {}, []
     if isinstance(raw, str):
         pairs: dict[str, str] = {}
-        tokens = shlex.split(raw)
+        try:
+            tokens = shlex.split(raw)
+        except ValueError:
+            return "env as docker flags has an unclosed quote or a trailing backslash"
         for flag, value in zip(tokens[::2], tokens[1::2]):
             if flag == "-e" and "=" in value:
                 k, v = value.split("=", 1)
@@ -122,9 +129,9 @@ def _parse_env(raw: Any) -> tuple[dict[str, str], list[str]] | str:
     env, flags, total = {}, [], 0
     for k, v in raw.items():
         if not isinstance(k, str) or not isinstance(v, str):
-            return f"env entry {k!r} must map a string to a string"
+            return f"env entry {shown(repr(k))} must map a string to a string"
         if len(k) + len(v) > ENV_ENTRY_MAX:
-            return f"env entry {k!r} is {len(k) + len(v)} characters, over {ENV_ENTRY_MAX}"
+            return f"env entry {shown(repr(k))} is {len(k) + len(v)} characters, over {ENV_ENTRY_MAX}"
         total += len(k) + len(v)
         if k.startswith("-"):
             flags.append(k if k.startswith("-p ") else f"{k} {v}")
@@ -180,16 +187,16 @@ def _validate_create(body: dict[str, Any]) -> str | None:
         return "image is longer than 1024 characters"
     disk = body.get("disk")
     if disk is not None and (not isinstance(disk, (int, float)) or disk < 8):
-        return f"disk must be at least 8 GB, got {disk!r}"
+        return f"disk must be at least 8 GB, got {shown(repr(disk))}"
     label = body.get("label")
     if label is not None and (not isinstance(label, str) or len(label) > 256):
         return "label must be a string of at most 256 characters"
     price = body.get("price")
     if price is not None and (not isinstance(price, (int, float)) or not 0.001 <= price <= 128):
-        return f"price must be between 0.001 and 128 $/hr, got {price!r}"
+        return f"price must be between 0.001 and 128 $/hr, got {shown(repr(price))}"
     runtype = body.get("runtype")
     if runtype is not None and (not isinstance(runtype, str) or not set(runtype.split()) <= RUNTYPE_TOKENS):
-        return f"unknown runtype {runtype!r}"
+        return f"unknown runtype {shown(repr(runtype))}"
     args = body.get("args")
     if args is not None and (not isinstance(args, list) or not all(isinstance(a, str) for a in args)):
         return "args must be a list of strings"
@@ -203,18 +210,25 @@ def _validate_create(body: dict[str, Any]) -> str | None:
 
 def handle_list(emu: Emulator, query: dict[str, str]) -> Reply:
     try:
-        filters = json.loads(query.get("select_filters") or "{}")
-        order = json.loads(query.get("order_by") or "[]")
+        filters = parse_json((query.get("select_filters") or "{}").encode(), "select_filters")
+        order = parse_json((query.get("order_by") or "[]").encode(), "order_by")
+    except BadRequest as exc:
+        return _bad(400, "invalid_request", str(exc))
+    try:
         limit = min(int(query.get("limit") or PAGE_MAX), PAGE_MAX)
-    except (json.JSONDecodeError, ValueError):
-        return _bad(400, "invalid_request", "select_filters and order_by must be JSON; limit an integer")
+    except ValueError:
+        return _bad(400, "invalid_request", "limit must be an integer")
     if not isinstance(filters, dict) or not isinstance(order, list):
         return _bad(400, "invalid_request", "select_filters must be an object and order_by a list")
     computed = sorted(set(filters) & COMPUTED_COLUMNS)
     if computed:
         return _bad(400, "invalid_request", f"cannot filter on computed column(s) {', '.join(computed)}")
+    try:
+        keys = order_key(order)
+    except ValueError as exc:
+        return _bad(400, "invalid_request", str(exc))
     views = [i.view(emu.faults) for i in emu.instances.values()]
-    found = sort_records([v for v in views if matches(v, filters)], order_key(order))
+    found = sort_records([v for v in views if matches(v, filters)], keys)
     start = 0
     if query.get("after_token"):
         try:
@@ -258,5 +272,5 @@ def handle_manage(emu: Emulator, inst: EmuInstance, body: Any) -> Reply:
         inst.intended_status = inst.cur_state = inst.next_state = "running"
         inst.actual_status, inst.created_at = None, time.time()
     elif state is not None:
-        return _bad(400, "invalid_args", f"unknown state {state!r}")
+        return _bad(400, "invalid_args", f"unknown state {shown(repr(state))}")
     return Reply(200, {"success": True})

@@ -15,7 +15,9 @@ The API answers such searches as vast.ai does, ignoring those keys (shared/vasta
 client's misspelt filter shows.
 
 The server is the standard library's ThreadingHTTPServer: no dependency, and full control of every status line,
-header and body (plain-text 429s, ``X-RateLimit-Reset``, dropped connections).
+header and body (plain-text 429s, ``X-RateLimit-Reset``, dropped connections). A malformed request (its framing, body,
+path or query) gets a 4xx and a JSON error in the contract's shape (``wire``, ``intake``); an error of the emulator's
+own, a JSON 500 and one line in its log, never a traceback.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import socket
 import sys
 import tempfile
 import threading
@@ -32,11 +33,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from email.message import Message
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from backends.vastai.emulator.api import (
     SEARCH_KEYS,
@@ -47,9 +46,11 @@ from backends.vastai.emulator.api import (
     handle_search,
     validate_key,
 )
+from backends.vastai.emulator.intake import BadRequest, parse_json, path_id
 from backends.vastai.emulator.network import reserve_address
 from backends.vastai.emulator.runners import DockerRunner, ProcessRunner
 from backends.vastai.emulator.state import EmuInstance, EventLog, Faults, Timeline, make_catalog, priced
+from backends.vastai.emulator.wire import EmulatorServer, handler_for
 from ppharness.errors import ProviderError
 
 # Minimum seconds between calls of one endpoint by one identity (shared/vastai-api.md §1), before ``rate_scale``.
@@ -78,6 +79,8 @@ class Emulator:
     """One emulated account: a catalog, instances, faults and an HTTP server. A context manager: leaving it destroys
     every instance (killing its node, closing its forwarders and their threads, releasing its address) and stops the
     server."""
+
+    read_timeout_s = 10.0  # a connection silent this long (mid-request or idle between requests) is answered or closed
 
     def __init__(
         self,
@@ -118,8 +121,7 @@ class Emulator:
         self.requests: deque[tuple[str, str, int]] = deque(maxlen=100_000)  # (method, path, status), oldest first
         self._last_call: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()
-        self._server = ThreadingHTTPServer((host, port), _handler_for(self))
-        self._server.daemon_threads = True
+        self._server = EmulatorServer((host, port), handler_for(self), self.events.write)
         self._threads: list[threading.Thread] = []
 
     @property
@@ -233,6 +235,10 @@ class Emulator:
             return Reply(401, {"success": False, "error": "auth_error", "msg": "Invalid user key"})
         if name == "legacy":
             return Reply(410, {"success": False, "error": "gone", "msg": "Use /api/v1/instances/ instead"})
+        try:
+            ident = path_id(match[1], "offer id" if name == "create" else "instance id") if match.lastindex else 0
+        except BadRequest as exc:
+            return Reply(400, {"success": False, "error": "invalid_request", "msg": str(exc)})
         injected = self._injected(name)
         if injected is not None:
             return injected
@@ -240,7 +246,7 @@ class Emulator:
         if limited is not None:
             return limited
         with self.lock:
-            return self._handle(name, match, query, body)
+            return self._handle(name, ident, query, body)
 
     def _injected(self, endpoint: str) -> Reply | None:
         f = self.faults
@@ -283,16 +289,19 @@ class Emulator:
             self._last_call[(endpoint, identity)] = now
         return None
 
-    def _handle(self, name: str, match: re.Match[str], query: dict[str, str], body: Any) -> Reply:
+    def _handle(self, name: str, iid: int, query: dict[str, str], body: Any) -> Reply:
+        """``iid``: the id in the route's path (an offer's for create, an instance's for show, manage and destroy)."""
         if name == "search":
-            search = body if query.get("q") is None else _json_or_none(query["q"])
+            try:
+                search = body if query.get("q") is None else parse_json(query["q"].encode(), "the q parameter")
+            except BadRequest as exc:
+                return Reply(400, {"success": False, "error": "invalid_request", "msg": str(exc)})
             self._log_search(search)
             return handle_search(self, search)
         if name == "create":
-            return handle_create(self, int(match[1]), body)
+            return handle_create(self, iid, body)
         if name == "list":
             return handle_list(self, query)
-        iid = int(match[1])
         inst = self.instances.get(iid)
         if name == "show":
             if inst is None:
@@ -349,67 +358,6 @@ class ApiTarget:
 
     def env(self) -> dict[str, str]:
         return {"VAST_URL": self.url, "VAST_API_KEY": self.key, "PPHARNESS_VASTAI_PACE": str(self.pace)}
-
-
-def _json_or_none(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None
-
-
-def _handler_for(emu: Emulator) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "vastai-emulator/1"
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the stdlib's name)
-            return
-
-        def _serve(self) -> None:
-            url = urlsplit(self.path)
-            query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            body: Any = {}
-            if raw.strip():
-                body = _json_or_none(raw.decode("utf-8", "replace"))
-                if body is None:
-                    return self._send(
-                        Reply(400, {"success": False, "error": "invalid_args", "msg": "request body is not JSON"}),
-                        url.path,
-                    )
-            self._send(
-                emu.dispatch(self.command, url.path, query, self.headers, body, self.client_address[0]), url.path
-            )
-
-        def _send(self, reply: Reply, path: str) -> None:
-            emu.requests.append((self.command, path, reply.status))
-            if reply.status == 0:
-                self.close_connection = True
-                try:
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                return
-            if isinstance(reply.body, str):
-                data, ctype = (
-                    reply.body.encode(),
-                    "text/plain; charset=utf-8" if not reply.body.startswith("<") else "text/html; charset=utf-8",
-                )
-            else:
-                data, ctype = json.dumps(reply.body).encode(), "application/json"
-            self.send_response(reply.status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in reply.headers.items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
-
-        do_GET = do_POST = do_PUT = do_DELETE = _serve
-
-    return Handler
 
 
 def parse_faults(specs: list[str]) -> Faults:

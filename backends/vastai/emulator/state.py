@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from backends.vastai.emulator.intake import shown
 from backends.vastai.emulator.network import PUBLIC_IPADDR_SHOWN, Forwarder, Reservation, publish, withdraw
 
 if TYPE_CHECKING:
@@ -136,10 +137,20 @@ def _holds(op: str, have: Any, want: Any) -> bool:
 
 
 def order_key(spec: Any) -> list[tuple[str, bool]]:
-    """``[[field, "asc"|"desc"], ...]`` (search) or ``[{"col":..., "dir":...}]`` (list) as (field, descending)."""
+    """``[[field, "asc"|"desc"], ...]`` (search) or ``[{"col":..., "dir":...}]`` (list) as (field, descending);
+    ValueError for an order of another shape."""
+    if not isinstance(spec, list):
+        raise ValueError(f"the order must be a list, not {type(spec).__name__}")
     out = []
-    for item in spec or []:
-        col, way = (item.get("col"), item.get("dir", "asc")) if isinstance(item, dict) else (item[0], item[1])
+    for item in spec:
+        if isinstance(item, dict):
+            col, way = item.get("col"), item.get("dir", "asc")
+        elif isinstance(item, list) and len(item) >= 2:
+            col, way = item[0], item[1]
+        else:
+            raise ValueError(
+                f'order entry {shown(repr(item))} is not [field, "asc"|"desc"] or {{"col": field, "dir": ...}}'
+            )
         out.append((str(col), str(way).lower() == "desc"))
     return out
 
