@@ -313,7 +313,7 @@ class ExpertServer:
     ):
         self.bank, self.transport, self.plan_id, self.wire_dtype = bank, transport, plan_id, wire_dtype
         self.owner_names, self.log = owners, log
-        self.drop = DropLog(log)
+        self.drop = DropLog(lambda line: self.log(line))  # the log this server has when it drops
         self.answers: OrderedDict[tuple[str, int, int], ExpertResult] = OrderedDict()
         self.served = 0
         self.computed = 0

@@ -171,7 +171,8 @@ class StageState:
         self.next_is_middle = index + 1 < num_stages - 1  # a stage that frees its slot on RequestClose
         self.model, self.transport, self.plan_id = model, transport, plan_id
         self.wire_dtype, self.tokenizer, self.log = wire_dtype, tokenizer, log
-        self.drop = DropLog(log)  # the process's bounded log of dropped messages (``ppharness.run.drops``)
+        # the process's bounded log of dropped messages (``ppharness.run.drops``), through the stage's log of the time
+        self.drop = DropLog(lambda line: self.log(line))
         self.blamed = False  # the seed was told of a member that sent positions out of turn (``out_of_turn``)
         prev, nxt = route
         self.route = (prev or stage_name(index - 1), nxt or stage_name(index + 1))
