@@ -4,7 +4,9 @@ Each stage but the last keeps an 8-byte digest of every hidden state it sends (f
 prefill, step k the k-th decode step); the oracle, run with boundary taps, digests the output of every block the same
 way. A stage that ends at block ``hi`` sends what the unsplit model has after block ``hi - 1``, so the two lists can be
 compared boundary by boundary and step by step. A mismatch names the first token that differs and the first
-(step, boundary) whose hidden state differs, which is where a split started to change the numbers.
+(step, boundary) whose hidden state differs, which is where a split started to change the numbers, and the kernel
+table this process compiled with, if any (``ppharness.model.kernels``): a process that read another table, or none,
+computes other bits.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ppharness.model.hidden import Hidden
+from ppharness.model.kernels import ENV, active
 
 
 def digest(hidden: NDArray[np.floating]) -> bytes:
@@ -115,6 +118,13 @@ class Verdict:
             )
         else:
             parts.append(f"all {self.boundaries_compared} stage-boundary hidden states are equal")
+        pinning = active()
+        if pinning is not None and not (self.tokens_equal and self.stop_diff is None and self.boundary_diff is None):
+            parts.append(
+                f"the unsplit model compiled with the kernel table {pinning.path}, as every stage must: run again "
+                f"without it (unset {ENV}) to see whether the table is the cause, and make it again with "
+                "`ppharness tune`"
+            )
         return "; ".join(parts)
 
 

@@ -11,6 +11,16 @@ A kernel's key is the hash of its AST with the lengths of its buffers and the bo
 expert bank of 32 experts and one of 64 run the same loops over buffers of different length, and get the same choices.
 Kernels whose optimisations the model code fixes itself (``DecodeLinear`` on the CPU) keep them; tinygrad applies
 those before any search.
+
+What a table can change: tinygrad refuses an optimisation that does not fit the kernel (an upcast that does not divide
+its axis, a group on the CPU), and the kernel then compiles with the heuristic. Every other one splits, reorders or
+spreads the kernel's loops over the same iterations, so it changes at most the order of a floating-point sum (its
+rounding), alike in every process that reads the table; a tensor-core row (TC) may also pad a matrix product's axes to
+the tensor core's shape, where a weight read in the padding is 0. PADTO, which pads any loop, is refused when a table
+is read: tinygrad 0.12 pads a sum unless it holds an operation it knows to be unsafe at 0, so a table that pads
+``sum(x + 1)`` over 100 values makes it 177.5, not 149.5 (``ppharness tune`` does not search it). A process that
+compiled a kernel otherwise than the others computes other bits, which the exactness check finds; its mismatch names
+the table.
 """
 
 from __future__ import annotations
@@ -99,6 +109,12 @@ def _opt(row: OptRow, where: str) -> Opt:
     name, axis, arg = row
     if name not in OptOps.__members__:
         raise ModelError(f"{where}: unknown optimisation {name!r} (tinygrad's are {', '.join(OptOps.__members__)})")
+    if name == OptOps.PADTO.name:
+        raise ModelError(
+            f"{where}: optimisation {list(row)} pads a loop, which a kernel table does not: tinygrad also pads a sum "
+            f"whose terms are not 0 in the padding, and adds those terms; make the table again with `ppharness tune`, "
+            f"or unset {ENV}"
+        )
     ints = arg if isinstance(arg, list) else [] if arg is None else [arg]
     if (axis is not None and not 0 <= axis < 64) or len(ints) > 8 or any(not -1 <= a <= MAX_ARG for a in ints):
         raise ModelError(f"{where}: optimisation {list(row)} is out of range")

@@ -33,6 +33,8 @@ def tune(
 
     Interrupted (Ctrl-C), it writes the kernels searched so far: a table that lacks some kernels is a good table,
     and tuning again into the same file searches only the ones missing."""
+    from tinygrad.codegen.opt import OptOps
+    from tinygrad.codegen.opt.search import actions
     from tinygrad.device import Device
 
     current = active()
@@ -40,6 +42,8 @@ def tune(
         raise ModelError(f"this process already compiles with the kernel table {current.path}: unset {ENV} to tune")
     if not 1 <= beam <= 32:
         raise ModelError(f"--beam {beam}: the beam width is 1 to 32")
+    if any(a.op is OptOps.PADTO for a in actions):
+        raise ModelError("BEAM_PADTO is set: the search would pad loops, which a kernel table does not hold: unset it")
     family, renderer = Device.DEFAULT.split(":")[0], type(Device[Device.DEFAULT].renderer).__name__
     table = new_table(family, renderer, beam)
     if Path(out).exists():
