@@ -54,6 +54,7 @@ except ImportError as exc:  # pragma: no cover - pyzmq is a declared dependency
     raise ImportError("the zmq transport needs pyzmq: pip install pyzmq") from exc
 
 from ppharness.errors import CodecError, ConnectFailed, TransportClosed, TransportError, TransportTimeout
+from ppharness.run.drops import PROCESS_DROPS
 from ppharness.seams.transport import JsonObject, Transport
 from ppharness.wire import codec
 from transports.bounds import ConnectionCaps, RefusalLog, raise_open_file_limit
@@ -351,10 +352,11 @@ class ZmqTransport(Transport):
         if claimed.lower() == authenticated:
             return True
         self.forged += 1
-        _log(
+        line = (
             f"{self._address}: dropped a message from key {authenticated[:16]}... naming another sender "
             f"({frames[0].bytes[:120]!r})"
         )
+        PROCESS_DROPS.drop(_log, line, "a frame naming another sender", f"curve key {authenticated[:16]}")
         return False
 
     def _start_zap(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:

@@ -403,6 +403,7 @@ class Node:
             pass
 
     def close(self) -> None:
+        self.stage_drop.close()  # the process's last count of dropped messages, if any were only counted
         if self.membership is not None:
             self.membership.close()
         self.transport.close()

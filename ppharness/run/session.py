@@ -510,6 +510,7 @@ class Session:
     def close(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         """Stop every node (asked to, after a clean run; destroyed in any case), close the endpoint, forget the run."""
         destroyed = False
+        self.roles.drop.close()  # the process's last count of dropped messages, if any were only counted
         if self.nemesis is not None:
             try:
                 self.nemesis.heal()  # a paused node cannot shut down

@@ -39,6 +39,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ppharness.errors import ConnectFailed, PeerClosed, TransportError
+from ppharness.run.drops import PROCESS_DROPS
 from ppharness.wire import codec
 from transports.bounds import ConnectionCaps, RefusalLog
 
@@ -248,7 +249,8 @@ class Session:
             while (record := reader.next(MAX_RECORD)) is not None:
                 put((sender, record))
         except _BadStream as exc:
-            log(f"stopped reading a stream from endpoint {remote}: {exc}")
+            line = f"stopped reading a stream from endpoint {remote}: {exc}"
+            PROCESS_DROPS.drop(log, line, "a stream that is not the run's", remote)  # bounded per process
             try:
                 self.run(stream.stop(1))
             except (self.iroh.IrohError, RuntimeError):
