@@ -299,3 +299,21 @@ def test_forty_thousand_drops_from_two_members_make_a_bounded_log(two_stage):
     assert summary.startswith("40000 messages dropped so far"), summary
     assert f"StageActivation not its role's from {fingerprinted(client.address)}" in summary, summary
     assert f"an unknown request from {fingerprinted(t0.address)}" in summary, summary
+
+
+def test_a_second_activation_for_a_position_that_differs_from_the_first_is_refused_and_its_sender_named(two_stage):
+    """A resent copy is the same bytes; another activation for a position already taken (a member racing the real
+    one) means a member lies: refused, and the orchestrator told."""
+    stage, t0, client, logs, slices = two_stage
+    stage.handle(t0.address, _open(client, max_tokens=6))
+    first = _activation(slices)
+    stage.deliver(t0.address, first)
+    t0.recv(0)
+    stage.handle(t0.address, first)  # a copy: dropped as a duplicate, nobody blamed
+    assert "duplicate" in logs[-1]
+    with pytest.raises(TransportTimeout):
+        client.recv(0.2)
+    other = _activation(slices, ids=(4, 5, 6))
+    stage.handle(t0.address, other)
+    error = _blame(client)
+    assert "pp-stage-0" in error.reason and "differs from the one taken for position 0" in error.reason, error

@@ -141,17 +141,16 @@ class Inbound:
             return
         if msg.position < req.next_position:
             out.ack(s.prev_addr, "activation", msg.request_id, msg.position)
-            s.drop(
-                f"stage {s.index}: dropped duplicate activation at position {msg.position}",
-                "a duplicate",
-                s.prev_addr or "",
-            )
+            if not s.conflicting(req, msg.position, msg.hidden, "an activation", s.prev_addr or ""):
+                line = f"stage {s.index}: dropped duplicate activation at position {msg.position}"
+                s.drop(line, "a duplicate", s.prev_addr or "")
             return
         if s.tracer:
             s.tracer.begin(req.request_id)
         hidden = self.admission.check_activation(msg, req, rx)
         if hidden is None:
             return
+        s.conflicting(req, msg.position, msg.hidden, "an activation", s.prev_addr or "")  # recorded: the first
         if msg.is_prefill:  # chunks of a prompt follow each other without a turn round the chain: acknowledged
             out.ack(s.prev_addr, "activation", msg.request_id, msg.position)
         elif s.reliable:  # a decode step at q: stage 0 took the token at q, every hop each position before q
@@ -225,8 +224,13 @@ class Inbound:
         if s.speculation is not None:
             self.windows.take_rows(msg, rows, rx)
             return
+        width = len(msg.hidden) // n  # each row's bytes (none: handed over in the process)
         for r, (request_id, position) in enumerate(zip(msg.request_ids, msg.positions, strict=True)):
             taken = s.reqs.get(request_id)
+            row = msg.hidden[r * width : (r + 1) * width]
+            if taken is not None and 0 < position < taken.next_position:
+                if s.conflicting(taken, position, row, "a row", s.prev_addr or ""):
+                    continue
             if s.reliable and (request_id in s.finished or (taken is not None and 0 < position < taken.next_position)):
                 continue  # a copy of a row this stage took (its sender resent the message)
             req = self._current(request_id, msg.plan_id, "a row of ActivationRows", s.prev_addr or "")
@@ -244,6 +248,7 @@ class Inbound:
                 continue
             if s.tracer:
                 s.tracer.begin(request_id)
+            s.conflicting(req, position, row, "a row", s.prev_addr or "")  # recorded: the first
             step = position - req.prompt_tokens + 1
             req.next_position = position + 1
             if (

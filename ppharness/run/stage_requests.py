@@ -13,6 +13,7 @@ frees its slot before the next request's ``RequestOpen`` can arrive; the last st
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -108,6 +109,7 @@ class Request:
     verified: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # last stage: trips, drafted, accepted, rejected
     window_drafts: list[int] = field(default_factory=list)  # last stage: each verified window's drafted tokens
     window_accepted: list[int] = field(default_factory=list)  # and the drafts it accepted
+    received: dict[int, bytes] = field(default_factory=dict)  # digests of the activations taken, by position
 
 
 @dataclass
@@ -227,9 +229,28 @@ class StageState:
             if position >= end
             else f"position {position} skips ahead of {req.next_position}, the next this stage computes"
         )
+        self.blame(req, what, sender, why, "a position out of turn")
+        return True
+
+    def conflicting(self, req: Request, position: int, data: bytes, what: str, sender: str) -> bool:
+        """Whether ``data``, what arrived for ``position`` of ``req``, differs from what this stage took for it
+        before: a copy is resent byte for byte and a replay recomputes the same bits, so two different ones mean a
+        member lies. The first is recorded (its 8-byte digest); a second that differs is refused and blamed as
+        ``out_of_turn`` blames. Empty ``data`` (a tensor handed over in the process) is not checked."""
+        if not data or position >= self.end_of(req):
+            return False
+        got = hashlib.blake2b(data, digest_size=8).digest()
+        taken = req.received.setdefault(position, got)
+        if taken == got:
+            return False
+        self.blame(req, what, sender, f"it differs from the one taken for position {position}", "a conflicting copy")
+        return True
+
+    def blame(self, req: Request, what: str, sender: str, why: str, reason: str) -> None:
+        """Refuse what ``sender`` sent, in the drop log, and tell the seed (once) which member sent it, so the run
+        ends naming that member."""
         sent_by = f"{self.sender_name(sender)} ({fingerprinted(sender)})"
-        line = f"stage {self.index}: refused {what} of {req.request_id} from {sent_by}: {why}"
-        self.drop(line, "a position out of turn", sender)
+        self.drop(f"stage {self.index}: refused {what} of {req.request_id} from {sent_by}: {why}", reason, sender)
         if not self.blamed and self.seed is not None:
             self.blamed = True
             reason = f"refused {what} of request {req.request_id} from {sent_by}: {why} — that member is misbehaving"
@@ -237,7 +258,6 @@ class StageState:
                 self.transport.send(self.seed, Error(stage=self.index, reason=reason, request_id=req.request_id))
             except HarnessError as exc:
                 self.log(f"stage {self.index}: could not tell the orchestrator: {exc}")
-        return True
 
     def sender_name(self, address: str) -> str:
         """The member at ``address`` as its role names it: the previous stage, the last stage, or the orchestrator."""
