@@ -50,7 +50,7 @@ from backends.vastai.emulator.intake import BadRequest, parse_json, path_id
 from backends.vastai.emulator.network import reserve_address
 from backends.vastai.emulator.runners import DockerRunner, ProcessRunner
 from backends.vastai.emulator.state import EmuInstance, EventLog, Faults, Timeline, make_catalog, priced
-from backends.vastai.emulator.wire import EmulatorServer, handler_for
+from backends.vastai.emulator.wire import EmulatorServer
 from ppharness.errors import ProviderError
 
 # Minimum seconds between calls of one endpoint by one identity (shared/vastai-api.md §1), before ``rate_scale``.
@@ -121,7 +121,7 @@ class Emulator:
         self.requests: deque[tuple[str, str, int]] = deque(maxlen=100_000)  # (method, path, status), oldest first
         self._last_call: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()
-        self._server = EmulatorServer((host, port), handler_for(self), self.events.write)
+        self._server = EmulatorServer((host, port), self)
         self._threads: list[threading.Thread] = []
 
     @property
