@@ -5,13 +5,11 @@ size), and a synthetic model within absolute maxima and this machine's memory, r
 
 from __future__ import annotations
 
-import http.server
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -24,40 +22,7 @@ from ppharness.model.files import resolve_model
 from ppharness.model.spec import ModelSpec, file_bytes, memory_needed, parse_synthetic, preset_spec
 from ppharness.model.synthetic import make_synthetic
 from ppharness.scenario.schema import load_scenario
-
-CHUNK = 64 << 10
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    """``/endless``: bytes until the client leaves, no size; ``/trickle``: a byte every 0.2 s; ``/stall``: 10 bytes,
-    then nothing; ``/huge``: announces 1 TiB; ``/small``: 1,000 bytes with their size."""
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        self.send_response(200)
-        if self.path == "/huge":
-            self.send_header("Content-Length", str(1 << 40))
-        if self.path == "/small":
-            self.send_header("Content-Length", "1000")
-        self.end_headers()
-        try:
-            if self.path == "/small":
-                self.wfile.write(b"x" * 1000)
-            elif self.path == "/stall":
-                self.wfile.write(b"x" * 10)
-                self.wfile.flush()
-                time.sleep(20)
-            elif self.path in ("/endless", "/trickle", "/huge"):
-                trickle = self.path == "/trickle"
-                for _ in range(10**6):
-                    self.wfile.write(b"x" if trickle else b"x" * CHUNK)
-                    self.wfile.flush()
-                    if trickle:
-                        time.sleep(0.2)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+from tests.model_server import model_files
 
 
 @pytest.fixture
@@ -65,12 +30,8 @@ def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setenv("PPHARNESS_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("PPHARNESS_DOWNLOAD_MAX", raising=False)
     monkeypatch.delenv("PPHARNESS_DOWNLOAD_STALL_S", raising=False)
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with model_files() as url:
+        yield url
 
 
 def within(seconds: float, fn: Callable[[], object]) -> BaseException | None:

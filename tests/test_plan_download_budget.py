@@ -1,15 +1,12 @@
 """A model URL in a plan is downloaded within ``--download-time-limit``: every ``ppharness plan`` command that may
-fetch the model ends, against a real HTTP server on loopback that announces 1,000 bytes and trickles one every 0.5 s
-(under the stall timeout), with exit 1 and one line naming the URL, the bytes that arrived and the flag."""
+fetch the model ends, against a real HTTP server on loopback that trickles a byte every 0.2 s (under the stall
+timeout), with exit 1 and one line naming the URL, the bytes that arrived and the flag."""
 
 from __future__ import annotations
 
-import http.server
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import click
 import pytest
@@ -17,39 +14,17 @@ from click.testing import CliRunner
 
 from ppharness.cli import main as cli
 from ppharness.cli.plan import DOWNLOAD_SECONDS, plan
+from tests.model_server import model_files
 
 BOUND_S = 15.0
-
-
-class _Trickle(http.server.BaseHTTPRequestHandler):
-    """Announces 1,000 bytes, then sends one every 0.5 s until the client leaves."""
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        self.send_response(200)
-        self.send_header("Content-Length", "1000")
-        self.end_headers()
-        try:
-            for _ in range(1000):
-                self.wfile.write(b"x")
-                self.wfile.flush()
-                time.sleep(0.5)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
 
 
 @pytest.fixture
 def url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.setenv("PPHARNESS_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("PPHARNESS_DOWNLOAD_STALL_S", raising=False)
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/model.gguf"
-    httpd.shutdown()
-    httpd.server_close()
+    with model_files() as base:
+        yield f"{base}/trickle"
 
 
 @pytest.mark.timeout(BOUND_S)
