@@ -444,6 +444,14 @@ def test_a_rented_node_gets_only_its_specs_environment(monkeypatch):
 # --- a live run: a member's key, read from its node's environment ---------------------------------------------------
 
 
+def _member_key(chain: Chain, stage: int) -> dict:
+    """The transport options (its real key) of ``stage``'s node, read from the node's environment as an adversary
+    on its machine would."""
+    environ = Path(f"/proc/{chain.stage_instances[stage].id}/environ").read_bytes().split(b"\0")
+    opts = dict(e.decode().split("=", 1) for e in environ if e.startswith(b"PP_TRANSPORT_OPTS="))
+    return json.loads(opts["PP_TRANSPORT_OPTS"])
+
+
 @pytest.mark.slow
 @pytest.mark.local
 def test_stage_2s_key_forges_nothing_in_a_live_five_stage_run(tiny_model_path):
@@ -453,9 +461,7 @@ def test_stage_2s_key_forges_nothing_in_a_live_five_stage_run(tiny_model_path):
     scenario = scenario_from_args(num_stages=N, transport="zmq", max_tokens=12, prompt="forged")
     lines: list[str] = []
     with Chain(scenario, progress=lines.append, run_label=f"pp-test-{uuid.uuid4().hex[:8]}") as chain:
-        environ = Path(f"/proc/{chain.stage_instances[2].id}/environ").read_bytes().split(b"\0")
-        opts = dict(e.decode().split("=", 1) for e in environ if e.startswith(b"PP_TRANSPORT_OPTS="))
-        forger = ZmqTransport(**json.loads(opts["PP_TRANSPORT_OPTS"]))
+        forger = ZmqTransport(**_member_key(chain, 2))
         forger.start()
         stop = threading.Event()
 
@@ -496,11 +502,9 @@ def test_stage_1s_key_pushing_positions_past_the_context_ends_the_run_naming_it(
     scenario = scenario_from_args(num_stages=N, transport="zmq", max_tokens=200, prompt="pushed")
     lines: list[str] = []
     with Chain(scenario, progress=lines.append, run_label=f"pp-test-{uuid.uuid4().hex[:8]}") as chain:
-        environ = Path(f"/proc/{chain.stage_instances[1].id}/environ").read_bytes().split(b"\0")
-        opts = dict(e.decode().split("=", 1) for e in environ if e.startswith(b"PP_TRANSPORT_OPTS="))
         stage_1 = chain.directory.joins[1].address
         port = int(stage_1.split("?")[0].rsplit(":", 1)[1])
-        forger = ZmqTransport(**json.loads(opts["PP_TRANSPORT_OPTS"]), advertise_port=port)
+        forger = ZmqTransport(**_member_key(chain, 1), advertise_port=port)
         forger.start()
         assert forger.address == stage_1, "the adversary does not speak as stage 1"
         stop = threading.Event()
