@@ -180,7 +180,7 @@ class Failover:
 
         if waiting:
             t0 = time.monotonic()
-            self._silent_standbys(on_ack, answered, warm)
+            waiting -= self._silent_standbys(on_ack, answered, warm)
             suffix = f" for prompts of {', '.join(map(str, lengths))} tokens" if lengths else ""
             what = ("the stages and " if lengths else "the ") + "standby spares to warm up" + suffix
             try:
@@ -192,9 +192,10 @@ class Failover:
                 f"{'stages and ' if lengths else ''}standby spare(s) warm{suffix} in {time.monotonic() - t0:.2f} s"
             )
 
-    def _silent_standbys(self, on_ack: OnMessage, answered: set[str], warm: Callable[[], bool]) -> None:
+    def _silent_standbys(self, on_ack: OnMessage, answered: set[str], warm: Callable[[], bool]) -> set[str]:
         """A standby answers a Warm at once (``Ack(kind="warming")``) and again when it is warm: one that has not
-        answered within ``WARM_ANSWER_S`` is a failed spare, destroyed now and started afresh if a stage dies."""
+        answered within ``WARM_ANSWER_S`` is a failed spare, destroyed now and started afresh if a stage dies. The
+        addresses of those destroyed."""
         s = self.session
         told = {sb.address: device for device, sb in s.standbys.items() if sb.address}
         try:
@@ -207,10 +208,12 @@ class Failover:
             )
         except WaitTimedOut:
             pass
+        silent = set()
         for address, device in told.items():
             sb = s.standbys.get(device)
             if address in answered or sb is None or sb.address != address:
                 continue
+            silent.add(address)
             del s.standbys[device]
             s.retired.add(sb.instance.id)
             assert s.provider is not None
@@ -219,7 +222,7 @@ class Failover:
                 f"warning: the standby on spare {device} did not answer its warm-up within {WARM_ANSWER_S:g} s; "
                 "it is treated as failed (destroyed, and started afresh if a stage dies)"
             )
-        warm()
+        return silent
 
     def _program(self, stage: int, spare: Device) -> StagePlan:
         s = self.session

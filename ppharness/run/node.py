@@ -327,7 +327,7 @@ class Node:
 
     def __init__(self, plan: StagePlan, env: dict[str, str], started: Standing, log: Callable[[str], None]):
         self.plan, self.env, self.log, self.seed = plan, env, log, env["SEED_ADDR"]
-        self.stage_drop = DropLog(log)
+        self.drops = DropLog(log)
         self.transport, self.address, self.clock = started.transport, started.address, started.clock
         self.gguf_file, self.bridge, self.held = started.gguf_file, started.bridge, started.held
         self.fault = env.get("PP_FAULT", "")
@@ -403,7 +403,7 @@ class Node:
             pass
 
     def close(self) -> None:
-        self.stage_drop.close()  # the process's last count of dropped messages, if any were only counted
+        self.drops.close()  # the process's last count of dropped messages, if any were only counted
         if self.membership is not None:
             self.membership.close()
         self.transport.close()
@@ -503,7 +503,7 @@ class Node:
         served = self.served
         assert served is not None  # the loop runs once the node serves
         if isinstance(msg, CONTROL) and sender != self.seed:
-            self.stage_drop(
+            self.drops(
                 f"dropped {type(msg).__name__} from {fingerprinted(sender)}: only the orchestrator sends it",
                 f"{type(msg).__name__} not its role's",
                 sender,

@@ -136,8 +136,12 @@ class Identities:
     announces, a stage, an expert node or a spare. A spare that takes over a stage takes that stage's role with its
     own key. A transport without identities (its endpoints share one process) binds nothing."""
 
-    def __init__(self, identity: Callable[[JsonObject], str], identity_of: Callable[[str], str]):
-        self.identity, self.identity_of = identity, identity_of  # the transport's (``Transport.identity``)
+    def __init__(
+        self,
+        identity: Callable[[JsonObject], str] = lambda opts: "",
+        identity_of: Callable[[str], str] = lambda address: "",
+    ):
+        self.identity, self.identity_of = identity, identity_of  # the transport's (``Transport.identity``); none
         self.made: dict[str, str] = {}  # role -> the identity made for it
 
     def give(self, role: str, opts: JsonObject) -> None:
@@ -152,9 +156,7 @@ class Identities:
         why = join_refusal(sender, msg)
         if why or not self.made:
             return why
-        role = (
-            spare_role(msg.names[0].removeprefix("spare:")) if msg.stage < 0 and msg.names else member_role(msg.stage)
-        )
+        role = msg.names[0] if msg.stage < 0 and msg.names else member_role(msg.stage)  # a spare's name is its role
         shown = f"standby {role}" if msg.stage < 0 else f"stage {msg.stage}"
         want = self.made.get(role)
         if want is not None and self.identity_of(sender) == want:

@@ -147,7 +147,7 @@ class Session:
         self.spares: list[Device] = []  # the spare devices not used yet
         self.spare_opts: dict[str, JsonObject] = {}  # spare device -> its endpoint's transport options
         self.reserve_opts: list[JsonObject] = []  # member identities not used yet, for re-placed stages
-        self.identities = Identities(lambda opts: "", lambda address: "")  # which key is which member's (``open``)
+        self.identities = Identities()  # which key is which member's: bound to the transport's in ``open``
         self.standbys: dict[str, Standby] = {}  # spare device -> its standby node
         self.stage_instances: dict[int, Instance] = {}  # stage -> the instance serving it now
         self.instance_stages: dict[str, int] = {}  # instance id -> the stage it serves or served

@@ -253,9 +253,9 @@ class StageState:
         self.drop(f"stage {self.index}: refused {what} of {req.request_id} from {sent_by}: {why}", reason, sender)
         if not self.blamed and self.seed is not None:
             self.blamed = True
-            reason = f"refused {what} of request {req.request_id} from {sent_by}: {why} — that member is misbehaving"
+            said = f"refused {what} of request {req.request_id} from {sent_by}: {why} — that member is misbehaving"
             try:
-                self.transport.send(self.seed, Error(stage=self.index, reason=reason, request_id=req.request_id))
+                self.transport.send(self.seed, Error(stage=self.index, reason=said, request_id=req.request_id))
             except HarnessError as exc:
                 self.log(f"stage {self.index}: could not tell the orchestrator: {exc}")
 
