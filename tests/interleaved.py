@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from ppharness.errors import StageError
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.run.inprocess import MAX_STEPS, InProcessChain
-from ppharness.run.stage import Stage
-from ppharness.run.stage_requests import StageModel
+from ppharness.run.stage.requests import StageModel
+from ppharness.run.stage.stage import Stage
 from ppharness.wire.messages import Error, InferenceRequest, InferenceResponse
 
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import functools
 import itertools
 
-from ppharness.plan.cost import Part, busy_ms, edge_ms, loop_time, node_ms, serialization_ms
-from ppharness.plan.doc import Cluster, ModelGraph, Objective
-from ppharness.plan.instance import Instance
-from ppharness.plan.objective import block_bytes, objective_value
-from ppharness.plan.search import shortfall
+from ppharness.plan.lang.document import Cluster, ModelGraph, Objective
+from ppharness.plan.predict.cost import Part, busy_ms, edge_ms, loop_time, node_ms, serialization_ms
+from ppharness.plan.search.instance import Instance
+from ppharness.plan.search.objective import block_bytes, objective_value
+from ppharness.plan.search.planner import shortfall
 
 
 def brute_force(model: ModelGraph, cluster: Cluster, objective: Objective) -> tuple[float, list[str], list[int]]:
     """Every ordered subset of the devices and every cut of the blocks into that many non-empty ranges, each checked
-    for memory and valued by ``evaluate``'s arithmetic (``ppharness.plan.cost``): the exact answer, for small
+    for memory and valued by ``evaluate``'s arithmetic (``ppharness.plan.predict.cost``): the exact answer, for small
     instances (it grows as n! * C(B - 1, n - 1)). Raise PlanError when no plan fits."""
     nb, r = len(model.blocks), objective.requests
     ids = [d.id for d in cluster.devices]

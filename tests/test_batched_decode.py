@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from interleaved import Arrival, run_interleaved
 
 from ppharness.errors import ModelError
-from ppharness.model.batch import width_for, widths
-from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import ModelSlice
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.engine.slicing import ModelSlice
+from ppharness.model.layers.rows import width_for, widths
 from ppharness.run.inprocess import load_slices
 from ppharness.wire.messages import InferenceResponse
 
@@ -157,7 +157,7 @@ def test_a_batched_chain_answers_as_the_batched_model_alone_and_runs_batches(tin
 
     def observe(stages) -> None:
         for s in stages:
-            widest[s.index] = max([widest[s.index], *s.batches])
+            widest[s.state.index] = max([widest[s.state.index], *s.state.batches])
 
     answers = run_interleaved(tiny_gguf, slices, load, seed=5, observe=observe, drain=True)
     for arrival, answer in zip(load, answers):
@@ -192,9 +192,9 @@ def test_every_architecture_batches_rows_exactly(preset):
     """qwen2 (q/k/v biases), qwen3 (per-head q/k norms), qwen3moe and deepseek2 (MLA attention, sigmoid routing,
     shared experts): a batch's rows compute (route, call their experts and combine) as each request alone does, split
     in two."""
-    from ppharness.model.files import synthetic_path
     from ppharness.model.gguf_file import GGUFFile
-    from ppharness.model.spec import PRESETS
+    from ppharness.model.sources.files import synthetic_path
+    from ppharness.model.synthetic.spec import PRESETS
 
     f = GGUFFile(synthetic_path(PRESETS[preset]))
     cut = f.config.blocks // 2

@@ -38,7 +38,7 @@ from ppharness.benchmarks.chaos import (
     with_policy,
 )
 from ppharness.benchmarks.chaos_report import report, summarise, to_json
-from ppharness.run.failover import Recovery
+from ppharness.run.seed.failover import Recovery
 
 ROOT = Path(__file__).resolve().parent.parent
 

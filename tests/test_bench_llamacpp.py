@@ -21,8 +21,8 @@ from ppharness.benchmarks.gpu import Contender, GpuBench
 from ppharness.benchmarks.llamacpp import LlamaCppRun, Tools
 from ppharness.cli import main as cli_main
 from ppharness.errors import HarnessError
-from ppharness.model.spec import ModelSpec
-from ppharness.model.synthetic import make_synthetic
+from ppharness.model.synthetic.spec import ModelSpec
+from ppharness.model.synthetic.writer import make_synthetic
 
 # stdout of `llama-bench -m model.gguf -p 0 -n 128 -ngl 99 -r 3 -o json` in the format of llama-bench's json_printer
 # (tools/llama-bench/llama-bench.cpp: test::get_fields(), then samples_ns and samples_ts), one decode test

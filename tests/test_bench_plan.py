@@ -10,7 +10,8 @@ import msgspec
 import pytest
 
 from ppharness.benchmarks.plan import PlanBenchResult, PlanCase, calibrated, on_provider, report, shipped_clusters
-from ppharness.plan.doc import Device, Measured, load_cluster
+from ppharness.plan.lang.document import Device, Measured
+from ppharness.plan.reader import load_cluster
 
 
 def test_calibration_gives_every_device_the_probes_speed_and_keeps_its_quota():

@@ -14,10 +14,10 @@ from click.testing import CliRunner
 
 from ppharness.cli import main
 from ppharness.cli.smoke import smoke_run
-from ppharness.model.spec import PRESETS, preset_spec, short_source, synthetic_source
-from ppharness.run.drops import fingerprinted
-from ppharness.run.session import member_name
+from ppharness.model.synthetic.spec import PRESETS, preset_spec, short_source, synthetic_source
+from ppharness.run.seed.session import member_name
 from ppharness.scenario.schema import load_scenario, scenario_from_args, scenario_warnings
+from ppharness.trace.drops import fingerprinted
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = re.compile(r"^(ppharness|pp-smoke-run) \d+\.\d+\S* \(tinygrad \S+(, commit [0-9a-f]+(-dirty)?)?\)$")
@@ -37,7 +37,9 @@ def test_pp_node_prints_its_version_without_starting():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "ppharness.run.node", "--version"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "ppharness.run.node.main", "--version"], capture_output=True, text=True
+    )
     assert done.returncode == 0 and done.stdout.startswith("pp-node "), done.stdout + done.stderr
 
 

@@ -16,15 +16,15 @@ import pytest
 
 from backends.local import labelled_pids
 from ppharness.errors import PlanError, TransportTimeout
-from ppharness.model.hidden import Hidden
-from ppharness.model.spec import PRESETS, synthetic_source
+from ppharness.model.engine.hidden import Hidden
+from ppharness.model.synthetic.spec import PRESETS, synthetic_source
 from ppharness.plan.build import chain
-from ppharness.plan.check import check_plan
 from ppharness.plan.compile import compile_plan, implicit_cluster
-from ppharness.plan.doc import pretty
 from ppharness.plan.graph import model_graph
-from ppharness.run.colocated import GroupInbox, LocalEndpoint, Mail
-from ppharness.run.realise import GROUP_ENV, Endpoints, realise, realise_plan
+from ppharness.plan.lang.check import check_plan
+from ppharness.plan.lang.document import pretty
+from ppharness.run.node.colocated import GroupInbox, LocalEndpoint, Mail
+from ppharness.run.seed.realise import GROUP_ENV, Endpoints, realise, realise_plan
 from ppharness.scenario.schema import scenario_from_args
 from ppharness.wire import codec
 from ppharness.wire.messages import NextToken, StageActivation
@@ -187,7 +187,7 @@ def test_a_plan_mixing_co_located_and_separate_stages_matches_through_pp_smoke_r
 
 
 def test_the_simulator_counts_a_co_located_hand_over_at_its_own_cost_not_a_hops(tiny_graph):
-    from ppharness.plan.simulate import simulate
+    from ppharness.plan.predict.simulate import simulate
 
     cluster = msgspec.structs.replace(implicit_cluster("local", 2), hop_ms=0.3, handoff_ms=0.05)
     parts = simulate(chain(tiny_graph, cluster, ["local-0", "local-0", "local-1"], [3, 6])).parts()
@@ -231,5 +231,5 @@ def test_a_request_that_asks_for_no_digests_leaves_none_on_any_stage_and_one_tha
                 if reply is not None:
                     break
             assert isinstance(reply, InferenceResponse) and len(reply.token_ids) == 4
-        assert len(chain.stages[0].digests.get("kept", [])) == 4, "the request that asked kept no digests"
-        assert "none" not in chain.stages[0].digests, "a request that asked for none left digests"
+        assert len(chain.stages[0].state.digests.get("kept", [])) == 4, "the request that asked kept no digests"
+        assert "none" not in chain.stages[0].state.digests, "a request that asked for none left digests"

@@ -16,8 +16,8 @@ import zmq
 from zmq_peers import raw_push
 
 from ppharness.errors import ConnectFailed
-from ppharness.model.oracle import oracle_decode
-from ppharness.run.orchestrator import Chain
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.run.seed.orchestrator import Chain
 from ppharness.scenario.schema import scenario_from_args
 from ppharness.wire.messages import ClockProbe, Error, RequestOpen, Shutdown, StageActivation
 from transports.zmq import ZmqTransport

@@ -19,12 +19,13 @@ import pytest
 
 from ppharness.errors import ModelError
 from ppharness.model.arch.deepseek2 import attention_scale, rope_angles
-from ppharness.model.files import resolve_model, synthetic_path
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.engine.experts import ExpertBank
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.moe import ExpertBank, ExpertCall, combine, route
-from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import ModelSlice
-from ppharness.model.spec import PRESETS, parse_synthetic
+from ppharness.model.layers.moe import ExpertCall, combine, route
+from ppharness.model.sources.files import resolve_model, synthetic_path
+from ppharness.model.synthetic.spec import PRESETS, parse_synthetic
 from tests.test_moe import drive
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from ppharness.errors import HarnessError
-from ppharness.run.orchestrator import Chain, Progress, run_scenario
+from ppharness.run.seed.orchestrator import Chain, Progress, run_scenario
 from ppharness.scenario.schema import load_scenario, scenario_from_args
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
@@ -72,7 +72,7 @@ def _assert_chain_ok(result: Any, n: int) -> None:
 
 
 def test_chain_matches_oracle(num_stages, node_image, docker_client):
-    from ppharness.model.oracle import oracle_decode
+    from ppharness.model.decode.oracle import oracle_decode
 
     label = _label()
     scenario = scenario_from_args(num_stages=num_stages, provider="docker", max_tokens=12)

@@ -17,13 +17,14 @@ import pytest
 from click.testing import CliRunner
 
 from ppharness.cli.model import split_check
-from ppharness.model.config import ModelConfig
-from ppharness.model.decoding import end_of_generation, finish_reason, stop_token, visible
-from ppharness.model.exactness import compare
-from ppharness.model.files import synthetic_path
+from ppharness.model.arch import read_config
+from ppharness.model.decode.exactness import compare
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.decode.rules import finish_reason, stop_token, visible
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.oracle import oracle_decode
-from ppharness.model.spec import PRESETS, synthetic_source
+from ppharness.model.sources.files import synthetic_path
+from ppharness.model.synthetic.spec import PRESETS, synthetic_source
+from ppharness.model.text.eog import end_of_generation
 from ppharness.run.inprocess import judge, load_slices, run_inprocess
 from ppharness.trace.report import build_trace
 from ppharness.wire import codec
@@ -129,7 +130,7 @@ def test_the_model_config_reads_the_eog_set(tiny_gguf):
     tokens = kv["tokenizer.ggml.tokens"]
     cfg = tiny_gguf.config
     assert cfg.eog_ids == _ids(tokens, "<|end_of_text|>", "<|eot_id|>") and cfg.eos_id in cfg.eog_ids
-    more = ModelConfig.from_kv(kv | {"tokenizer.ggml.eot_token_id": 65}, set(tiny_gguf.names()))
+    more = read_config(kv | {"tokenizer.ggml.eot_token_id": 65}, set(tiny_gguf.names()))
     assert more.eog_ids == cfg.eog_ids | {65}
 
 

@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from ppharness.model.exactness import compare, digest, first_difference
+from ppharness.model.decode.exactness import compare, first_difference
+from ppharness.model.engine.hidden import digest
 from ppharness.run.inprocess import check_splits
 
 RANGES = [(0, 3), (3, 5), (5, 8)]
@@ -83,8 +84,8 @@ def test_the_check_catches_an_fp32_residual_between_blocks(tiny_model_path, monk
     puts a stage boundary) a split changes the hidden states, and split-check says where."""
     from tinygrad.apps.llm import TransformerBlock
 
-    import ppharness.model.arch.llama
-    from ppharness.model.chunks import Chunk, attention_chunk
+    import ppharness.model.layers.block
+    from ppharness.model.layers.attention import Chunk, attention_chunk
 
     class Fp32Block(TransformerBlock):  # tinygrad's block, which prefills in the project's chunks too
         def _attention(self, x, start_pos):
@@ -92,7 +93,7 @@ def test_the_check_catches_an_fp32_residual_between_blocks(tiny_model_path, monk
                 return attention_chunk(self, x, start_pos)
             return super()._attention(x, start_pos)
 
-    monkeypatch.setattr(ppharness.model.arch.llama, "block_class", lambda: Fp32Block)
+    monkeypatch.setattr(ppharness.model.layers.block, "block_class", lambda: Fp32Block)
     _, checks = check_splits(tiny_model_path, "The quick brown fox", 8, [[(0, 3), (3, 5), (5, 8)]])
     assert not checks[0].exact
     assert checks[0].verdict.boundary_diff is not None or not checks[0].same_kernels
@@ -134,7 +135,7 @@ def test_split_check_refuses_bad_stages(tiny_model_path):
 
 
 def test_a_replaced_stage_without_digests_is_unverified_not_missing():
-    from ppharness.model.exactness import compare
+    from ppharness.model.decode.exactness import compare
 
     ranges = [(0, 2), (2, 4), (4, 8)]
     oracle = {1: [b"a", b"b"], 3: [b"c", b"d"]}

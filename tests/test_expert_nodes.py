@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ppharness.model.engine.experts import ExpertBank
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.moe import ExpertBank
-from ppharness.model.slicing import ModelSlice
-from ppharness.model.spec import preset_spec
-from ppharness.model.synthetic import make_synthetic
+from ppharness.model.synthetic.spec import preset_spec
+from ppharness.model.synthetic.writer import make_synthetic
 from ppharness.plan.stages import expert_name, expert_node_name, stage_name
-from ppharness.run.experts import ExpertParallel, ExpertServer, holders_of
+from ppharness.run.node.experts import ExpertParallel, ExpertServer, holders_of
 from ppharness.wire import codec
 from ppharness.wire.messages import ExpertRequest, ExpertResult
 from transports.memory import MemoryHub, MemoryTransport

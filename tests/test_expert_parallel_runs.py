@@ -11,12 +11,12 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from ppharness.model.files import synthetic_path
-from ppharness.model.spec import parse_synthetic, synthetic_source
+from ppharness.model.sources.files import synthetic_path
+from ppharness.model.synthetic.spec import parse_synthetic, synthetic_source
 from ppharness.plan.build import chain
 from ppharness.plan.compile import compile_plan, implicit_cluster, programs
-from ppharness.plan.doc import Edge, ExpertGroup, Node, PlanDoc, Source, pretty, with_id
 from ppharness.plan.graph import model_graph
+from ppharness.plan.lang.document import Edge, ExpertGroup, Node, PlanDoc, Source, pretty, with_id
 from ppharness.plan.stages import StageSettings
 
 MAX_CONTEXT = 64
@@ -110,7 +110,7 @@ def test_a_plan_with_expert_nodes_runs_token_exact_in_docker(tmp_path):
 @pytest.mark.vastai
 def test_a_plan_with_expert_nodes_runs_token_exact_on_vastai_instances(vastai_api, tmp_path):
     from backends.vastai.provider import client_from_env
-    from ppharness.run.orchestrator import run_scenario
+    from ppharness.run.seed.orchestrator import run_scenario
     from ppharness.scenario.schema import load_scenario
     from tests.test_vastai_chain import ACCEPTANCE, needs_emulator
 
@@ -140,7 +140,7 @@ def test_plan_probe_routing_measures_frequencies_that_a_plan_takes(tmp_path):
     import json
 
     from ppharness.cli import main as cli
-    from ppharness.plan.routing import load_routing, with_frequencies
+    from ppharness.plan.experts.routing import load_routing, with_frequencies
 
     out = tmp_path / "routing.json"
     args = ["plan", "probe", "--routing", "--model", MODEL, "--tokens", "4", "--prompt", "experts, chosen", "-o"]

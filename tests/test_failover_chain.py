@@ -16,8 +16,8 @@ import pytest
 
 from backends.local import labelled_pids
 from ppharness.network.spec import Event, Impairment, Network
-from ppharness.run.failover import WARM_ANSWER_S
-from ppharness.run.orchestrator import Chain, run_scenario
+from ppharness.run.seed.failover import WARM_ANSWER_S
+from ppharness.run.seed.orchestrator import Chain, run_scenario
 from ppharness.scenario.schema import Scenario, scenario_from_args
 from ppharness.scenario.sections import ClusterSection, FaultToleranceSection
 from ppharness.wire.messages import Join, Message

@@ -181,7 +181,7 @@ def test_membership_engine_declares_a_silent_node_dead(engine):
     """With the provider's own exit check out of the way, the membership engine alone notices a SIGSTOPped node."""
     import os
 
-    from ppharness.run.orchestrator import Chain, Progress
+    from ppharness.run.seed.orchestrator import Chain, Progress
 
     sc = scenario_from_args(num_stages=2, max_tokens=4)
     sc = msgspec.structs.replace(

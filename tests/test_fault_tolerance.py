@@ -23,7 +23,7 @@ from ppharness.plan.stages import ENTRY, names_of
 from ppharness.registry import transport_class
 from ppharness.run.inprocess import load_slices
 from ppharness.run.reliable import GaveUp, Outbox, RetryPolicy, StreamAcks, ack_of
-from ppharness.run.stage import Stage
+from ppharness.run.stage.stage import Stage
 from ppharness.wire.messages import (
     Ack,
     InferenceRequest,
@@ -94,8 +94,8 @@ def run_chain(
             gguf.tokenizer if i in (0, n - 1) else None, log=logs.append, seed=client_t.address,
             policy=policy, retry=retry, epoch=epoch,
         )  # fmt: skip
-        stage.outbox.clock = clock
-        stage.outbox.rng = random.Random(i)
+        stage.out.outbox.clock = clock
+        stage.out.outbox.rng = random.Random(i)
         return stage
 
     stages = [make_stage(i, slices[i], transports[i], names, 0) for i in range(n)]
@@ -174,7 +174,7 @@ def run_chain(
                             client_t.send(sender, ack_of("response", msg.request_id, -1, "plan-ft"))
                             stream_acks.end("r0")
                             response.append(msg)
-            if response and not any(s.outbox.pending for s in stages) and not client.pending:
+            if response and not any(s.out.outbox.pending for s in stages) and not client.pending:
                 break
             if not moved:  # nothing in flight: time jumps to the next resend
                 dues = [d for d in [s.due_in() for s in stages] + [client.due_in()] if d is not None]
@@ -188,8 +188,10 @@ def run_chain(
     finally:
         for t in transports + live:
             t.close()
-    resends = client.resends + sum(s.outbox.resends for s in stages)
-    return Run(response[0], {s.index: s.digests.get("r0", []) for s in stages}, resends, delivered, streamed, logs)
+    resends = client.resends + sum(s.out.outbox.resends for s in stages)
+    return Run(
+        response[0], {s.state.index: s.state.digests.get("r0", []) for s in stages}, resends, delivered, streamed, logs
+    )
 
 
 _SLICES: dict = {}
@@ -288,8 +290,8 @@ def test_policy_none_sends_each_message_once_and_acknowledges_nothing(tiny_gguf,
 
 def _fresh(gguf) -> Callable[[int], object]:
     """A spare's slice of stage i's range: loaded anew, its KV cache empty (warm-up positions aside)."""
-    from ppharness.model.decoding import warm_up
-    from ppharness.model.slicing import ModelSlice
+    from ppharness.model.decode.rules import warm_up
+    from ppharness.model.engine.slicing import ModelSlice
 
     def fresh_slice(i: int) -> object:
         lo, hi = RANGES[i]

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 
 from ppharness.cli import main as cli
 from ppharness.errors import ModelError
+from ppharness.model.gguf.header import read_gguf, read_header
+from ppharness.model.gguf.metadata import MAX_VOCAB
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.gguf_header import read_gguf, read_header
-from ppharness.model.gguf_metadata import MAX_VOCAB
-from ppharness.model.spec import ModelSpec
-from ppharness.model.synthetic import make_synthetic
+from ppharness.model.synthetic.spec import ModelSpec
+from ppharness.model.synthetic.writer import make_synthetic
 
 U32, I32, F32, BOOL, STRING, ARRAY, U64 = 4, 5, 6, 7, 8, 9, 10
 _FMT = {0: "B", 1: "b", 2: "H", 3: "h", U32: "I", I32: "i", F32: "f", BOOL: "?", U64: "Q", 11: "q", 12: "d"}

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from ppharness.model import kernels
+from ppharness.model.layers import kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -82,9 +82,9 @@ def test_batched_rows_on_the_gpu_are_the_bytes_of_each_request_alone():
     of ``tests/test_batched_decode.py``, run on the GPU over the 1B shape's width (4 blocks)."""
     code = (
         "import numpy as np\n"
-        "from ppharness.model.files import resolve_model\n"
+        "from ppharness.model.sources.files import resolve_model\n"
         "from ppharness.model.gguf_file import GGUFFile\n"
-        "from ppharness.model.slicing import ModelSlice\n"
+        "from ppharness.model.engine.slicing import ModelSlice\n"
         "f = GGUFFile(resolve_model('synthetic:llama-3.2-1b,blocks=4'))\n"
         "m = ModelSlice(f, 0, 2, True, False, 64, slots=8, batched=True)\n"
         "rng = np.random.default_rng(0)\n"
@@ -102,8 +102,8 @@ def test_batched_rows_on_the_gpu_are_the_bytes_of_each_request_alone():
 
 
 def test_co_located_stages_on_the_gpu_hand_the_hidden_state_over_on_the_device_and_match(tmp_path):
-    """Three stages in one process on the GPU, each hand-over left on the device (``ppharness.model.handoff``): the
-    answer and every stage boundary equal the unsplit model's, bit for bit."""
+    """Three stages in one process on the GPU, each hand-over left on the device (``ppharness.model.engine.hidden``):
+    the answer and every stage boundary equal the unsplit model's, bit for bit."""
     run = subprocess.run(
         [sys.executable, "-m", "ppharness.cli.smoke", "--num-stages", "3", "--colocated", "--max-tokens", "32"],
         capture_output=True,

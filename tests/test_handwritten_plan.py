@@ -1,4 +1,4 @@
-"""Plans a person writes by hand (``ppharness.plan.handwritten``): the text form with ``model:`` and ``cluster:``
+"""Plans a person writes by hand (``ppharness.plan.reader``): the text form with ``model:`` and ``cluster:``
 header lines is a plan file for every command; edges follow the order of the nodes when none are stated; files are
 told apart by content; the docs' worked example runs token-exact; every mistake names the file, the place and the
 fix."""
@@ -15,14 +15,14 @@ from click.testing import CliRunner
 
 from ppharness.cli.plan import plan
 from ppharness.errors import PlanError
-from ppharness.model.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile
+from ppharness.model.sources.files import resolve_model
 from ppharness.plan.compile import load_compiled
-from ppharness.plan.doc import Edge, load_plan, pretty
-from ppharness.plan.handwritten import file_kind, with_edges
-from ppharness.plan.parse import parse, parse_document
-from ppharness.plan.simulate import simulate
-from ppharness.plan.text import render
+from ppharness.plan.lang.document import Edge, pretty
+from ppharness.plan.lang.parse import parse, parse_document
+from ppharness.plan.lang.text_form import render
+from ppharness.plan.predict.simulate import simulate
+from ppharness.plan.reader import file_kind, load_plan, with_edges
 from ppharness.run.inprocess import load_slices, run_inprocess
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ppharness.run.host import COUNT_VAR, MAX_ENTRIES, MAX_ENTRY_BYTES, OWN_VAR, host_env
+from ppharness.run.node.host import COUNT_VAR, MAX_ENTRIES, MAX_ENTRY_BYTES, OWN_VAR, host_env
 
 DEEP = 10**6
 # prints, then waits (10 s at most) until every node of the host has printed, so that none is stopped before it does
@@ -38,7 +38,7 @@ def _pp_host(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess
     base = {k: v for k, v in os.environ.items() if not k.startswith("PP_HOST")}
     path = f"{tmp_path}{os.pathsep}{base.get('PATH', '')}"
     full = {**base, "PATH": path, "READY": str(ready), "PP_TEST_NODES": env.get(COUNT_VAR, "1"), **env}
-    cmd = [sys.executable, "-m", "ppharness.run.host"]
+    cmd = [sys.executable, "-m", "ppharness.run.node.host"]
     return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=60)
 
 

@@ -1,6 +1,7 @@
-"""A kernel table whose optimisation changes the arithmetic fails closed (ppharness/model/kernels.py's docstring says
-what a table can change): tinygrad 0.12 takes PADTO on ``sum(x + 1)`` and adds the padding's ones, so a table holding
-it is refused when read and a run under it exits 1 naming the table; a mismatch under a table names the table."""
+"""A kernel table whose optimisation changes the arithmetic fails closed (ppharness/model/layers/kernels.py's docstring
+says what a table can change): tinygrad 0.12 takes PADTO on ``sum(x + 1)`` and adds the padding's ones, so a table
+holding it is refused when read and a run under it exits 1 naming the table; a mismatch under a table names the
+table."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 
 from ppharness.errors import ModelError
-from ppharness.model import kernels
-from ppharness.model.exactness import BoundaryDiff, Verdict
+from ppharness.model.decode.exactness import BoundaryDiff, SplitVerdict
+from ppharness.model.layers import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 PADDING: kernels.OptRow = ("PADTO", 0, 64)  # 100 values padded to 128
@@ -121,11 +122,11 @@ def test_a_mismatch_under_a_kernel_table_names_the_table(monkeypatch):
     """A process that read another table, or none, computes other bits: the mismatch line says which table the
     unsplit model compiled with, and how to tell whether it is the cause."""
     table = kernels.new_table("CPU", "ClangJITRenderer", 1)
-    verdict = Verdict(False, 1, 2, BoundaryDiff(0, 3, 1, 5))
+    verdict = SplitVerdict(False, 1, 2, BoundaryDiff(0, 3, 1, 5))
     assert "kernel table" not in verdict.describe([1, 7], [1, 2])
     monkeypatch.setattr(kernels, "_active", kernels.Pinning(table, "tuned.json"))
     line = verdict.describe([1, 7], [1, 2])
     assert line.startswith("token 1 differs: the chain gave 7, the unsplit model 2"), line
     assert "the unsplit model compiled with the kernel table tuned.json" in line and "unset PPHARNESS_KERNELS" in line
-    exact = Verdict(True, None, 4)
+    exact = SplitVerdict(True, None, 4)
     assert "kernel table" not in exact.describe([1, 2], [1, 2])

@@ -1,6 +1,6 @@
-"""Kernel tables (ppharness/model/kernels.py): a bad table is refused with the file, the place and the fix; a kernel's
-key leaves out buffer lengths and variable bounds and nothing else; with ``-m slow``, a table tuned on this machine
-keeps a split in separate processes exact."""
+"""Kernel tables (ppharness/model/layers/kernels.py): a bad table is refused with the file, the place and the fix; a
+kernel's key leaves out buffer lengths and variable bounds and nothing else; with ``-m slow``, a table tuned on this
+machine keeps a split in separate processes exact."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from ppharness.errors import ModelError
-from ppharness.model import kernels
-from ppharness.model.kernels import FORMAT, decode_table, kernel_key, load_table
+from ppharness.model.layers import kernels
+from ppharness.model.layers.kernels import FORMAT, decode_table, kernel_key, load_table
 
 
 def table_doc(**over: object) -> dict[str, object]:

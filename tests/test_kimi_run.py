@@ -14,8 +14,9 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from ppharness.model.spec import parse_synthetic
-from ppharness.plan.doc import PlanDoc, load_cluster, load_plan
+from ppharness.model.synthetic.spec import parse_synthetic
+from ppharness.plan.lang.document import PlanDoc
+from ppharness.plan.reader import load_cluster, load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 KIMI = ROOT / "scenarios" / "kimi.json"
@@ -63,7 +64,7 @@ def test_the_kimi_plan_is_valid_and_made_from_the_shipped_cluster_and_model():
         for layer in n.experts:
             assert devices[n.device].region == devices[owner[layer]].region, (n.device, layer)
     # the files are in `plan make`'s form, lists of ids filling lines (not one line per id)
-    from ppharness.plan.doc import PRETTY_WIDTH, pretty
+    from ppharness.plan.lang.document import PRETTY_WIDTH, pretty
 
     for path in (KIMI, KIMI_VASTAI):
         text = path.read_text()
@@ -161,7 +162,7 @@ def test_the_kimi_plan_runs_token_exact_in_docker_and_writes_its_trace(tmp_path)
 @pytest.mark.vastai
 def test_the_kimi_plan_runs_token_exact_on_vastai_instances(vastai_api, tmp_path):
     from backends.vastai.provider import client_from_env
-    from ppharness.run.orchestrator import run_scenario
+    from ppharness.run.seed.orchestrator import run_scenario
     from ppharness.scenario.schema import load_scenario, scenario_from_args
     from tests.test_vastai_chain import ACCEPTANCE, needs_emulator
 

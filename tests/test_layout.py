@@ -91,7 +91,7 @@ def test_an_unknown_kind_names_the_known_ones() -> None:
 def test_the_orchestrator_and_cli_start_without_loading_the_model_code() -> None:
     """Starting a command (or the orchestrator) costs no tinygrad import: only the nodes and the oracle load it."""
     code = (
-        "import sys, ppharness.cli, ppharness.run.orchestrator, ppharness.scenario.schema; "
+        "import sys, ppharness.cli, ppharness.run.seed.orchestrator, ppharness.scenario.schema; "
         "print(sorted(m for m in ('tinygrad', 'gguf') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -15,7 +15,7 @@ import pytest
 
 from backends.local import labelled_pids
 from ppharness.benchmarks.watched import WatchedRun
-from ppharness.run.orchestrator import Progress, run_scenario
+from ppharness.run.seed.orchestrator import Progress, run_scenario
 from ppharness.scenario.schema import load_scenario, scenario_from_args
 
 pytestmark = pytest.mark.local
@@ -135,10 +135,10 @@ def test_requests_in_flight_on_pp_node_processes(tiny_model_path, tiny_gguf):
     alone, streamed token by token, and the chain serves a plain request after."""
     import msgspec
 
-    from ppharness.model.oracle import oracle_decode
-    from ppharness.run.client import Job
+    from ppharness.model.decode.oracle import oracle_decode
     from ppharness.run.inprocess import load_slices
-    from ppharness.run.orchestrator import Chain
+    from ppharness.run.seed.client import Job
+    from ppharness.run.seed.orchestrator import Chain
 
     base = scenario_from_args(num_stages=2, max_tokens=12)
     scenario = msgspec.structs.replace(base, serving=msgspec.structs.replace(base.serving, slots=3, queue=1))
@@ -170,10 +170,10 @@ def test_a_batched_chain_of_pp_node_processes_answers_each_request_as_alone(tiny
     a plain request after them too."""
     import msgspec
 
-    from ppharness.model.oracle import oracle_decode
-    from ppharness.run.client import Job
+    from ppharness.model.decode.oracle import oracle_decode
     from ppharness.run.inprocess import load_slices
-    from ppharness.run.orchestrator import Chain
+    from ppharness.run.seed.client import Job
+    from ppharness.run.seed.orchestrator import Chain
 
     base = scenario_from_args(num_stages=3, max_tokens=12)
     serving = msgspec.structs.replace(base.serving, slots=4, batched=True)

@@ -17,11 +17,11 @@ import pytest
 from click.testing import CliRunner
 
 from backends.vastai.settings import VastaiSettings
+from ppharness.benchmarks.probe import ProbeFit, probe_record
 from ppharness.cli.plan import plan
-from ppharness.model import kernels
-from ppharness.model.spec import parse_synthetic
-from ppharness.plan import engine
-from ppharness.plan.check import check_cluster
+from ppharness.model.layers import kernels
+from ppharness.model.synthetic.spec import parse_synthetic
+from ppharness.plan import provenance
 from ppharness.plan.consumer import (
     H200,
     HOST_CARDS,
@@ -33,11 +33,12 @@ from ppharness.plan.consumer import (
     sensitivity,
     sensitivity_table,
 )
-from ppharness.plan.cost import edge_ms
-from ppharness.plan.doc import Cluster, Device, Measured, Source, load_plan
-from ppharness.plan.engine import engine_id, stale_warnings
 from ppharness.plan.graph import spec_graph
-from ppharness.plan.probe import ProbeFit, probe_record
+from ppharness.plan.lang.check import check_cluster
+from ppharness.plan.lang.document import Cluster, Device, Measured, Source
+from ppharness.plan.predict.cost import edge_ms
+from ppharness.plan.provenance import engine_id, stale_warnings
+from ppharness.plan.reader import load_plan
 
 OLD = Measured(engine="ppharness 0.0.9/tinygrad 0.12.0/0123456789ab", hardware="a CPU", date="2026-11-30", how="probe")
 
@@ -75,14 +76,14 @@ def test_the_engine_id_is_stable_and_names_ppharness_tinygrad_and_a_digest():
     assert engine_id() == first
     name, tinygrad, digest = first.split("/")
     assert name.startswith("ppharness ") and tinygrad == f"tinygrad {kernels.tinygrad_version()}"
-    assert len(digest) == engine.DIGEST_HEX and int(digest, 16) >= 0
+    assert len(digest) == provenance.DIGEST_HEX and int(digest, 16) >= 0
 
 
 def test_the_engine_id_changes_when_the_code_that_computes_changes(tmp_path, monkeypatch, no_table):
     code = tmp_path / "model"
     code.mkdir()
     (code / "slicing.py").write_text("STEP = 1\n")
-    monkeypatch.setattr(engine, "CODE", (code,))
+    monkeypatch.setattr(provenance, "CODE", (code,))
     first = engine_id()
     (code / "slicing.py").write_text("STEP = 2  # another kernel order\n")
     changed = engine_id()

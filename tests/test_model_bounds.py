@@ -16,11 +16,11 @@ from click.testing import CliRunner
 
 from ppharness.cli import main as cli
 from ppharness.errors import ModelError, ScenarioError
-from ppharness.model import spec as spec_module
-from ppharness.model.download import DEFAULT_MAX_BYTES, DownloadLimits, parse_size
-from ppharness.model.files import resolve_model
-from ppharness.model.spec import ModelSpec, file_bytes, memory_needed, parse_synthetic, preset_spec
-from ppharness.model.synthetic import make_synthetic
+from ppharness.model.sources.download import DEFAULT_MAX_BYTES, DownloadLimits, parse_size
+from ppharness.model.sources.files import resolve_model
+from ppharness.model.synthetic import spec as spec_module
+from ppharness.model.synthetic.spec import ModelSpec, file_bytes, memory_needed, parse_synthetic, preset_spec
+from ppharness.model.synthetic.writer import make_synthetic
 from ppharness.scenario.schema import load_scenario
 from tests.model_server import model_files
 

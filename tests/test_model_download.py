@@ -9,10 +9,10 @@ import threading
 import pytest
 
 from ppharness.errors import ModelError
-from ppharness.model.files import resolve_model, sha256_file
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.spec import ModelSpec
-from ppharness.model.synthetic import make_synthetic
+from ppharness.model.sources.files import resolve_model, sha256_file
+from ppharness.model.synthetic.spec import ModelSpec
+from ppharness.model.synthetic.writer import make_synthetic
 
 
 @pytest.fixture

@@ -16,10 +16,11 @@ from click.testing import CliRunner
 from ppharness.cli import main
 from ppharness.cli.smoke import smoke_run
 from ppharness.errors import ModelError
-from ppharness.model.spec import ModelSpec
-from ppharness.model.synthetic import make_synthetic
+from ppharness.model.synthetic.spec import ModelSpec
+from ppharness.model.synthetic.writer import make_synthetic
 from ppharness.model.verdict import judge_file, refuse_unloadable
-from ppharness.plan.doc import load_plan, pretty
+from ppharness.plan.lang.document import pretty
+from ppharness.plan.reader import load_plan
 from tests.test_gguf_hardening import ARRAY, F32, STRING, gguf_bytes, parts_of
 
 REFUSE_S = 2.0  # every refusal, from the command's start to its exit

@@ -7,11 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppharness.errors import ModelError
-from ppharness.model.files import resolve_model, sha256_file
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.spec import PRESETS, WEIGHT_TYPES, ModelSpec, parse_synthetic, synthetic_source
-from ppharness.model.synthetic import make_synthetic
-from ppharness.model.vocab import SPECIAL_TOKENS, build_vocab
+from ppharness.model.sources.files import resolve_model, sha256_file
+from ppharness.model.synthetic.spec import PRESETS, WEIGHT_TYPES, ModelSpec, parse_synthetic, synthetic_source
+from ppharness.model.synthetic.vocab import SPECIAL_TOKENS, build_vocab
+from ppharness.model.synthetic.writer import make_synthetic
 
 
 def test_same_spec_same_bytes(tmp_path):

@@ -22,21 +22,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ppharness.errors import ModelError
-from ppharness.model.exactness import digest
-from ppharness.model.files import synthetic_path
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.engine.experts import ExpertBank
+from ppharness.model.engine.hidden import digest
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.moe import (
-    ExpertBank,
-    ExpertCall,
-    combine,
-    combine_rows,
-    route,
-    route_on_device,
-    routing_entropy,
-)
-from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import ModelSlice
-from ppharness.model.spec import parse_synthetic, preset_spec
+from ppharness.model.layers.moe import ExpertCall, combine, combine_rows, route, route_on_device, routing_entropy
+from ppharness.model.sources.files import synthetic_path
+from ppharness.model.synthetic.spec import parse_synthetic, preset_spec
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -559,9 +552,9 @@ def test_one_device_step_equals_the_step_in_pieces(preset):
     """A slice holding all its experts decodes each MoE block in one device step (routing, the chosen experts read
     by id, the combine): every block's output at every step equals, byte for byte, the generator step that hands
     the device's routing to an expert bank and combines what comes back — the way a stage with expert nodes runs."""
-    from ppharness.model.files import synthetic_path
     from ppharness.model.gguf_file import GGUFFile
-    from ppharness.model.spec import parse_synthetic
+    from ppharness.model.sources.files import synthetic_path
+    from ppharness.model.synthetic.spec import parse_synthetic
 
     f = GGUFFile(synthetic_path(parse_synthetic(f"synthetic:{preset}")))
     blocks = f.config.blocks

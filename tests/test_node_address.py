@@ -1,5 +1,5 @@
 """Where a node's transport binds and what it advertises, from the node's environment: ``PP_PORT``, and on vast.ai
-``PUBLIC_IPADDR`` with ``VAST_TCP_PORT_<P>`` / ``VAST_UDP_PORT_<P>`` (``ppharness.run.node_address``)."""
+``PUBLIC_IPADDR`` with ``VAST_TCP_PORT_<P>`` / ``VAST_UDP_PORT_<P>`` (``ppharness.run.node.address``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from backends.vastai.emulator.network import TcpForwarder
 from ppharness.errors import HarnessError
-from ppharness.run.node_address import published
-from ppharness.run.node_env import make_transport
+from ppharness.run.node.address import published
+from ppharness.run.node.env import make_transport
 from ppharness.wire.messages import Shutdown
 from transports.iroh.transport import IrohTransport
 from transports.memory import MemoryTransport

@@ -14,7 +14,11 @@ def _node(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         if k not in ("STAGE", "NUM_STAGES", "SEED_ADDR", "MODEL", "PLAN", "TRANSPORT")
     }
     return subprocess.run(
-        [sys.executable, "-m", "ppharness.run.node"], env={**base, **env}, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ppharness.run.node.main"],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ppharness.errors import ModelError
-from ppharness.model.chat import chat_prompt
+from ppharness.model.text.chat import chat_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "hello"]

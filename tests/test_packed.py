@@ -1,4 +1,4 @@
-"""Weights as the file packs them (``ppharness.model.packed``): every supported ggml type is unpacked inside the
+"""Weights as the file packs them (``ppharness.model.formats.packed``): every supported ggml type is unpacked inside the
 kernel exactly as the ``gguf`` package's own numpy dequantiser reads it; a slice holds its matrices as the file's
 bytes (its device memory is its packed weights, not their float16 expansion); a packed model gives the tokens of the
 same model dequantised to float16 at load; and splits of a packed model equal its unsplit model bit for bit at every
@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from ppharness.errors import ModelError
+from ppharness.model.engine.slicing import ModelSlice
+from ppharness.model.formats.codecs import CODECS
+from ppharness.model.formats.packed import Packed
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.packed import TYPES, UNPACK, Packed
-from ppharness.model.slicing import ModelSlice
-from ppharness.model.spec import PRESETS, ModelSpec
-from ppharness.model.synthetic import make_synthetic
+from ppharness.model.synthetic.spec import PRESETS, ModelSpec
+from ppharness.model.synthetic.writer import make_synthetic
 
 # widths that are multiples of 256, so that the K-quant types are really K-quants (not their Q8_0 fallback)
 K_SPEC = ModelSpec(blocks=3, dim=256, ffn=512, heads=4, kv_heads=2, vocab=320, seed=5)
@@ -26,7 +27,8 @@ SCALE_BYTES = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K":
 
 def _random_blocks(ggml_type: int, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random bytes of ``rows`` rows of ``ggml_type``, each block's fp16 scales finite and of a sane size."""
-    name, block, size = TYPES[ggml_type]
+    f = CODECS[ggml_type].format
+    name, block, size = f.name, f.block, f.bytes
     if name == "BF16":
         values = rng.standard_normal(rows * cols).astype(np.float32)
         return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
@@ -37,7 +39,9 @@ def _random_blocks(ggml_type: int, rows: int, cols: int, rng: np.random.Generato
     return data.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("ggml_type", sorted(UNPACK), ids=lambda t: TYPES[t][0])
+@pytest.mark.parametrize(
+    "ggml_type", sorted(t for t, c in CODECS.items() if c.packs), ids=lambda t: CODECS[t].format.name
+)
 def test_each_type_unpacks_as_the_gguf_package_reads_it(ggml_type):
     import gguf
 
@@ -47,7 +51,7 @@ def test_each_type_unpacks_as_the_gguf_package_reads_it(ggml_type):
     got = Packed.of(data, ggml_type, (rows, cols)).values().numpy()
     assert got.shape == (rows, cols)
     assert np.array_equal(got.view(np.uint32), want.reshape(rows, cols).view(np.uint32)), (
-        f"{TYPES[ggml_type][0]}: the unpacked values differ from ggml's definition"
+        f"{CODECS[ggml_type].format.name}: the unpacked values differ from ggml's definition"
     )
 
 

@@ -14,12 +14,10 @@ from click.testing import CliRunner
 
 from ppharness.cli import main
 from ppharness.errors import PlanError
-from ppharness.plan import limits
-from ppharness.plan.budget import Budget
 from ppharness.plan.build import chain
-from ppharness.plan.check import check_plan
-from ppharness.plan.cost import edge_ms, serialization_ms
-from ppharness.plan.doc import (
+from ppharness.plan.lang import limits
+from ppharness.plan.lang.check import check_plan
+from ppharness.plan.lang.document import (
     Block,
     Blocks,
     Cluster,
@@ -39,15 +37,16 @@ from ppharness.plan.doc import (
     PlanDoc,
     Source,
     decode_text,
-    load_cluster,
-    load_plan,
     parse_size,
     plan_id,
     pretty,
     with_id,
 )
-from ppharness.plan.instance import Instance
-from ppharness.plan.search import MAX_PLAN_DEVICES, policy_plan
+from ppharness.plan.predict.cost import edge_ms, serialization_ms
+from ppharness.plan.reader import load_cluster, load_plan
+from ppharness.plan.search.budget import Budget
+from ppharness.plan.search.instance import Instance
+from ppharness.plan.search.planner import MAX_PLAN_DEVICES, policy_plan
 
 MiB = 1 << 20
 

@@ -1,6 +1,6 @@
-"""The plan document (``ppharness.plan.doc``) and its invariants (``ppharness.plan.check``), on a model graph made by
-hand: the canonical form and id, the YAML conveniences, and every bad plan refused with its ``$.path`` and the fix
-before anything runs."""
+"""The plan document (``ppharness.plan.lang.document``) and its invariants (``ppharness.plan.lang.check``), on a model
+graph made by hand: the canonical form and id, the YAML conveniences, and every bad plan refused with its ``$.path`` and
+the fix before anything runs."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from ppharness.errors import PlanError
 from ppharness.network.spec import Impairment
 from ppharness.plan.build import chain
-from ppharness.plan.check import check_plan
-from ppharness.plan.doc import (
+from ppharness.plan.lang.check import check_plan
+from ppharness.plan.lang.document import (
     DEFAULT_RESERVE,
     Block,
     Cluster,
@@ -30,14 +30,13 @@ from ppharness.plan.doc import (
     Source,
     canonical,
     hops,
-    load_cluster,
-    load_plan,
     loop,
     plan_id,
     plan_schema,
     pretty,
     with_id,
 )
+from ppharness.plan.reader import load_cluster, load_plan
 
 MiB = 1 << 20
 BLOCK = Block(weight_bytes=MiB, flops=2 * MiB, kv_bytes=512)
@@ -284,7 +283,7 @@ def test_a_cluster_file_loads_with_its_conveniences(tmp_path: Path) -> None:
 
 
 def test_a_hop_between_gpus_of_one_host_takes_the_host_link() -> None:
-    from ppharness.plan.doc import Cluster, Device, Impaired, Source
+    from ppharness.plan.lang.document import Cluster, Device, Impaired, Source
 
     def gpu(i: int, host: str) -> Device:
         return Device(id=f"{host}-{i}", memory=1 << 30, gflops=1.0, region="r", source=Source(host=host, gpu=i))

@@ -19,10 +19,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ppharness.errors import PlanError
-from ppharness.plan import cost
 from ppharness.plan.build import chain
-from ppharness.plan.check import check_plan, node_kv, node_memory, node_weights
-from ppharness.plan.doc import (
+from ppharness.plan.experts.place import baseline_experts, place_experts
+from ppharness.plan.experts.problem import without_routed_experts
+from ppharness.plan.experts.routing import load_routing, with_frequencies
+from ppharness.plan.lang.check import check_plan, node_kv, node_memory, node_weights
+from ppharness.plan.lang.document import (
     Block,
     Blocks,
     Cluster,
@@ -40,17 +42,15 @@ from ppharness.plan.doc import (
     Placement,
     PlanDoc,
     expert_holders,
-    load_plan,
     with_id,
 )
-from ppharness.plan.expert_problem import without_routed_experts
-from ppharness.plan.experts import baseline_experts, place_experts
-from ppharness.plan.fanout import Fanout, layer_times, routings
-from ppharness.plan.parse import parse
-from ppharness.plan.routing import load_routing, with_frequencies
+from ppharness.plan.lang.parse import parse
+from ppharness.plan.lang.text_form import render
+from ppharness.plan.predict import cost
+from ppharness.plan.predict.fanout import Fanout, layer_times, routings
+from ppharness.plan.predict.simulate import simulate
+from ppharness.plan.reader import load_plan
 from ppharness.plan.show import dot, draw_png, mermaid, table
-from ppharness.plan.simulate import simulate
-from ppharness.plan.text import render
 
 MiB = 1 << 20
 RESERVE = 64 * MiB
@@ -757,8 +757,8 @@ def test_frequencies_are_set_per_block_and_checked(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def moe_graphs() -> dict[str, ModelGraph]:
-    from ppharness.model.files import resolve_model
-    from ppharness.model.spec import preset_spec, synthetic_source
+    from ppharness.model.sources.files import resolve_model
+    from ppharness.model.synthetic.spec import preset_spec, synthetic_source
     from ppharness.plan.graph import model_graph
 
     out = {}

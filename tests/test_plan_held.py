@@ -12,15 +12,15 @@ from dataclasses import replace
 import pytest
 
 from ppharness.errors import PlanError
+from ppharness.model.engine.experts import ExpertBank
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.moe import ExpertBank
-from ppharness.model.slicing import ModelSlice
-from ppharness.model.spec import PRESETS, ModelSpec
-from ppharness.model.synthetic import make_synthetic
-from ppharness.plan.check import node_weights
+from ppharness.model.synthetic.spec import PRESETS, ModelSpec
+from ppharness.model.synthetic.writer import make_synthetic
 from ppharness.plan.compile import check_model, compile_plan, scenario_plan
-from ppharness.plan.doc import loop
 from ppharness.plan.graph import file_sha256, model_graph, spec_graph
+from ppharness.plan.lang.check import node_weights
+from ppharness.plan.lang.document import loop
 
 # widths that are multiples of 256, so that the K-quant types are really K-quants (not their Q8_0 fallback)
 DENSE = ModelSpec(blocks=3, dim=256, ffn=512, heads=4, kv_heads=2, vocab=320)

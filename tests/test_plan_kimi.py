@@ -13,17 +13,18 @@ import msgspec
 import pytest
 
 from ppharness.errors import PlanError
-from ppharness.model.files import resolve_model
-from ppharness.model.spec import PRESETS, parse_synthetic
+from ppharness.model.sources.files import resolve_model
+from ppharness.model.synthetic.spec import PRESETS, parse_synthetic
 from ppharness.plan.build import chain
-from ppharness.plan.check import check_plan
 from ppharness.plan.compile import compile_plan
 from ppharness.plan.consumer import H200, SHIPPED, cluster_name, consumer_cluster
-from ppharness.plan.doc import load_cluster, with_id
-from ppharness.plan.expert_problem import without_routed_experts
-from ppharness.plan.experts import place_experts
+from ppharness.plan.experts.place import place_experts
+from ppharness.plan.experts.problem import without_routed_experts
 from ppharness.plan.graph import model_graph, spec_graph
-from ppharness.plan.simulate import simulate
+from ppharness.plan.lang.check import check_plan
+from ppharness.plan.lang.document import with_id
+from ppharness.plan.predict.simulate import simulate
+from ppharness.plan.reader import load_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 KIMI = "synthetic:kimi-k2"

@@ -15,13 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppharness.errors import PlanError
-from ppharness.model.spec import PRESETS, synthetic_source
+from ppharness.model.synthetic.spec import PRESETS, synthetic_source
 from ppharness.plan.build import chain
-from ppharness.plan.check import check_plan
 from ppharness.plan.compile import compile_plan, plan_network, programs
-from ppharness.plan.doc import Cluster, Device, Impaired, Link, Objective, Source, load_plan, pretty
 from ppharness.plan.graph import model_graph
-from ppharness.plan.search import plan_optimal
+from ppharness.plan.lang.check import check_plan
+from ppharness.plan.lang.document import Cluster, Device, Impaired, Link, Objective, Source, pretty
+from ppharness.plan.reader import load_plan
+from ppharness.plan.search.planner import plan_optimal
 from ppharness.plan.stages import ENTRY, EXIT, StageSettings
 from ppharness.run.inprocess import load_slices, run_inprocess
 
@@ -138,7 +139,7 @@ def test_pp_smoke_run_runs_a_plan_file_token_exact(tiny_graph, tmp_path):
     assert "MATCH" in result.output
     assert f"plan {doc.id}" in result.output
     # a plan run leaves its per-token trace behind by default, in the cache directory, named after the plan
-    from ppharness.model.files import cache_dir
+    from ppharness.model.sources.files import cache_dir
 
     line = next(x for x in result.output.splitlines() if x.startswith("trace written: "))
     written = [Path(p) for p in line.removeprefix("trace written: ").split(" (")[0].split(", ")]
@@ -223,7 +224,7 @@ def test_a_scenario_with_both_a_plan_and_stages_is_refused(tiny_graph, tmp_path)
 
 
 def test_realise_gives_each_node_its_program_and_its_devices_docker_limits(tiny_graph):
-    from ppharness.run.realise import Endpoints, realise
+    from ppharness.run.seed.realise import Endpoints, realise
     from ppharness.scenario.schema import scenario_from_args
 
     cluster = _three_devices("docker")
@@ -241,7 +242,7 @@ def test_realise_gives_each_node_its_program_and_its_devices_docker_limits(tiny_
 
 
 def test_the_readmes_cluster_example_loads_and_plans(tiny_graph, tmp_path):
-    from ppharness.plan.doc import load_cluster
+    from ppharness.plan.reader import load_cluster
 
     text = (ROOT / "docs" / "plans.md").read_text()
     start = text.index("name: two-regions")
@@ -255,7 +256,7 @@ def test_the_readmes_cluster_example_loads_and_plans(tiny_graph, tmp_path):
 def test_a_scenario_serving_more_requests_than_its_plan_counted_is_refused(tiny_graph, tiny_model_path, tmp_path):
     """The plan's memory check counts the KV cache of ``objective.requests`` per stage: a scenario asking for more
     slots is refused with the fix; a scenario's own chain plan counts its slots."""
-    from ppharness.run.realise import realise_plan
+    from ppharness.run.seed.realise import realise_plan
     from ppharness.scenario.schema import load_scenario
 
     (tmp_path / "two.json").write_text(pretty(chain(tiny_graph, _three_devices(), ["dev-a", "dev-b"], [5])))

@@ -1,6 +1,6 @@
-"""The planner (``ppharness.plan.search``): its exact search equals every plan tried one by one, its plans pass the
-plan's invariants, it leaves out a device that would slow the loop, it names what is short when nothing fits, and the
-heuristic's gap to the exact search stays small."""
+"""The planner (``ppharness.plan.search.planner``): its exact search equals every plan tried one by one, its plans pass
+the plan's invariants, it leaves out a device that would slow the loop, it names what is short when nothing fits, and
+the heuristic's gap to the exact search stays small."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from plan_oracle import brute_force
 
 from ppharness.errors import PlanError
-from ppharness.plan.check import check_plan, gib
-from ppharness.plan.doc import (
+from ppharness.plan.lang.check import check_plan, gib
+from ppharness.plan.lang.document import (
     Block,
     Cluster,
     Device,
@@ -29,9 +29,9 @@ from ppharness.plan.doc import (
     PlanDoc,
     Source,
 )
-from ppharness.plan.objective import evaluate, fits
-from ppharness.plan.search import measure_gap, plan_optimal, policy_plan, solve, solve_heuristic
-from ppharness.plan.simulate import simulate
+from ppharness.plan.predict.simulate import simulate
+from ppharness.plan.search.objective import evaluate, fits
+from ppharness.plan.search.planner import measure_gap, plan_optimal, policy_plan, solve, solve_heuristic
 
 MIB = 1 << 20
 RESERVE = 64 * MIB
@@ -63,7 +63,7 @@ def device(name: str, memory_mib: float, gflops: float = 100.0, **kw: object) ->
 
 
 def plan_of(doc: PlanDoc) -> tuple[list[str], list[int]]:
-    from ppharness.plan.doc import loop
+    from ppharness.plan.lang.document import loop
 
     nodes = loop(doc)
     return [n.device for n in nodes], [n.blocks[0] for n in nodes[1:] if n.blocks is not None]
@@ -237,7 +237,7 @@ def test_evaluate_agrees_with_the_simulator() -> None:
 
 def moe_block(dense_mib: int, dense_mflops: int, count: int, active: int, expert_mib: int = 16) -> Block:
     """A mixture-of-experts block: its dense part, and ``count`` routed experts of ``expert_mib`` MiB, ``active`` of
-    them per token (two bytes and two FLOPs per parameter, as ``ppharness.plan.cost`` counts them)."""
+    them per token (two bytes and two FLOPs per parameter, as ``ppharness.plan.predict.cost`` counts them)."""
     per = expert_mib * MIB
     return Block(
         weight_bytes=dense_mib * MIB + count * per,

@@ -7,12 +7,12 @@ import math
 import pytest
 
 from ppharness.network.spec import Impairment
-from ppharness.plan import cost
 from ppharness.plan.build import chain
-from ppharness.plan.check import check_plan
-from ppharness.plan.doc import Block, Cluster, Device, Link, ModelGraph, Objective, PlanDoc
+from ppharness.plan.lang.check import check_plan
+from ppharness.plan.lang.document import Block, Cluster, Device, Link, ModelGraph, Objective, PlanDoc
+from ppharness.plan.predict import cost
+from ppharness.plan.predict.simulate import compare, simulate
 from ppharness.plan.show import dot, draw_png, mermaid, ops_text, table
-from ppharness.plan.simulate import compare, simulate
 from ppharness.trace.report import TokenRecord, Trace
 
 MIB = 1 << 20
@@ -204,7 +204,7 @@ def test_draw_png_writes_a_png(tmp_path):
 
 @pytest.mark.slow  # 20-40 s; the default run keeps to its 12-minute budget, .ci/run runs it with -m slow
 def test_probe_measures_this_machine(tiny_model_path):
-    from ppharness.plan.probe import fit_line, probe_fit
+    from ppharness.benchmarks.probe import fit_line, probe_fit
 
     a, b, r2 = fit_line([1.0, 2.0, 4.0], [3.0, 5.0, 9.0])
     assert (a, b, r2) == pytest.approx((1.0, 2.0, 1.0))
@@ -226,10 +226,10 @@ def test_probe_measures_this_machine(tiny_model_path):
 def test_probe_times_moe_blocks_says_what_it_measured_with_and_a_hop_in_a_running_chain():
     import json
 
-    from ppharness.model.files import resolve_model
-    from ppharness.plan.engine import engine_id
+    from ppharness.benchmarks.probe import probe_fit, probe_hop, probe_record
+    from ppharness.model.sources.files import resolve_model
     from ppharness.plan.graph import model_graph
-    from ppharness.plan.probe import probe_fit, probe_hop, probe_record
+    from ppharness.plan.provenance import engine_id
 
     source = "synthetic:tiny-moe"
     path = str(resolve_model(source))
@@ -283,7 +283,7 @@ def test_plan_make_show_and_simulate_print_one_per_token_figure_the_quota_wait_i
     from click.testing import CliRunner
 
     from ppharness.cli import main
-    from ppharness.plan.doc import load_plan
+    from ppharness.plan.reader import load_plan
 
     cluster = tmp_path / "quota-cluster.yaml"
     cluster.write_text(
@@ -312,7 +312,7 @@ def test_a_plan_run_prints_its_prediction_beside_its_trace_row_for_row(tmp_path,
     import time
 
     from ppharness.cli.smoke import print_prediction
-    from ppharness.plan.doc import pretty
+    from ppharness.plan.lang.document import pretty
 
     doc = _plan()
     plan_file = tmp_path / "plan.json"

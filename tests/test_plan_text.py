@@ -1,5 +1,5 @@
-"""The placement's text form (``ppharness.plan.text``): random placements round-trip exactly through render and
-parse, hand-written texts read as written, and every mistake is refused naming the line, the column and the fix."""
+"""The placement's text form (``ppharness.plan.lang.text_form``): random placements round-trip exactly through render
+and parse, hand-written texts read as written, and every mistake is refused naming the line, the column and the fix."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from ppharness.errors import PlanError
 from ppharness.plan.build import chain
-from ppharness.plan.check import check_plan
-from ppharness.plan.doc import (
+from ppharness.plan.lang.check import check_plan
+from ppharness.plan.lang.document import (
     Block,
     Blocks,
     Cluster,
@@ -28,8 +28,8 @@ from ppharness.plan.doc import (
     Op,
     Placement,
 )
-from ppharness.plan.parse import MAX_LINE_CHARS, MAX_TEXT_BYTES, parse, parse_document
-from ppharness.plan.text import render, render_plan
+from ppharness.plan.lang.parse import MAX_LINE_CHARS, MAX_TEXT_BYTES, parse, parse_document
+from ppharness.plan.lang.text_form import render, render_plan
 
 CHEAP_EXAMPLES = 8 * settings.default.max_examples  # examples here take microseconds: explore more
 

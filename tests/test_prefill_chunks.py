@@ -1,5 +1,5 @@
-"""Prefill in chunks of one size (``ppharness.model.chunks``): a warm slice compiles nothing for a prompt of a length
-it has not seen, and prompts of every length around the chunk size, and past the end of the context's last whole
+"""Prefill in chunks of one size (``ppharness.model.engine.prefill``): a warm slice compiles nothing for a prompt of a
+length it has not seen, and prompts of every length around the chunk size, and past the end of the context's last whole
 chunk, give a split model the unsplit model's tokens and stage-boundary hidden states byte for byte."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from ppharness.errors import ModelError
-from ppharness.model.chunks import CHUNK_ENV, chunk_size
-from ppharness.model.decoding import warm_up
-from ppharness.model.files import resolve_model
+from ppharness.model.decode.rules import warm_up
+from ppharness.model.engine.prefill import CHUNK_ENV, chunk_size
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.slicing import ModelSlice
+from ppharness.model.sources.files import resolve_model
 from ppharness.run.inprocess import load_slices
 
 

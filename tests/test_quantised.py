@@ -3,7 +3,7 @@ the weights stay close to the f16 model of the same seed, and splits of the quan
 bit for bit: tokens and every stage-boundary hidden state (in one process, and on real pp-node processes over ZeroMQ
 with marker ``local``). The other weight types (bf16, f32, q4_1 and the K-quants q4_k, q5_k, q6_k) in the file: each
 matrix in its type, the Q4_K_M / Q5_K_M mix or the documented fallback, close to the f16 model, and the K-quant
-quantisers of ``ppharness.model.quantize`` read back by ``gguf``'s own dequantiser."""
+quantisers of ``ppharness.model.formats.kquants`` read back by ``gguf``'s own dequantiser."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from ppharness.errors import ModelError
-from ppharness.model.files import synthetic_path
-from ppharness.model.quantize import quantize_k
-from ppharness.model.spec import PRESETS, ModelSpec, file_bytes, parse_synthetic
-from ppharness.model.synthetic import make_synthetic
+from ppharness.model.formats.kquants import quantize_k
+from ppharness.model.sources.files import synthetic_path
+from ppharness.model.synthetic.spec import PRESETS, ModelSpec, file_bytes, parse_synthetic
+from ppharness.model.synthetic.writer import make_synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ModelSpec(blocks=2, dim=64, ffn=96, heads=4, kv_heads=2, vocab=300, seed=3)
@@ -329,9 +329,10 @@ def _tiny(wtype: str):
 @pytest.mark.parametrize("wtype", [QUANTISED[0], pytest.param(QUANTISED[1], marks=pytest.mark.slow)])
 @pytest.mark.parametrize("ranges", [[(0, 4), (4, 8)], [(0, 3), (3, 5), (5, 8)]], ids=["N2", "N3"])
 def test_quantised_chain_equals_its_unsplit_model(wtype, ranges):
-    """Tokens, and every hidden state a stage sends, byte for byte (ppharness.model.exactness), over 32 tokens."""
-    from ppharness.model.exactness import compare
-    from ppharness.model.oracle import oracle_decode
+    """Tokens, and every hidden state a stage sends, byte for byte (ppharness.model.decode.exactness), over 32
+    tokens."""
+    from ppharness.model.decode.exactness import compare
+    from ppharness.model.decode.oracle import oracle_decode
     from ppharness.run.inprocess import load_slices, run_inprocess
 
     path, f, cache, whole = _tiny(wtype)
@@ -349,7 +350,7 @@ def test_quantised_chain_equals_its_unsplit_model(wtype, ranges):
 def test_quantised_model_is_not_the_f16_model():
     """Quantisation changes the numbers: the Q4_0 tiny model's answer differs from the f16 one's somewhere in 32
     tokens (so the chain tests above exercise the quantised weights, not a copy of the f16 ones)."""
-    from ppharness.model.oracle import oracle_decode
+    from ppharness.model.decode.oracle import oracle_decode
 
     path_f16 = synthetic_path(PRESETS["tiny"])
     path, _, _, whole = _tiny("q4_0")

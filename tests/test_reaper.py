@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from backends.local import labelled_pids
-from ppharness.run.locks import RunLabelInUse, RunLock, known_runs, run_state
+from ppharness.run.seed.locks import RunLabelInUse, RunLock, known_runs, run_state
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ def _fake_node(tmp_path: Path, label: str) -> subprocess.Popen:
 
 def _dead_run(label: str) -> None:
     """A run whose orchestrator is gone: it took the lock, then died without letting go of it properly."""
-    code = f"import os; from ppharness.run.locks import RunLock; RunLock({label!r}).acquire(); os._exit(9)"
+    code = f"import os; from ppharness.run.seed.locks import RunLock; RunLock({label!r}).acquire(); os._exit(9)"
     subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, timeout=60)
 
 
@@ -164,7 +164,7 @@ def test_strict_fails_on_anything_left_but_a_live_run(state, tmp_path):
 def test_a_run_that_fails_before_any_node_starts_lets_go_of_its_label(state, tmp_path):
     """The lock is taken first; a failure after it (here: a model file that does not exist) still releases it."""
     from ppharness.errors import HarnessError
-    from ppharness.run.orchestrator import Chain
+    from ppharness.run.seed.orchestrator import Chain
     from ppharness.scenario.schema import Scenario
     from ppharness.scenario.sections import ModelSection
 

@@ -46,15 +46,15 @@ import gguf
 import numpy as np
 import pytest
 
-import ppharness.model.moe
-import ppharness.model.slicing
+import ppharness.model.engine.slicing
+import ppharness.model.layers.moe
 from ppharness.errors import ModelError
-from ppharness.model.decoding import warm_up
-from ppharness.model.files import resolve_model
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.decode.rules import warm_up
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import ModelSlice
-from ppharness.model.spec import PRESETS as PRESETS_BY_NAME
+from ppharness.model.sources.files import resolve_model
+from ppharness.model.synthetic.spec import PRESETS as PRESETS_BY_NAME
 from tests.reference_model import ReferenceModel, rope, rope_angles
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ def project_run(path: Path, prompt: str) -> ProjectRun:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model, "tapped", recording)
-        mp.setattr(ppharness.model.moe, "routed", recording_route)
+        mp.setattr(ppharness.model.layers.moe, "routed", recording_route)
         result = oracle_decode(path, prompt, TOKENS, MAX_CONTEXT, model=model, boundaries=True)
     moe_blocks = sorted(cfg.moe_blocks)  # each step routes once per MoE block, in block order
     routing = {b: np.concatenate(routed[n :: len(moe_blocks)]) for n, b in enumerate(moe_blocks)}

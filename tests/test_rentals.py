@@ -1,5 +1,5 @@
 """What a run rents as the plan says (``backends.vastai.rentals``) and how one instance runs a host's nodes
-(``ppharness.run.host``): per-device searches, GPUs of one host as one instance, container ports, pp-host's
+(``ppharness.run.node.host``): per-device searches, GPUs of one host as one instance, container ports, pp-host's
 environment encoding and its supervision of real processes."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from backends.vastai.offers import offer_query
 from backends.vastai.rentals import instance_env, port_requests, rentals
 from backends.vastai.settings import VastaiSettings
 from ppharness.errors import ProvisionFailed
-from ppharness.run.host import COUNT_VAR, OWN_VAR, HostError, host_env, run_host, split_env
+from ppharness.run.node.host import COUNT_VAR, OWN_VAR, HostError, host_env, run_host, split_env
 from ppharness.seams.provider import NodeSpec
 
 EIGHT = {"gpu_name": "RTX_4090", "num_gpus": "8"}
@@ -181,7 +181,7 @@ def test_a_kimi_host_fits_one_instances_environment():
 
 def test_pp_host_without_nodes_exits_1_with_the_reason():
     env = {k: v for k, v in os.environ.items() if k != COUNT_VAR}
-    proc = subprocess.run([sys.executable, "-m", "ppharness.run.host"], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "ppharness.run.node.host"], env=env, capture_output=True, text=True)
     assert proc.returncode == 1 and "PP_HOST_NODES must be a whole number" in proc.stderr
 
 

@@ -1,16 +1,16 @@
-"""Re-placing a lost stage on a surviving device (``ppharness.run.replan``): the survivor with the most room that holds
-the stage's weights and KV cache, never a lost device, and the shortfall named when none can."""
+"""Re-placing a lost stage on a surviving device (``ppharness.run.seed.replan``): the survivor with the most room that
+holds the stage's weights and KV cache, never a lost device, and the shortfall named when none can."""
 
 from __future__ import annotations
 
 import msgspec
 
-from ppharness.model.spec import parse_synthetic
+from ppharness.model.synthetic.spec import parse_synthetic
 from ppharness.plan.compile import scenario_plan
-from ppharness.plan.doc import PlanDoc
 from ppharness.plan.graph import spec_graph
+from ppharness.plan.lang.document import PlanDoc
 from ppharness.plan.stages import StagePlan
-from ppharness.run.replan import Placed, stage_need, survivor
+from ppharness.run.seed.replan import Placed, stage_need, survivor
 
 SOURCE = "synthetic:tiny"
 

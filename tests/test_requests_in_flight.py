@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from interleaved import Arrival, run_interleaved
 
-from ppharness.model.oracle import oracle_decode
+from ppharness.model.decode.oracle import oracle_decode
 from ppharness.run.inprocess import load_slices
 from ppharness.wire.messages import Error, InferenceResponse
 
@@ -100,7 +100,7 @@ def test_requests_are_in_flight_at_once_on_every_stage(tiny_model_path, tiny_ggu
 
     def observe(stages) -> None:
         for s in stages:
-            most[s.index] = max(most[s.index], len(s.reqs))
+            most[s.state.index] = max(most[s.state.index], len(s.state.reqs))
 
     load = [Arrival(p, 12, 0) for p in PROMPTS[:3]]
     slices = load_slices(tiny_gguf, split, MAX_CONTEXT, cache=_slices, slots=3)
@@ -118,7 +118,7 @@ def test_beyond_the_slots_requests_wait_in_order_and_beyond_the_queue_they_are_r
     started: list[str] = []
 
     def observe(stages) -> None:
-        for rid in stages[0].reqs:
+        for rid in stages[0].state.reqs:
             if rid not in started:
                 started.append(rid)
 

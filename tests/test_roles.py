@@ -23,19 +23,20 @@ from backends import local
 from backends.local import LocalProvider, node_environment
 from backends.vastai.rentals import node_env as rented_node_env
 from ppharness.errors import ClusterError, StageError, WaitTimedOut
-from ppharness.model.oracle import oracle_decode
+from ppharness.model.decode.oracle import oracle_decode
 from ppharness.network.clock import EventClock
 from ppharness.plan.stages import ENTRY, EXIT, StagePlan, stage_name
-from ppharness.run.cluster import Directory, resolve_members
-from ppharness.run.drops import MAX_DROP_LINES, fingerprinted
 from ppharness.run.loop import Loop
 from ppharness.run.membership import HeartbeatDetector
-from ppharness.run.node import Node, Standing
-from ppharness.run.orchestrator import Chain
-from ppharness.run.roles import Identities, Roles, member_role, needed_names, spare_role
-from ppharness.run.session import Standby
+from ppharness.run.node.members import needed_names, resolve_members
+from ppharness.run.node.node import Node, Standing
+from ppharness.run.seed.directory import Directory
+from ppharness.run.seed.orchestrator import Chain
+from ppharness.run.seed.roles import Identities, Roles, member_role, spare_role
+from ppharness.run.seed.session import Standby
 from ppharness.scenario.schema import scenario_from_args
 from ppharness.seams.provider import NodeSpec
+from ppharness.trace.drops import MAX_DROP_LINES, fingerprinted
 from ppharness.wire.messages import (
     ClockReply,
     DigestReport,

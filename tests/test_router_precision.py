@@ -19,12 +19,14 @@ import gguf
 import numpy as np
 import pytest
 
-from ppharness.model import moe, slicing
-from ppharness.model.files import synthetic_path
+from ppharness.model.arch import of_config
+from ppharness.model.engine import slicing
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.moe import Routing, route
-from ppharness.model.slicing import ModelSlice
-from ppharness.model.spec import parse_synthetic
+from ppharness.model.layers import moe
+from ppharness.model.layers.moe import Routing, route
+from ppharness.model.sources.files import synthetic_path
+from ppharness.model.synthetic.spec import parse_synthetic
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -100,7 +102,7 @@ def generation(preset: str) -> list[Routed]:
     real_combine = slicing.combine_rows
 
     def seen_routed(layer: int, logits: NDArray[np.float32], routing: Routing) -> Routing:
-        bias = cfg.architecture.router_bias
+        bias = of_config(cfg).router_bias
         extra = {"bias": f.vector(f"blk.{layer}.{bias}")} if bias and f.has(f"blk.{layer}.{bias}") else {}
         routes.append((logits.copy(), routing, args, kwargs | extra))
         return routing

@@ -243,7 +243,7 @@ def test_transport_override_keeps_relay_for_iroh_and_drops_it_otherwise() -> Non
 
 
 def test_relay_reaches_every_planned_endpoint() -> None:
-    from ppharness.run.realise import transport_settings
+    from ppharness.run.seed.realise import transport_settings
 
     section = msgspec.structs.replace(
         load_scenario(SCENARIOS / "smoke-5stage-local-iroh.yaml").transport, relay="default"
@@ -309,8 +309,8 @@ def test_synthetic_weight_type(tmp_path: Path) -> None:
 
 
 def test_scenario_weight_type_reaches_the_model(tmp_path: Path) -> None:
-    from ppharness.model.spec import parse_synthetic
-    from ppharness.run.realise import model_source
+    from ppharness.model.synthetic.spec import parse_synthetic
+    from ppharness.run.seed.realise import model_source
 
     s = load_scenario(_write(tmp_path, "version: 1\nmodel: {synthetic: {preset: tiny, type: q8_0}}\n"))
     source, sha = model_source(s)

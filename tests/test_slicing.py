@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from ppharness.errors import ModelError
-from ppharness.model.decoding import end_of_generation
-from ppharness.model.files import resolve_model
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.engine.slicing import ModelSlice, _local_name, owned_tensors
 from ppharness.model.gguf_file import GGUFFile, tokenizer_from
-from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import ModelSlice, _local_name, owned_tensors
-from ppharness.model.spec import ModelSpec
-from ppharness.model.synthetic import make_synthetic
+from ppharness.model.sources.files import resolve_model
+from ppharness.model.synthetic.spec import ModelSpec
+from ppharness.model.synthetic.writer import make_synthetic
+from ppharness.model.text.eog import end_of_generation
 from ppharness.run.inprocess import check_splits, load_slices, run_inprocess
 
 SMALL = ModelSpec(blocks=4, dim=8, ffn=16, heads=2, kv_heads=1, vocab=300, context=64)
@@ -97,7 +97,7 @@ def test_oracle_equals_tinygrads_own_generate(tiny_model_path):
     from tinygrad import Tensor
     from tinygrad.apps.llm import Transformer
 
-    from ppharness.model.arch.llama import block_class
+    from ppharness.model.layers.block import block_class
 
     model, kv = Transformer.from_gguf(Tensor(Path(tiny_model_path)), 256)
     for block in model.blk:

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ppharness.model.decoding import warm_up
+from ppharness.model.decode.rules import warm_up
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.slicing import ModelSlice
 from ppharness.run.inprocess import check_splits
 
 HERE = Path(__file__).resolve().parent

@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 from ppharness.document.explain import FieldError
 from ppharness.errors import ModelError, ScenarioError
-from ppharness.model.drafts import DEFAULT_K, NGramDraft, build_draft, parse_draft
-from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import ModelSlice
+from ppharness.model.decode.drafts import DEFAULT_K, NGramDraft, build_draft, parse_draft
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.plan.speculation import acceptance, distinct_experts, predict, tokens_per_trip
 from ppharness.run.inprocess import InProcessChain, judge, load_slices, run_inprocess
-from ppharness.run.speculation import Speculation, accepted, current, rows_ok
+from ppharness.run.stage.speculation import Speculation, accepted, current, rows_ok
 from ppharness.scenario.schema import scenario_from_args
 
 MAX_CONTEXT = 96
@@ -117,8 +117,8 @@ def test_qwen3_rows_have_the_same_bits_at_every_batch_width(tiny_qwen3_path):
 
 @pytest.fixture(scope="module")
 def tiny_qwen3_path() -> str:
-    from ppharness.model.files import synthetic_path
-    from ppharness.model.spec import PRESETS
+    from ppharness.model.sources.files import synthetic_path
+    from ppharness.model.synthetic.spec import PRESETS
 
     return str(synthetic_path(PRESETS["tiny-qwen3"]))
 
@@ -169,7 +169,7 @@ def test_an_ngram_draft_commits_several_tokens_per_trip_on_a_repeating_answer(ti
                 chain.turn(i)
             reply = chain.reply()
         assert isinstance(reply, InferenceResponse)
-        last = chain.stages[1].inbound.windows
+        last = chain.stages[1].out.windows
         assert reply.token_ids == oracle.token_ids
         per_trip = last.committed / last.trips
         assert last.trips < 39 and per_trip > 1.0, f"{last.trips} trips for 39 tokens: nothing was accepted"
@@ -311,7 +311,7 @@ def test_under_retry_a_speculating_chain_acknowledges_windows_and_answers_the_sa
 
 
 def _rows(request_id: str, start: int, n: int, dim: int, tokens: bool = True, trip: int = 1):
-    from ppharness.model.hidden import Hidden
+    from ppharness.model.engine.hidden import Hidden
     from ppharness.wire import codec
     from ppharness.wire.messages import ActivationRows
 
@@ -324,7 +324,7 @@ def _rows(request_id: str, start: int, n: int, dim: int, tokens: bool = True, tr
 
 
 def test_a_stage_refuses_windows_that_skip_ahead_replay_a_trip_or_do_not_fit_the_run(tiny_gguf):
-    from ppharness.model.hidden import Hidden
+    from ppharness.model.engine.hidden import Hidden
     from ppharness.wire import codec
     from ppharness.wire.messages import RequestOpen
 
@@ -343,7 +343,9 @@ def test_a_stage_refuses_windows_that_skip_ahead_replay_a_trip_or_do_not_fit_the
         stage.handle(sender, _rows("r", 5, 2, dim))
         assert any("computed up to 2" in line for line in logs), f"a window skipping ahead was taken: {logs}"
         stage.handle(sender, _rows("r", 3, 2, dim, trip=1))
-        assert stage.reqs["r"].trip == 1 and stage.reqs["r"].next_position == 5, "a good window was not taken"
+        assert stage.state.reqs["r"].trip == 1 and stage.state.reqs["r"].next_position == 5, (
+            "a good window was not taken"
+        )
         stage.handle(sender, _rows("r", 4, 2, dim, trip=1))
         assert any("took trip 1" in line for line in logs), f"a replayed trip was taken: {logs}"
         stage.handle(sender, _rows("r", 5, 1, dim, tokens=False))

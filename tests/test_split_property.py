@@ -17,8 +17,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ppharness.model.exactness import compare, digest
-from ppharness.model.oracle import oracle_decode
+from ppharness.model.decode.exactness import compare
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.engine.hidden import digest
 from ppharness.run.inprocess import judge, load_slices, run_inprocess
 from ppharness.wire import codec
 from ppharness.wire.messages import StageActivation

@@ -7,9 +7,9 @@ import pytest
 from ppharness.errors import TransportTimeout
 from ppharness.plan.stages import names_of
 from ppharness.registry import transport_class
-from ppharness.run.drops import MAX_DROP_LINES, fingerprinted
 from ppharness.run.inprocess import load_slices
-from ppharness.run.stage import Stage
+from ppharness.run.stage.stage import Stage
+from ppharness.trace.drops import MAX_DROP_LINES, fingerprinted
 from ppharness.wire import codec
 from ppharness.wire.messages import Error, InferenceRequest, NextToken, RequestOpen, StageActivation
 
@@ -69,7 +69,7 @@ def test_activation_for_unknown_request_is_dropped(two_stage):
 def test_stale_plan_is_dropped(two_stage):
     stage, t0, client, logs, slices = two_stage
     stage.handle(t0.address, _open(client, plan_id="plan-old"))
-    assert not stage.reqs and "plan plan-old" in logs[-1]
+    assert not stage.state.reqs and "plan plan-old" in logs[-1]
 
 
 def test_tensor_of_wrong_size_is_dropped_then_the_request_goes_on(two_stage):
@@ -122,7 +122,7 @@ def test_a_request_open_from_another_member_cannot_take_the_stage_over(two_stage
     stage, t0, client, logs, slices = two_stage
     stage.handle(t0.address, _open(client))
     stage.handle(client.address, _open(client, request_id="hijack"))
-    assert list(stage.reqs) == ["r1"]
+    assert list(stage.state.reqs) == ["r1"]
     assert "dropped RequestOpen from" in logs[-1] and "only stage 0 sends it" in logs[-1]
 
 
@@ -130,7 +130,7 @@ def test_an_activation_from_another_member_is_dropped_before_compute(two_stage):
     stage, t0, client, logs, slices = two_stage
     stage.handle(t0.address, _open(client))
     stage.handle(client.address, _activation(slices))
-    assert "only stage 0 sends it" in logs[-1] and stage.reqs["r1"].next_position == 0
+    assert "only stage 0 sends it" in logs[-1] and stage.state.reqs["r1"].next_position == 0
     with pytest.raises(TransportTimeout):
         t0.recv(0)
 
@@ -140,7 +140,7 @@ def test_answers_go_only_to_the_orchestrator(two_stage):
     stage.handle(
         t0.address, RequestOpen(request_id="r1", reply_to=t0.address, max_tokens=3, prompt_tokens=3, plan_id="plan-a")
     )
-    assert not stage.reqs and "is not the orchestrator" in logs[-1]
+    assert not stage.state.reqs and "is not the orchestrator" in logs[-1]
 
 
 @pytest.mark.parametrize(
@@ -155,7 +155,7 @@ def test_an_activation_of_the_wrong_shape_for_the_plan_is_refused_before_compute
     for d in shape:
         n *= d
     stage.handle(t0.address, _activation(slices, seq_len=seq_len, shape=shape, hidden=b"\0\0" * n))
-    assert "the plan expects (1, 3, 64)" in logs[-1] and stage.reqs["r1"].next_position == 0
+    assert "the plan expects (1, 3, 64)" in logs[-1] and stage.state.reqs["r1"].next_position == 0
     stage.deliver(t0.address, _activation(slices))  # the real prefill still works
     assert isinstance(t0.recv(0)[1], NextToken)
 
@@ -180,7 +180,7 @@ def test_a_next_token_from_another_stage_is_dropped(tiny_gguf):
     stage.handle(addrs[1], NextToken(request_id="r", token_id=1, position=5, done=True, plan_id="p"))
     assert "only stage 2 sends it" in logs[-1]
     stage.handle(addrs[1], InferenceRequest(reply_to=addrs[1], prompt="hi", max_tokens=2))
-    assert "only the orchestrator sends it" in logs[-1] and not stage.reqs
+    assert "only the orchestrator sends it" in logs[-1] and not stage.state.reqs
     for t in ts:
         t.close()
 
@@ -211,7 +211,7 @@ def test_a_request_beyond_the_slots_and_the_queue_is_refused_as_busy_and_the_orc
     """With every slot taken and no room in the queue, stage 0 refuses; the refusal is told apart by type
     (Error.busy -> StageBusy), which Chain.request retries; other errors fail."""
     from ppharness.errors import StageBusy, StageError
-    from ppharness.run.session import raise_on_error as _raise_on_error
+    from ppharness.run.seed.session import raise_on_error as _raise_on_error
 
     memory = transport_class("memory")
     t0, t1, client = memory(), memory(), memory()
@@ -229,7 +229,7 @@ def test_a_request_beyond_the_slots_and_the_queue_is_refused_as_busy_and_the_orc
         )
         _, refusal = client.recv(0)
         assert isinstance(refusal, Error) and refusal.busy and refusal.request_id == "b"
-        assert list(stage.reqs) == ["a"], "the refusal left the request in flight alone"
+        assert list(stage.state.reqs) == ["a"], "the refusal left the request in flight alone"
         assert "1 request(s) in flight (its 1 slot(s)) and 0 waiting (its queue of 0)" in refusal.reason
         with pytest.raises(StageBusy):
             _raise_on_error(refusal)
@@ -257,12 +257,12 @@ def test_an_activation_past_the_requests_end_is_refused_and_its_sender_named(two
     stage.handle(t0.address, _open(client, max_tokens=3))
     stage.deliver(t0.address, _activation(slices))  # the prefill: positions 0-2
     t0.recv(0)
-    end = stage.state.end_of(stage.reqs["r1"])
+    end = stage.state.end_of(stage.state.reqs["r1"])
     stage.handle(t0.address, _activation(slices, position=end, ids=(1,), is_prefill=False))
     error = _blame(client)
     assert error.stage == 1 and error.request_id == "r1"
     assert "pp-stage-0" in error.reason and f"position {end} is past the request's end" in error.reason, error
-    assert stage.reqs["r1"].next_position == 3, "the stage computed a position past the request's end"
+    assert stage.state.reqs["r1"].next_position == 3, "the stage computed a position past the request's end"
     assert "refused an activation of r1 from pp-stage-0" in logs[-1]
 
 

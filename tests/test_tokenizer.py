@@ -1,4 +1,4 @@
-"""A GGUF file's tokenizer (ppharness.model.tokenizer) against the models' own tokenizers, each given the synthetic
+"""A GGUF file's tokenizer (ppharness.model.text.tokenizer) against the models' own tokenizers, each given the synthetic
 file's vocabulary as tiktoken's mergeable ranks (rank = token id): Llama 3's (tiktoken with Meta's pattern) and
 DeepSeek-V3's (its tokenizer.json's three splits, run here by the ``regex`` module, then tiktoken's byte-pair merge of
 each piece). The patterns below are copied from those sources, not from the module under test.
@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from ppharness.errors import ModelError
 from ppharness.model.gguf_file import GGUFFile, tokenizer_from
-from ppharness.model.spec import ModelSpec
-from ppharness.model.synthetic import make_synthetic
-from ppharness.model.tokenizer import PRE_TOKENIZERS, TOKENIZER_FAMILIES, Tokenizer, pre_tokenize
-from ppharness.model.vocab import BYTE_TO_CHAR, build_vocab, special_tokens
+from ppharness.model.synthetic.spec import ModelSpec
+from ppharness.model.synthetic.vocab import BYTE_TO_CHAR, build_vocab, special_tokens
+from ppharness.model.synthetic.writer import make_synthetic
+from ppharness.model.text.tokenizer import PRE_TOKENIZERS, TOKENIZER_FAMILIES, Tokenizer, pre_tokenize
 
 LLAMA3_PAT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501
 KIMI_PAT = "|".join(

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 
 from ppharness.errors import ModelError
+from ppharness.model.gguf.header import read_gguf
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.gguf_header import read_gguf
-from ppharness.model.pretokenizers import FAMILY_SPLITS, PRE_TOKENIZERS, TOKENIZER_FAMILIES
-from ppharness.model.tokenizer import Tokenizer, clean_spaces, tokenizer_problem
+from ppharness.model.text.pretokenizers import FAMILY_SPLITS, PRE_TOKENIZERS, TOKENIZER_FAMILIES
+from ppharness.model.text.tokenizer import Tokenizer, clean_spaces, tokenizer_problem
 from tests.fixtures.make_tokenizer_fixtures import write_vocab_gguf
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ppharness.run.orchestrator import Progress, run_scenario
+from ppharness.run.seed.orchestrator import Progress, run_scenario
 from ppharness.scenario.schema import scenario_from_args
 from ppharness.trace.report import build_trace
 from ppharness.wire.messages import InferenceResponse, Span, TraceReport

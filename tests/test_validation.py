@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ppharness.plan.doc import load_cluster
-from ppharness.plan.simulate import simulate
+from ppharness.plan.predict.simulate import simulate
+from ppharness.plan.reader import load_cluster
 from ppharness.plan.validation import (
     TOLERANCE_PCT,
     VALIDATION,

@@ -23,7 +23,7 @@ import pytest
 from backends.local import labelled_pids
 from ppharness.benchmarks.watched import WatchedRun
 from ppharness.errors import HarnessError, NotReady, ProvisionFailed
-from ppharness.run.orchestrator import Progress, run_scenario
+from ppharness.run.seed.orchestrator import Progress, run_scenario
 from ppharness.scenario.schema import load_scenario, scenario_from_args
 
 pytestmark = pytest.mark.vastai

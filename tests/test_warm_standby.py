@@ -9,14 +9,14 @@ import msgspec
 import numpy as np
 import pytest
 
-from ppharness.model.decoding import warm_up
-from ppharness.model.files import resolve_model
+from ppharness.model.decode.rules import warm_up
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.slicing import ModelSlice
+from ppharness.model.sources.files import resolve_model
 from ppharness.plan.stages import StagePlan
-from ppharness.run.failover import Failover
-from ppharness.run.roles import Roles
-from ppharness.run.standby import Held
+from ppharness.run.node.standby import Held
+from ppharness.run.seed.failover import Failover
+from ppharness.run.seed.roles import Roles
 from ppharness.wire.messages import Heartbeat, InferenceResponse, StreamedToken, Warm
 
 

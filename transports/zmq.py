@@ -54,8 +54,8 @@ except ImportError as exc:  # pragma: no cover - pyzmq is a declared dependency
     raise ImportError("the zmq transport needs pyzmq: pip install pyzmq") from exc
 
 from ppharness.errors import CodecError, ConnectFailed, TransportClosed, TransportError, TransportTimeout
-from ppharness.run.drops import PROCESS_DROPS
 from ppharness.seams.transport import JsonObject, Transport
+from ppharness.trace.drops import PROCESS_DROPS
 from ppharness.wire import codec
 from transports.bounds import ConnectionCaps, RefusalLog, raise_open_file_limit
 

@@ -7,7 +7,8 @@ Pure functions of the node specs and the scenario's ``provider.vastai`` settings
   ``num_gpus`` GPUs, a node per GPU, ``pp-host`` starting them); any other node is an instance of its own. Each
   instance's search is the scenario's settings with its device's ``source.offer`` applied
   (``ProviderSettings.for_device``); instances with equal searches are found by one search.
-- ``instance_env``: the node (or the host's nodes, in ``ppharness.run.host``'s encoding) with what each node needs on a
+- ``instance_env``: the node (or the host's nodes, in ``ppharness.run.node.host``'s encoding) with what each node needs
+on a
   rented machine: its own container port ``PP_PORT`` (``node_port`` + its index in the run), requested as
   ``-p P:P`` (udp for iroh) so that vast.ai maps it to a public port the node reads from ``VAST_TCP_PORT_<P>`` /
   ``VAST_UDP_PORT_<P>`` and advertises with ``PUBLIC_IPADDR``; ``PP_BIND_HOST=0.0.0.0``; ``CUDA_VISIBLE_DEVICES`` for
@@ -25,7 +26,7 @@ from backends.vastai.settings import VastaiSettings
 from ppharness.document.explain import FieldError
 from ppharness.errors import ProvisionFailed
 from ppharness.plan.stages import decode_program
-from ppharness.run.host import host_env
+from ppharness.run.node.host import host_env
 from ppharness.seams.provider import NodeSpec
 
 HOST_COMMAND = "pp-host"

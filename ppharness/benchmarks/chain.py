@@ -23,13 +23,13 @@ import msgspec
 from ppharness.benchmarks.provenance import stamped
 from ppharness.benchmarks.transport import run_transport_bench
 from ppharness.errors import HarnessError
-from ppharness.model.decoding import warm_up
-from ppharness.model.files import resolve_model
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.decode.rules import warm_up
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import ModelSlice
-from ppharness.model.spec import PRESETS
-from ppharness.run.orchestrator import Chain, decode_tok_s
+from ppharness.model.sources.files import resolve_model
+from ppharness.model.synthetic.spec import PRESETS
+from ppharness.run.seed.orchestrator import Chain, decode_tok_s
 from ppharness.scenario.schema import scenario_from_args
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from ppharness.wire.messages import InferenceResponse
 
 PROMPT = "Pipeline parallel inference over the wide area network"
-COLOCATED = "co-located"  # the chain whose stages one process drives (``ppharness.run.colocated``), beside zmq's
+COLOCATED = "co-located"  # the chain whose stages one process drives (``ppharness.run.node.colocated``), beside zmq's
 ONE_NODE = "one node"  # every block in one pp-node process: one process as the chains' own code runs it
 
 

@@ -6,7 +6,7 @@ standbys and stages compiled for the prompts), whose network carries a fault sch
 ``random.Random(seed + trial)``: one or two faults among
 
 - ``kill``: a random stage is killed (SIGKILL) 0.1-0.8 s into the request; a spare takes over (``--no-spares``: a
-  surviving device does, ``ppharness.run.replan``);
+  surviving device does, ``ppharness.run.seed.replan``);
 - ``pause``: a random stage is stopped (SIGSTOP) for 0.5-4 s: shorter than detection, the retries ride it out;
   longer, the stage is declared dead and a spare takes over. The orchestrator fences the old node off, but its
   neighbours go on using it, once it runs again, until the spare is ready: the request may finish on it first (an
@@ -42,11 +42,11 @@ from typing import Literal
 
 import msgspec
 
-from ppharness.model.oracle import oracle_decode
+from ppharness.model.decode.oracle import oracle_decode
 from ppharness.network.spec import Bursty, Event, Impairment, Network, stage_node
-from ppharness.run.client import Job
-from ppharness.run.failover import Recovery
-from ppharness.run.orchestrator import Chain, decode_tok_s
+from ppharness.run.seed.client import Job
+from ppharness.run.seed.failover import Recovery
+from ppharness.run.seed.orchestrator import Chain, decode_tok_s
 from ppharness.scenario.schema import Scenario, scenario_from_args
 
 FaultKind = Literal["kill", "pause", "partition", "loss"]
@@ -294,7 +294,7 @@ def run_trial(
 ) -> Trial:
     """One request (or ``serving.slots`` requests in flight together) under the schedule drawn from ``seed``; any
     exception ends the trial as failed, not the bench. ``spares``: False runs without spares, so that a dead stage
-    is re-placed on a surviving device (``ppharness.run.replan``)."""
+    is re-placed on a surviving device (``ppharness.run.seed.replan``)."""
 
     faults = draw_schedule(random.Random(seed), base.stages.num_stages)
     trial = Trial(

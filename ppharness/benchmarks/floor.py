@@ -1,8 +1,8 @@
 """``ppharness bench block``: one decode block of a model on this machine's accelerator, against the practical floor.
 
-tinygrad's side is ``plan probe``'s fit (``ppharness.plan.probe.probe_fit``): a middle stage's decode step (a hidden
-state in, one out, copied to the host as a stage does) timed for slices of k blocks and fitted to t(k) = a + b·k, so
-``b`` is one block and ``a`` the fixed cost a stage pays per token. A kernel table named by ``PPHARNESS_KERNELS``
+tinygrad's side is ``plan probe``'s fit (``ppharness.benchmarks.probe.probe_fit``): a middle stage's decode step (a
+hidden state in, one out, copied to the host as a stage does) timed for slices of k blocks and fitted to t(k) = a + b·k,
+so ``b`` is one block and ``a`` the fixed cost a stage pays per token. A kernel table named by ``PPHARNESS_KERNELS``
 applies as in every other process.
 
 The floor is what the same weights cost read once by PyTorch's fp16 GEMV (cuBLAS) on the same GPU, launched from a
@@ -23,10 +23,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from ppharness.benchmarks.probe import probe_fit
 from ppharness.errors import HarnessError
-from ppharness.model import kernels
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.plan.probe import probe_fit
+from ppharness.model.layers import kernels
 
 if TYPE_CHECKING:
     from collections.abc import Callable

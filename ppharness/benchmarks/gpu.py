@@ -2,7 +2,7 @@
 
 One run on one machine: a synthetic GGUF with llama-3.2-1B dimensions (built once), single-process tinygrad decode
 (the oracle path), the N-stage chain for each N and transport with every stage process on the same GPU, and with
-every stage co-located in one process (``ppharness.run.colocated``), and, where PyTorch and transformers are
+every stage co-located in one process (``ppharness.run.node.colocated``), and, where PyTorch and transformers are
 installed, HF transformers' greedy decode of a LlamaForCausalLM of the same dimensions
 (random weights, bf16, dynamic and static cache): the reference a user would pick instead. Figures: decode tokens/s
 (``tokens`` after a ``prompt_tokens`` prompt), time to first token cold (first request: kernels compile) and warm,
@@ -35,20 +35,20 @@ from ppharness.benchmarks.llamacpp import LlamaCppRun
 from ppharness.benchmarks.packed_floor import PackedFloor
 from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
-from ppharness.model import kernels
-from ppharness.model.decoding import warm_up
-from ppharness.model.files import resolve_model
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.decode.rules import warm_up
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import ModelSlice
-from ppharness.run.client import Job
-from ppharness.run.node import device_bytes
-from ppharness.run.orchestrator import Chain, decode_span, decode_tok_s
+from ppharness.model.layers import kernels
+from ppharness.model.sources.files import resolve_model
+from ppharness.run.node.node import device_bytes
+from ppharness.run.seed.client import Job
+from ppharness.run.seed.orchestrator import Chain, decode_span, decode_tok_s
 from ppharness.scenario.schema import scenario_from_args
 
 if TYPE_CHECKING:
-    from ppharness.model.config import ModelConfig
-    from ppharness.model.oracle import OracleResult
+    from ppharness.model.decode.oracle import OracleResult
+    from ppharness.model.gguf.config import ModelConfig
 
 
 class Tokenizer(Protocol):
@@ -143,7 +143,7 @@ def run_gpu_bench(
         own = llamacpp_bench.synthetic_file_type(f"synthetic:{preset}")
         tools = llamacpp_bench.find_tools(llamacpp, need_quantize=any(t != own for t in types))
     os.environ["DEV"] = device.upper()  # this process and every stage process it starts; tinygrad, imported
-    # when the first slice is built (ppharness.model.slicing), takes its device from it
+    # when the first slice is built (ppharness.model.engine.slicing), takes its device from it
 
     progress(f"model: synthetic {preset} (built once into the cache)")
     path = str(resolve_model(f"synthetic:{preset}"))

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ppharness.errors import HarnessError
-from ppharness.model.gguf_header import read_gguf
-from ppharness.model.spec import WEIGHT_TYPES, parse_synthetic
+from ppharness.model.gguf.header import read_gguf
+from ppharness.model.synthetic.spec import WEIGHT_TYPES, parse_synthetic
 
 BUILD_HINT = "bash ../shared/tools/llamacpp/build.sh ARCHIVE DEST cuda (on the GPU machine; see its README.md)"
 BENCH_TIMEOUT_S = 900

@@ -31,15 +31,15 @@ import msgspec
 from ppharness.benchmarks.chain import _scenario as chain_scenario
 from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
-from ppharness.model.decoding import warm_up
-from ppharness.model.files import resolve_model
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.decode.rules import warm_up
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import ModelSlice
-from ppharness.model.spec import PRESETS
+from ppharness.model.sources.files import resolve_model
+from ppharness.model.synthetic.spec import PRESETS
 from ppharness.network.spec import Impairment, Network
-from ppharness.run.client import Job, Served
-from ppharness.run.orchestrator import Chain
+from ppharness.run.seed.client import Job, Served
+from ppharness.run.seed.orchestrator import Chain
 from ppharness.scenario.schema import Scenario
 from ppharness.trace.report import percentile
 

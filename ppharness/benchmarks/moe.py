@@ -3,15 +3,15 @@ experts on expert nodes, on this machine, and the simulator's prediction of the 
 
 The expert-parallel run is a plan of two stages (the blocks split evenly; attention, router and combine) and
 ``expert_nodes`` expert nodes holding every routed expert round robin, on local processes over ZeroMQ. Before it is
-predicted, the bench measures what the cost model needs here: the CPU's decode speed (``ppharness.plan.probe``, every
-device gets it), then, from a first traced run with perfect links (delay 0, always run first), the transport's cost
-per hop, each stage's fixed cost per token beyond its FLOPs (the host-side routing and combine, one compiled step per
-block), and the expert nodes' fixed cost per request, each the trace's p50 less the cost model's figure without it.
+predicted, the bench measures what the cost model needs here: the CPU's decode speed (``ppharness.benchmarks.probe``,
+every device gets it), then, from a first traced run with perfect links (delay 0, always run first), the transport's
+cost per hop, each stage's fixed cost per token beyond its FLOPs (the host-side routing and combine, one compiled step
+per block), and the expert nodes' fixed cost per request, each the trace's p50 less the cost model's figure without it.
 The delay-0 row is therefore fitted; every other delay is a prediction.
 
 Then for each link delay (the WAN emulation's message level, every link of the plan) it predicts the per-token time
-(``ppharness.plan.simulate``), runs the plan (a warm-up request, then ``repeats`` requests, each checked against the
-unsplit model, tokens and stage boundaries) and measures the mean time per decode token. The trace splits each token
+(``ppharness.plan.predict.simulate``), runs the plan (a warm-up request, then ``repeats`` requests, each checked against
+the unsplit model, tokens and stage boundaries) and measures the mean time per decode token. The trace splits each token
 into the stages' own compute (attention, router, shared expert and the combine: one compiled step per block, and
 numpy), each MoE block's fan-out (packing and sending the requests), its gather (waiting for the slowest expert node),
 and the hops along the loop.
@@ -29,22 +29,22 @@ from pathlib import Path
 import msgspec
 
 from ppharness.benchmarks.plan import PROMPT, oracle_prompt_tokens, plan_scenario, run_plan
+from ppharness.benchmarks.probe import probe_fit
 from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
-from ppharness.model.files import resolve_model
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.oracle import oracle_decode
-from ppharness.model.slicing import ModelSlice
-from ppharness.model.spec import preset_spec, synthetic_source
+from ppharness.model.sources.files import resolve_model
+from ppharness.model.synthetic.spec import preset_spec, synthetic_source
 from ppharness.plan.build import chain
 from ppharness.plan.compile import implicit_cluster
-from ppharness.plan.doc import Device, Impaired, PlanDoc, pretty, with_id
-from ppharness.plan.experts import baseline_experts
+from ppharness.plan.experts.place import baseline_experts
 from ppharness.plan.graph import model_graph
-from ppharness.plan.probe import probe_fit
-from ppharness.plan.simulate import compare, simulate
-from ppharness.run.client import Job
-from ppharness.run.orchestrator import Chain, decode_tok_s
+from ppharness.plan.lang.document import Device, Impaired, PlanDoc, pretty, with_id
+from ppharness.plan.predict.simulate import compare, simulate
+from ppharness.run.seed.client import Job
+from ppharness.run.seed.orchestrator import Chain, decode_tok_s
 from ppharness.trace.report import Trace, percentile
 
 TARGET_ERROR_PCT = 15.0

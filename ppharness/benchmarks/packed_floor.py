@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ppharness.benchmarks.floor import measured_apart
-from ppharness.model.gguf_header import read_gguf
+from ppharness.model.gguf.header import read_gguf
 
 COPY_BYTES = 1 << 30  # each of the copy's two buffers on an accelerator: far above any L2 cache
 COPY_BYTES_CPU = 64 << 20  # on the host (a CPU device): above its last-level cache, quick to run

@@ -5,14 +5,14 @@ Every cluster file's devices are docker containers on this machine, each with th
 entry gives, joined by links the WAN emulation delays (message level, ZeroMQ). Before any plan runs, the bench
 measures what the cost model needs on this machine:
 
-- the CPU's decode speed and fixed cost per token (``ppharness.plan.probe``; every device of the cluster files shares
-  this CPU, so each gets the probe's figures and keeps its quota);
+- the CPU's decode speed and fixed cost per token (``ppharness.benchmarks.probe``; every device of the cluster files
+  shares this CPU, so each gets the probe's figures and keeps its quota);
 - the transport's cost per hop: a two-node chain with perfect links, traced; its hops' p50.
 
 Then per cluster and per policy (``optimal``, ``even``, ``memory``): make the plan, predict its per-token time
-(``ppharness.plan.simulate``), run it (a warm-up request, then ``repeats`` requests, each checked against the unsplit
-model, tokens and stage boundaries) and measure the mean time per decode token (the decode span over the tokens, on
-the last stage's clock; a quota-bound node makes a few tokens wait much longer than the rest, which the mean counts
+(``ppharness.plan.predict.simulate``), run it (a warm-up request, then ``repeats`` requests, each checked against the
+unsplit model, tokens and stage boundaries) and measure the mean time per decode token (the decode span over the tokens,
+on the last stage's clock; a quota-bound node makes a few tokens wait much longer than the rest, which the mean counts
 and a median hides). Reported per plan: predicted and measured ms per token, the prediction's error, and the trace's
 components beside the prediction's, row for row.
 """
@@ -28,31 +28,21 @@ from pathlib import Path
 
 import msgspec
 
+from ppharness.benchmarks.probe import probe_fit
 from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
-from ppharness.model.files import resolve_model
+from ppharness.model.decode.oracle import OracleResult, oracle_decode
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.oracle import OracleResult, oracle_decode
-from ppharness.model.spec import PRESETS, preset_spec, synthetic_source
+from ppharness.model.sources.files import resolve_model
+from ppharness.model.synthetic.spec import PRESETS, preset_spec, synthetic_source
 from ppharness.plan.build import chain
-from ppharness.plan.doc import (
-    Cluster,
-    Device,
-    Impaired,
-    ModelGraph,
-    Objective,
-    PlanDoc,
-    Source,
-    hops,
-    load_cluster,
-    pretty,
-)
 from ppharness.plan.graph import model_graph
-from ppharness.plan.probe import probe_fit
-from ppharness.plan.search import policy_plan
-from ppharness.plan.simulate import compare, simulate
-from ppharness.plan.text import render
-from ppharness.run.orchestrator import Chain, decode_tok_s
+from ppharness.plan.lang.document import Cluster, Device, Impaired, ModelGraph, Objective, PlanDoc, Source, hops, pretty
+from ppharness.plan.lang.text_form import render
+from ppharness.plan.predict.simulate import compare, simulate
+from ppharness.plan.reader import load_cluster
+from ppharness.plan.search.planner import policy_plan
+from ppharness.run.seed.orchestrator import Chain, decode_tok_s
 from ppharness.scenario.schema import Scenario, scenario_from_args, with_plan
 from ppharness.trace.report import percentile
 

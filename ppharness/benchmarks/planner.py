@@ -8,7 +8,7 @@ each with its own speed, memory bandwidth, fixed cost per token and price, and h
 the KV cache of 8 requests (scaled up so that together they hold at least 1.3 times it). The same clusters serve the
 three objectives: latency of one request, throughput and cost with 8 requests in flight. Times are medians over
 ``repeats`` instances, run one after another in this process; up to 8 devices the search is exact, beyond it is the
-heuristic (``ppharness.plan.search``). The gap is the heuristic's value over the exact one, minus 1, on 8-device
+heuristic (``ppharness.plan.search.planner``). The gap is the heuristic's value over the exact one, minus 1, on 8-device
 instances where the heuristic's exact seed covers a pool of 4 of the 8 devices (the ratio it has with 16 devices and
 the default pool of 8).
 """
@@ -21,8 +21,8 @@ import statistics
 import time
 from typing import Literal
 
-from ppharness.plan.doc import Block, Cluster, Device, Impaired, Link, ModelGraph, Objective
-from ppharness.plan.search import measure_gap, plan_optimal
+from ppharness.plan.lang.document import Block, Cluster, Device, Impaired, Link, ModelGraph, Objective
+from ppharness.plan.search.planner import measure_gap, plan_optimal
 
 Kind = Literal["latency", "throughput", "cost"]
 KINDS: tuple[Kind, ...] = ("latency", "throughput", "cost")

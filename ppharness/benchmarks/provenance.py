@@ -1,11 +1,11 @@
-"""Every benchmark's JSON says what it was measured with: a ``provenance`` object (``ppharness.plan.engine.
+"""Every benchmark's JSON says what it was measured with: a ``provenance`` object (``ppharness.plan.provenance.
 provenance``: versions, the engine id, the commit, the host, the time and the device) beside the figures."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ppharness.plan.engine import provenance
+from ppharness.plan.provenance import provenance
 
 KEY = "provenance"
 

@@ -28,11 +28,11 @@ import msgspec
 
 from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
-from ppharness.model.files import resolve_model
-from ppharness.model.oracle import oracle_decode
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.sources.files import resolve_model
 from ppharness.network.spec import Impairment, Network
 from ppharness.plan.speculation import SpecPrediction, acceptance, predict
-from ppharness.run.orchestrator import Chain, decode_tok_s
+from ppharness.run.seed.orchestrator import Chain, decode_tok_s
 from ppharness.scenario.schema import Scenario, scenario_from_args
 from ppharness.trace.report import percentile
 from ppharness.wire.messages import InferenceResponse

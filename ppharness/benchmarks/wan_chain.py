@@ -34,12 +34,12 @@ import msgspec
 
 from ppharness.benchmarks.provenance import stamped
 from ppharness.errors import HarnessError
-from ppharness.model.files import resolve_model
+from ppharness.model.decode.oracle import OracleResult, oracle_decode
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.oracle import OracleResult, oracle_decode
-from ppharness.model.spec import PRESETS
+from ppharness.model.sources.files import resolve_model
+from ppharness.model.synthetic.spec import PRESETS
 from ppharness.network.spec import Impairment, Network, stage_node
-from ppharness.run.orchestrator import Chain, decode_tok_s
+from ppharness.run.seed.orchestrator import Chain, decode_tok_s
 from ppharness.scenario.schema import Scenario, scenario_from_args
 from ppharness.trace.report import STAGE_PARTS, percentile
 

@@ -22,8 +22,8 @@ from ppharness.benchmarks import wan as wan_bench
 from ppharness.benchmarks import wan_chain as wan_chain_bench
 from ppharness.cli.bench_spec import bench_spec
 from ppharness.cli.common import exit_1_on_failure, fail, split_csv
-from ppharness.model.files import resolve_model
-from ppharness.run.orchestrator import Progress
+from ppharness.model.sources.files import resolve_model
+from ppharness.run.seed.orchestrator import Progress
 from ppharness.scenario.schema import load_scenario
 
 

@@ -6,7 +6,7 @@ import click
 
 from ppharness.benchmarks import spec as spec_bench
 from ppharness.cli.common import exit_1_on_failure
-from ppharness.model.known import KNOWN, fetch_known
+from ppharness.model.sources.known import KNOWN, fetch_known
 
 
 @click.command("spec")

@@ -19,8 +19,8 @@ import click
 from ppharness.cli.stream import AnswerStream
 from ppharness.errors import HarnessError
 from ppharness.registry import provider_class
-from ppharness.run.locks import RunLabelInUse
-from ppharness.run.orchestrator import Progress, RunResult, run_scenario
+from ppharness.run.seed.locks import RunLabelInUse
+from ppharness.run.seed.orchestrator import Progress, RunResult, run_scenario
 from ppharness.scenario.schema import Scenario, load_scenario, scenario_from_args
 from ppharness.seams.provider import Reaped
 from ppharness.version import version_text

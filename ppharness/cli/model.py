@@ -10,17 +10,17 @@ import click
 
 from ppharness.cli.common import SCENARIO_HELP, ending, exit_1_on_failure, fail, load_scenario_or_fail, split_csv
 from ppharness.errors import HarnessError
-from ppharness.model.files import resolve_model, sha256_file
+from ppharness.model.decode.oracle import oracle_decode
+from ppharness.model.decode.tuning import tune as tune_model
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.kernels import ENV
-from ppharness.model.oracle import oracle_decode
-from ppharness.model.spec import preset_spec
-from ppharness.model.synthetic import make_synthetic
-from ppharness.model.tuning import tune as tune_model
-from ppharness.model.verdict import Verdict, judge_file, refuse_unloadable
+from ppharness.model.layers.kernels import ENV
+from ppharness.model.sources.files import resolve_model, sha256_file
+from ppharness.model.synthetic.spec import preset_spec
+from ppharness.model.synthetic.writer import make_synthetic
+from ppharness.model.verdict import LoadVerdict, judge_file, refuse_unloadable
 from ppharness.plan.stages import make_plan
 from ppharness.run.inprocess import check_splits
-from ppharness.run.realise import model_source
+from ppharness.run.seed.realise import model_source
 
 
 @click.group()
@@ -104,7 +104,7 @@ MODEL_FORMAT = "ppharness-model/2"
 LABELS = {"tied": "tied embeddings", "norm_eps": "norm epsilon", "moe_blocks": "moe blocks"}
 
 
-def info_json(v: Verdict) -> dict[str, Any]:
+def info_json(v: LoadVerdict) -> dict[str, Any]:
     """``model info --json``: stable keys, documented in docs/models.md ("Will my file load?")."""
     return {
         "format": MODEL_FORMAT,
@@ -122,7 +122,7 @@ def info_json(v: Verdict) -> dict[str, Any]:
     }
 
 
-def info_rows(v: Verdict) -> dict[str, str]:
+def info_rows(v: LoadVerdict) -> dict[str, str]:
     """``model info``'s lines: what each is called -> its value in words."""
     size = f"{v.file_bytes / 2**30:.2f} GiB" if v.file_bytes >= 2**30 else f"{v.file_bytes / 2**20:.1f} MiB"
     rows = {"file": f"{v.path} ({size}, {v.file_bytes:,} bytes)", "architecture": v.arch}

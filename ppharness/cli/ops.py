@@ -9,7 +9,7 @@ import click
 from ppharness.cli.common import fail
 from ppharness.errors import HarnessError
 from ppharness.registry import PROVIDERS, provider_class, tool
-from ppharness.run.locks import forget, run_state
+from ppharness.run.seed.locks import forget, run_state
 
 
 @click.command("vastai-emulator")

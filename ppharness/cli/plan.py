@@ -14,33 +14,7 @@ import click
 import msgspec
 
 from ppharness.benchmarks.plan import calibrated
-from ppharness.cli.common import exit_1_on_failure, fail
-from ppharness.document.reader import read_text_file
-from ppharness.errors import HarnessError, PlanError
-from ppharness.model.files import download_deadline, resolve_model
-from ppharness.model.spec import PRESETS, parse_synthetic, preset_spec, short_source, synthetic_source
-from ppharness.plan import show
-from ppharness.plan.budget import DEFAULT_SECONDS, MAX_SECONDS, Budget
-from ppharness.plan.check import check_plan
-from ppharness.plan.doc import (
-    Cluster,
-    ModelGraph,
-    Objective,
-    PlanDoc,
-    decode_text,
-    load_cluster,
-    load_plan,
-    plan_schema,
-    pretty,
-    with_id,
-)
-from ppharness.plan.engine import stale_warnings
-from ppharness.plan.expert_problem import without_routed_experts
-from ppharness.plan.experts import ExpertReport, baseline_experts, place_experts
-from ppharness.plan.graph import model_graph, simulation_only, spec_graph
-from ppharness.plan.handwritten import file_kind
-from ppharness.plan.limits import MAX_CONTEXT
-from ppharness.plan.probe import (
+from ppharness.benchmarks.probe import (
     ROUTING_PROMPTS,
     block_counts,
     first_timed_block,
@@ -50,11 +24,35 @@ from ppharness.plan.probe import (
     probe_routing,
     routing_report,
 )
-from ppharness.plan.routing import load_routing, with_frequencies
-from ppharness.plan.search import policy_plan
-from ppharness.plan.simulate import simulate
+from ppharness.cli.common import exit_1_on_failure, fail
+from ppharness.document.reader import read_text_file
+from ppharness.errors import HarnessError, PlanError
+from ppharness.model.sources.files import download_deadline, resolve_model
+from ppharness.model.synthetic.spec import PRESETS, parse_synthetic, preset_spec, short_source, synthetic_source
+from ppharness.plan import show
+from ppharness.plan.experts.place import ExpertReport, baseline_experts, place_experts
+from ppharness.plan.experts.problem import without_routed_experts
+from ppharness.plan.experts.routing import load_routing, with_frequencies
+from ppharness.plan.graph import model_graph, simulation_only, spec_graph
+from ppharness.plan.lang.check import check_plan
+from ppharness.plan.lang.document import (
+    Cluster,
+    ModelGraph,
+    Objective,
+    PlanDoc,
+    decode_text,
+    plan_schema,
+    pretty,
+    with_id,
+)
+from ppharness.plan.lang.limits import MAX_CONTEXT
+from ppharness.plan.lang.text_form import render
+from ppharness.plan.predict.simulate import simulate
+from ppharness.plan.provenance import stale_warnings
+from ppharness.plan.reader import file_kind, load_cluster, load_plan
+from ppharness.plan.search.budget import DEFAULT_SECONDS, MAX_SECONDS, Budget
+from ppharness.plan.search.planner import policy_plan
 from ppharness.plan.speculation import parse_alpha_k, plan_with_speculation
-from ppharness.plan.text import render
 from ppharness.run.loop import ticking
 
 MODEL_HELP = (
@@ -135,7 +133,7 @@ TEXT_CLUSTER_HELP = "A plan in the text form: its cluster file (or `local`), ove
 
 
 def _text_options(f: Callable[..., None]) -> Callable[..., None]:
-    """``--model`` and ``--cluster``: a text plan's model and devices (``ppharness.plan.handwritten``)."""
+    """``--model`` and ``--cluster``: a text plan's model and devices (``ppharness.plan.reader``)."""
     f = click.option("--cluster", "cluster", help=TEXT_CLUSTER_HELP)(f)
     return click.option("--model", "model", help=TEXT_MODEL_HELP)(f)
 
@@ -313,7 +311,7 @@ def plan_text(plan_file: str, model: str | None, cluster: str | None) -> None:
     type=click.Choice(["optimal", "round-robin", "uniform"]),
     default="optimal",
     show_default=True,
-    help="optimal: the expert planner (ppharness.plan.experts); round-robin, uniform: baselines over the "
+    help="optimal: the expert planner (ppharness.plan.experts.place); round-robin, uniform: baselines over the "
     "--experts-on devices that ignore frequencies and links.",
 )
 @click.option("--replicas/--no-replicas", default=True, show_default=True, help="Let the planner copy hot experts.")

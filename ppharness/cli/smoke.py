@@ -12,14 +12,14 @@ import msgspec
 
 from ppharness.cli.common import SCENARIO_HELP, fail, load_scenario_or_fail, run_and_report, version_option
 from ppharness.errors import HarnessError
-from ppharness.model.chat import chat_prompt
-from ppharness.model.files import cache_dir, resolve_model
-from ppharness.model.gguf_header import read_gguf
+from ppharness.model.gguf.header import read_gguf
+from ppharness.model.sources.files import cache_dir, resolve_model
+from ppharness.model.text.chat import chat_prompt
 from ppharness.model.verdict import refuse_unloadable
-from ppharness.plan.doc import load_plan
-from ppharness.plan.simulate import compare, simulate
+from ppharness.plan.predict.simulate import compare, simulate
+from ppharness.plan.reader import load_plan
 from ppharness.plan.validation import jsonl_path, read_trace
-from ppharness.run.realise import model_source as source_of
+from ppharness.run.seed.realise import model_source as source_of
 from ppharness.scenario.schema import Scenario, scenario_from_args
 
 

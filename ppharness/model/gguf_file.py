@@ -13,12 +13,16 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
-from ppharness.model.arch.llama import ROPE_FACTORS
-from ppharness.model.config import ModelConfig
-from ppharness.model.gguf_header import GGML_TYPES, GGUFContents, read_gguf
-from ppharness.model.packed import Packed, held_type, packs
+from ppharness.model.arch import of_config, read_config
+from ppharness.model.formats.codecs import held_type, packs
+from ppharness.model.formats.packed import Packed
+from ppharness.model.formats.table import FORMATS
+from ppharness.model.gguf.config import ModelConfig
+from ppharness.model.gguf.header import GGUFContents, read_gguf
+from ppharness.model.gguf.names import ROPE_FACTORS
+from ppharness.model.held import Stored
 from ppharness.model.support import check_file
-from ppharness.model.tokenizer import Tokenizer
+from ppharness.model.text.tokenizer import Tokenizer
 
 
 class GGUFFile:
@@ -31,8 +35,9 @@ class GGUFFile:
         self.kv: dict[str, Any] = self._reader.contents.kv
         self._tensors = {t.name: t for t in self._reader.tensors}
         try:
-            config = ModelConfig.from_kv(self.kv, set(self._tensors))
-            check_file(self.path, config.architecture, self.kv, set(self._tensors))
+            config = read_config(self.kv, set(self._tensors))
+            architecture = of_config(config)
+            check_file(self.path, architecture, self.kv, set(self._tensors))
         except ModelError as exc:
             raise ModelError(str(exc) if str(exc).startswith(str(self.path)) else f"{self.path}: {exc}") from None
         except (ArithmeticError, LookupError, TypeError, ValueError) as exc:  # what the metadata checks do not foresee
@@ -50,6 +55,7 @@ class GGUFFile:
                 )
             config = dataclasses.replace(config, rope_factors=tuple(float(f) for f in factors))
         self.config = config
+        self.architecture = architecture  # its layout of the tensors (``Architecture.file_tensor``)
 
     def _check_shapes(self, config: ModelConfig) -> None:
         """The embedding and the output head are (vocabulary, dim) as the metadata says (GGUF stores (dim, vocab))."""
@@ -68,7 +74,7 @@ class GGUFFile:
         the experts it holds."""
         arr = self._values(name, rows).astype(np.float16)
         try:
-            return np.ascontiguousarray(self.config.architecture.file_tensor(self.config, name, arr))
+            return np.ascontiguousarray(self.architecture.file_tensor(self.config, name, arr))
         except ValueError:  # a shape the architecture's reordering cannot take
             raise ModelError(
                 f"{self.path}: tensor {name} of shape {list(arr.shape)} does not fit the model the metadata describes "
@@ -76,7 +82,7 @@ class GGUFFile:
             ) from None
 
     def packed(self, name: str, rows: list[int] | None = None) -> Packed | None:
-        """A matrix kept as the file packs it, on tinygrad's default device (``ppharness.model.packed``), in the
+        """A matrix kept as the file packs it, on tinygrad's default device (``ppharness.model.formats.packed``), in the
         blocks' (out, in) layout (``Architecture.file_tensor``'s row order); ``rows`` as ``tensor``'s. None for a
         tensor whose type is held as float16 (F16, F32) or that is not a matrix."""
         t = self._tensor(name)
@@ -90,7 +96,7 @@ class GGUFFile:
             data = data.reshape(shape[0], *data.shape[-(len(shape) - 1) :])[rows]
             shape = (len(rows), *shape[1:])
         try:  # the architecture's row order: rows hold whole blocks, so reordering rows of bytes reorders the matrix
-            data = self.config.architecture.file_tensor(self.config, name, data)
+            data = self.architecture.file_tensor(self.config, name, data)
         except ValueError:
             raise ModelError(
                 f"{self.path}: tensor {name} of shape {list(shape)} does not fit the model the metadata describes "
@@ -214,7 +220,12 @@ class _Tensors:
             if t.type in _NUMPY_TYPES:
                 data = raw.view(_NUMPY_TYPES[t.type]).reshape(shape)
             else:
-                block, block_bytes = GGML_TYPES[t.type]
+                block, block_bytes = FORMATS[t.type].block, FORMATS[t.type].bytes
                 data = raw.reshape(*shape[:-1], shape[-1] // block * block_bytes)
             ggml_type = gguf.GGMLQuantizationType(t.type)
             self.tensors.append(FileTensor(t.name, ggml_type, np.array(t.dims, dtype=np.uint64), data))
+
+
+def file_tensors(f: GGUFFile) -> dict[str, Stored]:
+    """Every tensor of the file ``f``: its dimensions (innermost first) and the type it is stored in."""
+    return {name: Stored(dims, f.tensor_type(name)) for name, dims in f.shapes().items()}

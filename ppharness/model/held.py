@@ -1,14 +1,15 @@
 """What the node runtime holds of a model's weights, tensor by tensor, in bytes: the planner's count of a block's,
 the embedding's and the head's weights (``ppharness.plan.graph``) and a synthetic model's memory
-(``ppharness.model.spec.memory_needed``), read from a file's tensor types (``file_tensors``) or from a synthetic
-spec's without writing it (``ppharness.model.spec.stored_tensors``: ``tensor_type``, the writer's rule).
+(``ppharness.model.synthetic.spec.memory_needed``), read from a file's tensor types (``file_tensors``) or from a
+synthetic spec's without writing it (``ppharness.model.synthetic.spec.stored_tensors``: ``tensor_type``, the writer's
+rule).
 
-A stage (``ppharness.model.slicing.ModelSlice``, weights ``packed``, the default) holds:
+A stage (``ppharness.model.engine.slicing.ModelSlice``, weights ``packed``, the default) holds:
 
 - a matrix (a 2-D ``.weight``: the token embedding, the head, a block's projections) or a block's stack of routed
   experts (``ffn_{gate,up,down}_exps``, 3-D, held by an ``ExpertBank`` block by block) that the file stores in a type
-  held packed (``ppharness.model.packed.packs``: BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) as the file packs it: its
-  stored bytes (a stack's divide by its experts: each expert's rows alike);
+  held packed (``ppharness.model.formats.codecs.packs``: BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) as the file packs
+  it: its stored bytes (a stack's divide by its experts: each expert's rows alike);
 - what its architecture computes with in float32 (``Architecture.keeps_f32``: a MoE block's router and the norm
   before it) and a router's selection bias (``Architecture.router_bias``, read apart, on the device for the routing):
   4 bytes an element;
@@ -22,22 +23,19 @@ A tied head on a stage without the embedding holds the embedding's matrix again,
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ppharness.model.arch.base import BLOCK_TENSOR
-from ppharness.model.gguf_header import GGML_TYPES
-from ppharness.model.packed import TYPES, packs
+from ppharness.model.formats.codecs import packs
+from ppharness.model.formats.table import FORMATS
+from ppharness.model.gguf.names import BLOCK_TENSOR, STAGE_TENSORS
 
 if TYPE_CHECKING:
     from ppharness.model.arch.base import Architecture
-    from ppharness.model.gguf_file import GGUFFile
 
 FLOAT16 = 2  # bytes an element of what a stage holds as float16
 FLOAT32 = 4  # bytes an element of what a stage holds as float32
-STAGE_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")  # a stage's tensors outside the blocks
-TYPE_IDS = {name: ggml_type for ggml_type, (name, _, _) in TYPES.items()}  # "Q4_K" -> 12
 
 
 @dataclass(frozen=True)
@@ -53,22 +51,10 @@ class Stored:
 
     @property
     def nbytes(self) -> int:
-        """Its bytes in the file: whole blocks of its type (``GGML_TYPES``), as ``gguf_header`` places them."""
-        block, size = GGML_TYPES[self.ggml_type]
-        return self.elements // block * size
-
-
-def file_tensors(f: GGUFFile) -> dict[str, Stored]:
-    """Every tensor of the file ``f``: its dimensions (innermost first) and the type it is stored in."""
-    return {name: Stored(dims, f.tensor_type(name)) for name, dims in f.shapes().items()}
-
-
-def moe_blocks(names: Iterable[str]) -> frozenset[int]:
-    """The blocks with a router (``blk.N.ffn_gate_inp.weight``): a model's mixture-of-experts blocks, as
-    ``ModelConfig`` reads them."""
-    return frozenset(
-        int(m.group(1)) for n in names if (m := BLOCK_TENSOR.match(n)) and m.group(2) == "ffn_gate_inp.weight"
-    )
+        """Its bytes in the file: whole blocks of its type (``ppharness.model.formats.table``), as the file places
+        them."""
+        f = FORMATS[self.ggml_type]
+        return self.elements // f.block * f.bytes
 
 
 def held_bytes(arch: Architecture, moe: frozenset[int], tensors: Mapping[str, Stored]) -> dict[str, int]:

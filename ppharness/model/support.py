@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ppharness.errors import ModelError
-from ppharness.model.arch.base import BLOCK_TENSOR
+from ppharness.model.gguf.names import BLOCK_TENSOR
 
 if TYPE_CHECKING:
     from ppharness.model.arch.base import Architecture

@@ -1,18 +1,18 @@
 """Will a GGUF file load here? The answer from its header alone, before anything starts.
 
 ``judge_file(path)`` reads the file's metadata and tensor infos with its arrays stepped over
-(``ppharness.model.gguf_header``: a vocabulary of 200k tokens and its merges in a fraction of a second) and decides
+(``ppharness.model.gguf.header``: a vocabulary of 200k tokens and its merges in a fraction of a second) and decides
 what the engine decides when it loads the file, and what it would only find out later (building the tokenizer, or
 packing a matrix on a node):
 
 - the architecture (``general.architecture``) is one the engine computes (``ppharness.model.arch``);
 - every tensor is one that architecture computes with, and no metadata key changes the computation in a way it does
   not implement (``ppharness.model.support.check_file``);
-- the metadata has every key the engine reads (``ModelConfig.from_kv``);
-- every matrix is stored in a type the engine holds (``ppharness.model.packed.TYPES``, as ``held_type`` decides);
-- the tokenizer is one the engine builds (``ppharness.model.tokenizer.tokenizer_problem``).
+- the metadata has every key the engine reads (``ppharness.model.arch.read_config``);
+- every matrix is stored in a type the engine holds (``ppharness.model.formats.codecs``, as ``held_type`` decides);
+- the tokenizer is one the engine builds (``ppharness.model.text.tokenizer.tokenizer_problem``).
 
-The ``Verdict`` holds the answer (``loads``, ``reasons``) and the facts ``ppharness model info`` shows.
+The ``LoadVerdict`` holds the answer (``loads``, ``reasons``) and the facts ``ppharness model info`` shows.
 ``refuse_unloadable(source)`` is the check every entry point makes before it starts anything: ``ModelError`` for a
 local path with no file behind it or a file that does not load; a synthetic source is always supported (its spec is
 the engine's own) and a URL is judged once it is downloaded.
@@ -29,28 +29,20 @@ from pathlib import Path
 from typing import Any
 
 from ppharness.errors import ModelError
-from ppharness.model.arch import of_file
-from ppharness.model.arch.base import BLOCK_TENSOR
-from ppharness.model.config import ModelConfig
-from ppharness.model.gguf_header import GGUFContents, read_gguf
-from ppharness.model.gguf_metadata import SkippedArray
-from ppharness.model.packed import TYPES
+from ppharness.model.arch import of_file, read_config
+from ppharness.model.formats.codecs import CODECS, known
+from ppharness.model.formats.table import type_name
+from ppharness.model.gguf.header import GGUFContents, read_gguf
+from ppharness.model.gguf.metadata import SkippedArray
+from ppharness.model.gguf.names import moe_blocks
 from ppharness.model.support import check_file
-from ppharness.model.tokenizer import tokenizer_problem
+from ppharness.model.text.tokenizer import tokenizer_problem
 
 # what to do about a file that does not load
 FIX = (
     "use a model file of an architecture, tensor types and tokenizer this engine supports (docs/models.md, "
     '"Will my file load?"; `ppharness model info FILE` shows what a file is)'
 )
-
-# ggml's type names (ggml.h's ggml_type), for the tensor types a file holds
-TYPE_NAMES: dict[int, str] = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
-    12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
-    20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
-    29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
-}  # fmt: skip
 
 # the dimensions shown for every architecture: (the name shown, the metadata key after "{arch}.")
 DIMENSIONS = (
@@ -87,7 +79,7 @@ _TOKENS = "tokenizer.ggml.tokens"
 
 
 @dataclass(frozen=True)
-class Verdict:
+class LoadVerdict:
     """Whether the engine runs a GGUF file (``loads``; ``reasons`` why not, each in one line) and what the file is:
     its architecture, parameter count, the dimensions that mean something for it (``fields``, in the order shown),
     its tensor types with their counts (most first), its tokenizer and vocabulary, and whether it has a chat
@@ -119,7 +111,7 @@ class Verdict:
             raise ModelError(self.refusal())
 
 
-def judge_file(path: str | os.PathLike[str]) -> Verdict:
+def judge_file(path: str | os.PathLike[str]) -> LoadVerdict:
     """The verdict on the GGUF file at ``path`` from its header; ``ModelError`` for a missing file or one that is not a
     readable, sane GGUF (``read_gguf``'s words). Read once per process while the file is unchanged."""
     name = str(Path(path))
@@ -148,7 +140,7 @@ def _contents(path: str, size: int, mtime_ns: int) -> GGUFContents:
 
 
 @functools.lru_cache(maxsize=8)
-def _judged(path: str, size: int, mtime_ns: int) -> Verdict:
+def _judged(path: str, size: int, mtime_ns: int) -> LoadVerdict:
     return judge(_contents(path, size, mtime_ns))
 
 
@@ -167,7 +159,7 @@ def refuse_unloadable(source: str) -> None:
     judge_file(path).refuse()
 
 
-def judge(contents: GGUFContents) -> Verdict:
+def judge(contents: GGUFContents) -> LoadVerdict:
     """The verdict on a file read with its arrays stepped over (``read_gguf(path, arrays=False)``)."""
     kv, path = contents.kv, contents.path
     arch = str(kv["general.architecture"])  # read_gguf checks it is there, a text
@@ -178,25 +170,24 @@ def judge(contents: GGUFContents) -> Verdict:
     reasons = _architecture_problems(contents, arch, names, vocab)
     for ggml_type in sorted(types):  # the matrices, held as they are stored (a vector is unpacked where it is read)
         matrices = [t.name for t in contents.tensors if t.type == ggml_type and len(t.dims) >= 2]
-        if matrices and ggml_type not in TYPES:
-            known = ", ".join(name for name, _, _ in TYPES.values())
+        if matrices and ggml_type not in CODECS:
             more = f" and {len(matrices) - 1:,} more" if len(matrices) > 1 else ""
             reasons.append(
-                f"tensor {matrices[0]!r}{more} stored as {TYPE_NAMES.get(ggml_type, f'type {ggml_type}')}, which this "
-                f"engine does not compute with (it reads {known}) — quantise the model to one of those (llama-quantize "
-                "Q4_K_M, Q5_K_M, Q6_K, Q8_0)"
+                f"tensor {matrices[0]!r}{more} stored as {type_name(ggml_type)}, which this engine does not "
+                f"compute with (it reads {known()}) — quantise the model to one of those (llama-quantize Q4_K_M, "
+                "Q5_K_M, Q6_K, Q8_0)"
             )
     problem = tokenizer_problem(kv)
     if problem:
         reasons.append(problem)
     pre = kv.get("tokenizer.ggml.pre")
-    return Verdict(
+    return LoadVerdict(
         path=path,
         file_bytes=contents.size,
         arch=arch,
         parameters=sum(math.prod(t.dims) for t in contents.tensors),
         fields=_fields(kv, arch, names, vocab),
-        tensor_types={TYPE_NAMES.get(t, f"type {t}"): n for t, n in types.most_common()},
+        tensor_types={type_name(t): n for t, n in types.most_common()},
         tokenizer=str(kv["tokenizer.ggml.model"]) if "tokenizer.ggml.model" in kv else None,
         tokenizer_pre=str(pre) if pre is not None else None,
         vocab=vocab,
@@ -218,7 +209,7 @@ def _architecture_problems(contents: GGUFContents, arch: str, names: set[str], v
         if vocab is not None:
             # ModelConfig reads the keys every model needs; the vocabulary's texts are not read from the header, so
             # it reads stand-ins of the vocabulary's length (they only decide which tokens end generation)
-            ModelConfig.from_kv({**kv, _TOKENS: [""] * vocab}, names)
+            read_config({**kv, _TOKENS: [""] * vocab}, names)
     except ModelError as exc:
         return [str(exc).removeprefix(f"{path}: ")]
     except KeyError as exc:
@@ -253,8 +244,6 @@ def _fields(kv: dict[str, Any], arch: str, names: set[str], vocab: int | None) -
         out |= {k: get(s) for k, s in ROPE_SCALING if get(s) is not None}
     if get("expert_count"):
         out |= {k: get(s) for k, s in EXPERTS if get(s) is not None}
-        out["moe_blocks"] = sorted(
-            int(m.group(1)) for n in names if (m := BLOCK_TENSOR.match(n)) and m.group(2) == "ffn_gate_inp.weight"
-        )
+        out["moe_blocks"] = sorted(moe_blocks(names))
     out |= {k: get(s) for k, s in LATENT if get(s)}
     return out

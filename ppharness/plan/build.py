@@ -1,13 +1,13 @@
 """Building plans in code: a chain over an ordered list of devices with given cut points, and the cuts of the
-``memory`` policy (blocks in proportion to each device's memory, as exo splits; ``ppharness.plan.search.policy_plan``
-has every named policy)."""
+``memory`` policy (blocks in proportion to each device's memory, as exo splits;
+``ppharness.plan.search.planner.policy_plan`` has every named policy)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from ppharness.errors import PlanError
-from ppharness.plan.doc import (
+from ppharness.plan.lang.document import (
     Blocks,
     Cluster,
     Device,

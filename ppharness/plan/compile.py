@@ -20,7 +20,7 @@ import msgspec
 from ppharness.errors import PlanError
 from ppharness.network.spec import Impairment, Link, Network, stage_node
 from ppharness.plan.build import chain
-from ppharness.plan.doc import (
+from ppharness.plan.lang.document import (
     Cluster,
     Device,
     ModelGraph,
@@ -30,9 +30,9 @@ from ppharness.plan.doc import (
     Source,
     expert_holders,
     expert_nodes,
-    load_plan,
     loop,
 )
+from ppharness.plan.reader import load_plan
 from ppharness.plan.stages import (
     Plan,
     StagePlan,
@@ -128,7 +128,7 @@ def programs(compiled: Compiled, settings: StageSettings) -> list[StagePlan]:
 
     When the plan places experts, a stage computes only the experts its own ops name, and each expert node registers
     ``pp-experts-{j}`` and ``moe-expert-{layer}-{e}`` (``.r{k}`` for the k-th replica among expert nodes) for what it
-    computes (``ppharness.run.experts``)."""
+    computes (``ppharness.run.node.experts``)."""
     doc = compiled.doc
     order = loop(doc)
     n = len(order)

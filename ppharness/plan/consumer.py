@@ -51,11 +51,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ppharness.model.spec import parse_synthetic
-from ppharness.plan.doc import Cluster, Device, Impaired, Link, Measured, ModelGraph, Objective, Source
+from ppharness.model.synthetic.spec import parse_synthetic
 from ppharness.plan.graph import spec_graph
-from ppharness.plan.search import policy_plan
-from ppharness.plan.simulate import simulate
+from ppharness.plan.lang.document import Cluster, Device, Impaired, Link, Measured, ModelGraph, Objective, Source
+from ppharness.plan.predict.simulate import simulate
+from ppharness.plan.search.planner import policy_plan
 
 Layout = Literal["region", "continent", "two-continents", "hosts8"]
 LAYOUTS: tuple[Layout, ...] = ("region", "continent", "two-continents")
@@ -332,7 +332,7 @@ def write_all(folder: Path, basis: Basis = H200) -> list[Path]:
 
 
 def basis_from_probes(records: list[dict[str, Any]], gemv_gbs: float | None = None) -> Basis:
-    """A Basis from ``ppharness plan probe --json`` records (``ppharness.plan.probe.probe_record``): a dense probe
+    """A Basis from ``ppharness plan probe --json`` records (``ppharness.benchmarks.probe.probe_record``): a dense probe
     gives the step and the dense block, a MoE probe the MoE block (its time beyond its bytes at the dense block's
     rate), a probe with ``--hop`` the hop; what none gives stays the H200's. ``gemv_gbs``: the bandwidth the probed
     machine reaches (default: the dense block's own rate, so the engine counts as reaching a card's bandwidth)."""

@@ -29,9 +29,9 @@ them, ``Architecture.shared_experts``) and what one routed expert weighs (its ga
 and costs per token (``flops_per_expert`` given wherever that differs from its bytes).
 
 A synthetic model's graph comes from its tensors and their types as its architecture and the writer list them
-(``ModelSpec.tensors``, ``ppharness.model.spec.tensor_type``: what ``ppharness.model.synthetic`` writes), so the
-graph of a model too large to write here (``SIMULATION_ONLY``, e.g. ``kimi-k2``) is the graph its file would give;
-such a graph has no sha256 and its plans are for simulation only.
+(``ModelSpec.tensors``, ``ppharness.model.synthetic.spec.tensor_type``: what ``ppharness.model.synthetic.writer``
+writes), so the graph of a model too large to write here (``SIMULATION_ONLY``, e.g. ``kimi-k2``) is the graph its file
+would give; such a graph has no sha256 and its plans are for simulation only.
 """
 
 from __future__ import annotations
@@ -47,12 +47,13 @@ from pathlib import Path
 from ppharness.errors import PlanError
 from ppharness.model.arch import architecture
 from ppharness.model.arch.base import Architecture
-from ppharness.model.files import sha256_file
-from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.held import FLOAT16, Stored, file_tensors, held_bytes, moe_blocks
-from ppharness.model.packed import F16
-from ppharness.model.spec import SIMULATION_ONLY, ModelSpec, stored_tensors
-from ppharness.plan.doc import Block, Experts, ModelGraph
+from ppharness.model.formats.table import F16
+from ppharness.model.gguf.names import moe_blocks
+from ppharness.model.gguf_file import GGUFFile, file_tensors
+from ppharness.model.held import FLOAT16, Stored, held_bytes
+from ppharness.model.sources.files import sha256_file
+from ppharness.model.synthetic.spec import SIMULATION_ONLY, ModelSpec, stored_tensors
+from ppharness.plan.lang.document import Block, Experts, ModelGraph
 
 WIRE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 KV_BYTES = 2  # the node runtime's KV cache is float16
@@ -221,7 +222,7 @@ def model_graph(
     f = GGUFFile(path)
     cfg = f.config
     shape = _Shape(
-        architecture=cfg.architecture,
+        architecture=f.architecture,
         arch=cfg.arch,
         blocks=cfg.blocks,
         dim=cfg.dim,
@@ -270,7 +271,7 @@ def spec_graph(
 
 def simulation_only(source: str) -> bool:
     """Whether the synthetic model ``source`` names is one this machine does not write (``SIMULATION_ONLY`` in
-    ``ppharness.model.spec``): its plans come from ``spec_graph`` and are for the simulator only."""
+    ``ppharness.model.synthetic.spec``): its plans come from ``spec_graph`` and are for the simulator only."""
     if not source.startswith("synthetic:"):
         return False
     return source.removeprefix("synthetic:").split(",")[0] in SIMULATION_ONLY

@@ -2,11 +2,12 @@
 
 Each shows every node (its device, its ops, what it needs of its device's memory and its predicted time per token)
 and every edge (what it carries and its predicted time per token; the token edge dashed, experts edges dotted). The
-times are the cost model's (``ppharness.plan.cost``); the per-token total is ``simulate``'s, the CPU-quota wait
+times are the cost model's (``ppharness.plan.predict.cost``); the per-token total is ``simulate``'s, the CPU-quota wait
 included, so that ``plan show``, ``plan make`` and ``plan simulate`` give one figure for one plan. Where the plan
 places the experts of a mixture-of-experts model, a stage's time leaves out its blocks' routed experts, an expert
 node's time is the expert work it is expected to do per token, an experts edge shows one request for one expert, and
-the table lists each block's predicted fan-out time (``ppharness.plan.fanout``), which the per-token total includes.
+the table lists each block's predicted fan-out time (``ppharness.plan.predict.fanout``), which the per-token total
+includes.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import math
 import textwrap
 from pathlib import Path
 
-from ppharness.plan import cost
-from ppharness.plan.check import gib, node_kv, node_memory, node_weights
-from ppharness.plan.doc import Edge, ExpertGroup, Node, PlanDoc, loop, plan_id
-from ppharness.plan.fanout import LayerTime, layer_times
-from ppharness.plan.simulate import simulate
-from ppharness.plan.text import op_text
+from ppharness.plan.lang.check import gib, node_kv, node_memory, node_weights
+from ppharness.plan.lang.document import Edge, ExpertGroup, Node, PlanDoc, loop, plan_id
+from ppharness.plan.lang.text_form import op_text
+from ppharness.plan.predict import cost
+from ppharness.plan.predict.fanout import LayerTime, layer_times
+from ppharness.plan.predict.simulate import simulate
 
 SPELLED_GROUPS = 4  # a node with more expert groups than this shows them as a count (its text form has them all)
 BOX_CHARS, BOX_LINES = 22, 3  # what a node box of the PNG holds per line, and lines of ops at most

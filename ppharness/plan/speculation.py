@@ -1,5 +1,5 @@
-"""What speculation buys, predicted (``ppharness.run.speculation`` is the protocol): how many tokens a trip commits
-and what a trip costs, from the draft's acceptance, K and the chain's own costs.
+"""What speculation buys, predicted (``ppharness.run.stage.speculation`` is the protocol): how many tokens a trip
+commits and what a trip costs, from the draft's acceptance, K and the chain's own costs.
 
 - **Acceptance.** Each drafted token is taken to be accepted with probability ``alpha``, given the ones before it
   were (a geometric run). A window of ``k`` drafts then commits ``(1 - alpha^(k+1)) / (1 - alpha)`` tokens on
@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ppharness.plan.consumer import consumer_cluster, kimi_graph
-from ppharness.plan.doc import Objective
-from ppharness.plan.search import policy_plan
-from ppharness.plan.simulate import simulate
+from ppharness.plan.lang.document import Objective
+from ppharness.plan.predict.simulate import simulate
+from ppharness.plan.search.planner import policy_plan
 
 if TYPE_CHECKING:
-    from ppharness.plan.doc import ModelGraph, PlanDoc
+    from ppharness.plan.lang.document import ModelGraph, PlanDoc
 
 
 def tokens_per_trip(alpha: float, k: float) -> float:

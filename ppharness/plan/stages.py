@@ -68,9 +68,9 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     wire_dtype: str = "f16"
     max_context: int = 256
     slots: int = 1  # requests served at once: a KV cache each (ppharness.run.stage)
-    batched: bool = False  # one model call per step for every ready request (ppharness.model.batch)
+    batched: bool = False  # one model call per step for every ready request (ppharness.model.layers.rows)
     max_batch: int = 0  # the most requests one batched step runs (0: every ready one)
-    speculate: str = ""  # a draft name: the run decodes by speculative windows (ppharness.run.speculation)
+    speculate: str = ""  # a draft name: the run decodes by speculative windows (ppharness.run.stage.speculation)
     windows: int = 1  # speculative windows a request keeps in flight
     queue: int = 64  # stage 0: requests waiting for a free slot before more are refused
     join_s: float = 120.0
@@ -90,8 +90,8 @@ class StagePlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     retry_max_s: float = 2.0
     retry_budget_s: float = 300.0
     epoch: int = 0
-    # mixture of experts (ppharness.run.experts): ``role`` experts for an expert node (off the loop: ``stage`` is its
-    # member index after the loop's, ``lo``/``hi`` are empty); ``experts`` the routed experts the node computes
+    # mixture of experts (ppharness.run.node.experts): ``role`` experts for an expert node (off the loop: ``stage`` is
+    # its member index after the loop's, ``lo``/``hi`` are empty); ``experts`` the routed experts the node computes
     # (layer -> ids; None on a stage: every expert of its blocks); ``owners`` an expert node's layer -> the name of the
     # stage that runs that block, the only member it answers for that layer
     role: str = "stage"

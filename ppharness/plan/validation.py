@@ -49,9 +49,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from ppharness.plan import cost
-from ppharness.plan.doc import Cluster, PlanDoc, load_cluster, load_plan, loop
-from ppharness.plan.simulate import Prediction, simulate
+from ppharness.plan.lang.document import Cluster, PlanDoc, loop
+from ppharness.plan.predict import cost
+from ppharness.plan.predict.simulate import Prediction, simulate
+from ppharness.plan.reader import load_cluster, load_plan
 from ppharness.trace.report import TokenRecord, Trace, percentile
 
 Kind = Literal["calibration", "held-out"]

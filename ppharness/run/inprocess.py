@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from ppharness.errors import StageError, TransportTimeout
-from ppharness.model.decoding import warm_up
-from ppharness.model.exactness import Verdict, compare
+from ppharness.model.decode.exactness import SplitVerdict, compare
+from ppharness.model.decode.oracle import OracleResult, oracle_decode
+from ppharness.model.decode.rules import warm_up
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.oracle import OracleResult, oracle_decode
-from ppharness.model.slicing import ModelSlice
 from ppharness.plan.stages import ENTRY, names_of
 from ppharness.registry import transport_class
 from ppharness.run.loop import Loop
-from ppharness.run.speculation import Speculation
-from ppharness.run.stage import Stage
-from ppharness.run.stage_requests import QUEUE, StageModel
+from ppharness.run.stage.requests import QUEUE, StageModel
+from ppharness.run.stage.speculation import Speculation
+from ppharness.run.stage.stage import Stage
 from ppharness.wire.messages import Error, InferenceRequest, InferenceResponse, Message
 
 MAX_STEPS = 1_000_000
@@ -98,7 +98,8 @@ class InProcessChain:
         ]
         self.loops = [Loop(t, lambda _: None) for t in self.transports[:n]]
         for stage, loop in zip(self.stages, self.loops, strict=True):
-            loop.add_timer(stage)
+            if stage.state.reliable:  # the outbox's resends
+                loop.add_timer(stage)
             loop.add_worker(stage)
 
     def ask(self, request: InferenceRequest) -> None:
@@ -156,7 +157,8 @@ def run_inprocess(
 ) -> InferenceResponse:
     """Serve one request through ``slices`` (stage order) and return the last stage's response.
 
-    ``digests``, when given, receives each stage's digests of the hidden states it sent (ppharness.model.exactness);
+    ``digests``, when given, receives each stage's digests of the hidden states it sent
+    (ppharness.model.decode.exactness);
     ``on_message(stage, message)`` sees every message a stage receives, as decoded from the wire."""
     keep = digests is not None
     with InProcessChain(gguf_file, slices, plan_id, wire_dtype, keep_digests=keep, speculation=speculation) as chain:
@@ -174,7 +176,7 @@ def run_inprocess(
                 raise StageError(f"stage {reply.stage}: {reply.reason}")
             assert isinstance(reply, InferenceResponse)
             if digests is not None:
-                digests.update({s.index: s.digests.get("r0", []) for s in chain.stages})
+                digests.update({s.state.index: s.state.digests.get("r0", []) for s in chain.stages})
             return reply
         raise StageError(f"the in-process chain did not finish in {MAX_STEPS} steps")
 
@@ -185,7 +187,7 @@ def judge(
     ranges: Sequence[tuple[int, int]],
     digests: dict[int, list[bytes]],
     speculative: bool = False,
-) -> Verdict:
+) -> SplitVerdict:
     """A chain's answer (tokens, stop token, each stage's boundary digests) against the unsplit model's
     (``speculative``: as ``compare``'s)."""
     return compare(
@@ -206,7 +208,7 @@ class SplitCheck:
     """One split checked in process against the unsplit model."""
 
     ranges: list[tuple[int, int]]
-    verdict: Verdict
+    verdict: SplitVerdict
     token_ids: list[int]
     same_kernels: bool  # the stages' decode steps run exactly the whole model's kernels, their expert banks its bank's
 

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from ppharness.errors import CodecError, TransportTimeout, WaitTimedOut
-from ppharness.run.drops import DropLog
 from ppharness.seams.transport import Received
+from ppharness.trace.drops import DropLog
 from ppharness.wire.messages import Message
 
 POLL_S = 0.2  # the longest a turn waits for a message before it looks at the timers and checks again

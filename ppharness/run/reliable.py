@@ -2,7 +2,7 @@
 
 A sender puts each such message in its ``Outbox`` under a key, ``(kind, request_id, position)``, that names it
 uniquely within the run's plan; the receiver answers a copy with an ``Ack`` of that key (or a later message of the
-chain stands for that Ack, below) and acts only on the first (``ppharness.run.stage`` keeps the positions it has
+chain stands for that Ack, below) and acts only on the first (``ppharness.run.stage.stage`` keeps the positions it has
 taken). A message with no Ack in time is sent again, after a retransmission timeout computed as TCP does (RFC 6298:
 smoothed round trip plus four deviations, measured only on messages sent once, Karn's rule), doubled on every resend
 up to a ceiling, with jitter so that two senders that lost messages together do not resend together. A message still

@@ -10,17 +10,28 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ppharness.errors import ModelError, ScenarioError
-from ppharness.model.files import cache_dir
-from ppharness.model.gguf_header import header_facts
+from ppharness.model.gguf.header import header_facts
+from ppharness.model.sources.files import cache_dir
+from ppharness.model.synthetic.vocab import build_vocab, special_tokens
 from ppharness.model.verdict import judge_file, read_header_contents
-from ppharness.model.vocab import build_vocab, special_tokens
-from ppharness.scenario.sections import SyntheticModel
+from ppharness.scenario.sections import ModelSection, RequestSection, Stages, SyntheticModel
 
-if TYPE_CHECKING:
-    from ppharness.scenario.schema import Scenario
+
+class ScenarioParts(Protocol):
+    """What these checks read of a scenario (``ppharness.scenario.schema.Scenario`` has it): its model, stages and
+    request sections."""
+
+    @property
+    def model(self) -> ModelSection: ...
+
+    @property
+    def stages(self) -> Stages: ...
+
+    @property
+    def request(self) -> RequestSection: ...
 
 
 @dataclass(frozen=True)
@@ -35,7 +46,7 @@ class ModelFacts:
     name: str = "the model"
 
 
-def check_against_model(scenario: Scenario, model: int | ModelFacts, source: str = "<file>") -> None:
+def check_against_model(scenario: ScenarioParts, model: int | ModelFacts, source: str = "<file>") -> None:
     """Raise ``ScenarioError`` if the stage split, ``max_context`` or the prompt does not fit the model (a bare int is
     its block count)."""
     facts = model if isinstance(model, ModelFacts) else ModelFacts(blocks=model)
@@ -63,7 +74,7 @@ def check_against_model(scenario: Scenario, model: int | ModelFacts, source: str
         _check_prompt_fits(scenario, facts, source)
 
 
-def _check_prompt_fits(scenario: Scenario, facts: ModelFacts, source: str) -> None:
+def _check_prompt_fits(scenario: ScenarioParts, facts: ModelFacts, source: str) -> None:
     """Refuse a prompt that cannot leave room for ``max_tokens``, judged from its UTF-8 length alone.
 
     A stage needs ``BOS + prompt tokens + max_tokens <= max_context``. Encoding the prompt would give the exact count,
@@ -93,7 +104,7 @@ def _check_prompt_fits(scenario: Scenario, facts: ModelFacts, source: str) -> No
 SMALL_VOCAB = 4096
 
 
-def known_model(scenario: Scenario, source: str = "<file>") -> ModelFacts | None:
+def known_model(scenario: ScenarioParts, source: str = "<file>") -> ModelFacts | None:
     """The model's facts when they are known without running anything: a synthetic preset's (its vocabulary built
     when small, else read from the model cache when the file exists; a synthetic model always loads) or a local GGUF
     file's header (memory-mapped); ``None`` for a URL (judged once downloaded). ``ScenarioError`` for a local path

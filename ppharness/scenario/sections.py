@@ -17,9 +17,9 @@ from ppharness import registry
 from ppharness.document.explain import FieldError, show
 from ppharness.document.yaml_limits import MAX_SCALAR_BYTES
 from ppharness.errors import ModelError
-from ppharness.model.drafts import parse_draft
-from ppharness.model.gguf_metadata import MAX_BLOCKS, MAX_WIDTH
-from ppharness.model.spec import PRESETS, SIMULATION_ONLY, WEIGHT_TYPES, ModelSpec, check_fits, preset_spec
+from ppharness.model.decode.drafts import parse_draft
+from ppharness.model.gguf.metadata import MAX_BLOCKS, MAX_WIDTH
+from ppharness.model.synthetic.spec import PRESETS, SIMULATION_ONLY, WEIGHT_TYPES, ModelSpec, check_fits, preset_spec
 from ppharness.plan.stages import make_plan
 from ppharness.seams.settings import PositiveInt, ProviderSettings, Seconds, Settings
 
@@ -270,19 +270,20 @@ class RequestSection(Settings, frozen=True):
 class ServingSection(Settings, frozen=True):
     """Requests in flight: every stage keeps ``slots`` KV caches (one per request it serves at once); stage 0 keeps up
     to ``queue`` more requests waiting for a free slot and refuses the rest as busy. ``batched``: each stage runs the
-    next position of all its ready requests in one model call (``ppharness.model.batch``), with batch-invariant
+    next position of all its ready requests in one model call (``ppharness.model.layers.rows``), with batch-invariant
     kernels, so each request's answer stays the one it gets alone; else one call per request, with the fastest
     kernels for one row. ``max_batch``: the most requests a batched step runs (0: every ready one); a smaller batch
     leaves the rest for the next step, so that several batches travel the chain at once. ``speculate``: a draft
-    (``ppharness.model.drafts``) whose windows the chain verifies, several tokens per trip, every answer still the
-    greedy one; ``windows``: how many a request keeps in flight."""
+    (``ppharness.model.decode.drafts``) whose windows the chain verifies, several tokens per trip, every answer still
+    the greedy one; ``windows``: how many a request keeps in flight."""
 
     slots: Annotated[int, Meta(ge=1, le=256)] = 1
     queue: Annotated[int, Meta(ge=0, le=65536)] = 64
     batched: bool = False
     max_batch: Annotated[int, Meta(ge=0, le=256)] = 0
-    # speculative decoding inside the pipeline (ppharness.run.speculation): a draft name (ppharness.model.drafts:
-    # ngram[:K], layers:N[:K], model:SOURCE[:K]; empty: none) and how many windows a request keeps in flight
+    # speculative decoding inside the pipeline (ppharness.run.stage.speculation): a draft name
+    # (ppharness.model.decode.drafts: ngram[:K], layers:N[:K], model:SOURCE[:K]; empty: none) and how many windows a
+    # request keeps in flight
     speculate: Annotated[str, Meta(max_length=4096)] = ""
     windows: Annotated[int, Meta(ge=1, le=8)] = 1
 

@@ -18,8 +18,8 @@ message, tens of nanoseconds against a hop's hundreds of microseconds).
 
 A hidden state travels beside its message as a handle (``send(address, header, tensor)``: the header is an activation
 whose ``hidden`` bytes are still empty). A transport that crosses a process boundary packs it into the message here,
-through the codec, in the header's wire dtype; one whose endpoints share a process (``ppharness.run.colocated``) hands
-the handle itself over, and the receiver finds it in ``Received.tensor``.
+through the codec, in the header's wire dtype; one whose endpoints share a process (``ppharness.run.node.colocated``)
+hands the handle itself over, and the receiver finds it in ``Received.tensor``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import abc
 from types import TracebackType
 from typing import Any, ClassVar, NamedTuple, Self
 
-from ppharness.model.hidden import Hidden
+from ppharness.model.engine.hidden import Hidden
 from ppharness.trace.tracer import now_ns
 from ppharness.wire import codec
 from ppharness.wire.messages import Message

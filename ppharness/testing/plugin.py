@@ -142,8 +142,8 @@ def scenario(scenario_option: str | None) -> Scenario:
 def tiny_model_path() -> str:
     """The synthetic tiny model (8 blocks), built once into the ppharness cache."""
     # imported when used: the plugin loads in every pytest run; the model modules are slow to import
-    from ppharness.model.files import synthetic_path
-    from ppharness.model.spec import PRESETS
+    from ppharness.model.sources.files import synthetic_path
+    from ppharness.model.synthetic.spec import PRESETS
 
     return str(synthetic_path(PRESETS["tiny"]))
 

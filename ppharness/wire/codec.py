@@ -20,7 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ppharness.errors import CodecError
-from ppharness.model.hidden import Hidden
+from ppharness.model.engine.hidden import Hidden
 from ppharness.wire.messages import MESSAGE_TYPES, PROTOCOL_VERSION, ActivationRows, Message, StageActivation
 
 MAGIC = b"PP"

@@ -66,7 +66,7 @@ class ActivationRows(_Msg, frozen=True):
     """Stage i -> stage i+1, from a batched step: several requests' next decode position in one message. Row r of
     ``hidden`` (``shape`` (rows, 1, width)) is request ``request_ids[r]`` at ``positions[r]``.
 
-    Speculative windows (``ppharness.run.speculation``): consecutive rows of one request are its window, at
+    Speculative windows (``ppharness.run.stage.speculation``): consecutive rows of one request are its window, at
     consecutive positions; ``tokens[r]`` is the token row r computes on stage 0 (the last committed one, then the
     drafted ones) and ``trips[r]`` its window's number (each request numbers its windows from 1). Both are empty when
     the run does not speculate."""
@@ -106,7 +106,7 @@ class InferenceResponse(_Msg, frozen=True):
     finish_reason: str  # "eos" (an end-of-generation token ended it) | "length" (max_tokens did)
     stop_token_id: int | None = None  # the end-of-generation token that ended it, not in token_ids; None at max_tokens
     stop_token: str = ""  # that token's text ("<|eot_id|>"); "" at max_tokens
-    # speculation (ppharness.run.speculation): windows the last stage verified for it, tokens they drafted, drafts
+    # speculation (ppharness.run.stage.speculation): windows the last stage verified for it, tokens they drafted, drafts
     # accepted, and windows that rejected a draft (0 in a run that does not speculate)
     trips: int = 0
     drafted: int = 0
@@ -229,7 +229,7 @@ class DigestRequest(_Msg, frozen=True):
 
 class DigestReport(_Msg, frozen=True):
     """Node -> seed: one digest per activation a stage sent for one request, in step order (step 0 = prefill); empty
-    on the last stage, which sends no activation. ``ppharness.model.exactness`` compares them with the unsplit
+    on the last stage, which sends no activation. ``ppharness.model.decode.exactness`` compares them with the unsplit
     model's."""
 
     stage: int

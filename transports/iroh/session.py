@@ -39,7 +39,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ppharness.errors import ConnectFailed, PeerClosed, TransportError
-from ppharness.run.drops import PROCESS_DROPS
+from ppharness.trace.drops import PROCESS_DROPS
 from ppharness.wire import codec
 from transports.bounds import ConnectionCaps, RefusalLog
 

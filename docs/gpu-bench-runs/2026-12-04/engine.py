@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
+from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.slicing import ModelSlice
 
 path, weights, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 t0 = time.perf_counter()

@@ -11,7 +11,7 @@ for _ in range(20):
 print("copy GB/s (read+write)", round(2 * (1 << 30) / statistics.median(ts) / 1e9, 1))
 PY
 for src in synthetic:kimi-tiny synthetic:qwen3-30b-a3b,blocks=1; do
-  F=$(python3 -c "from ppharness.model.files import resolve_model; print(resolve_model('$src'))") || continue
+  F=$(python3 -c "from ppharness.model.sources.files import resolve_model; print(resolve_model('$src'))") || continue
   python3 -c "from ppharness.benchmarks.packed_floor import decode_read_bytes; print('$src', 'read bytes', decode_read_bytes('$F'))" | tee -a $OUT/bw.txt
   CUDA=1 timeout 70 python3 docs/gpu-bench-runs/2026-12-04/engine.py $F f16 48 2>&1 | tail -1 | tee -a $OUT/engine.jsonl
 done

@@ -4,7 +4,7 @@ export PYTHONPATH=/tmp/site:$PWD PPHARNESS_CACHE=/tmp/ppcache PYTHONUNBUFFERED=1
 python3 -c "import tokenizers, jinja2; print('tokenizers', tokenizers.__version__)" 2>&1 | tee -a $OUT/log.txt
 python3 - <<'PY' 2>&1 | tee -a $OUT/log.txt
 import time
-from ppharness.model.files import resolve_model
+from ppharness.model.sources.files import resolve_model
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.run.inprocess import check_splits
 prompt = "Pipeline parallel inference splits a model into stages; each stage keeps the KV cache of its own layers. " * 2
@@ -16,12 +16,12 @@ for src in ("synthetic:tiny", "synthetic:small,type=q4_k", "synthetic:tiny-qwen3
     print(src, "prompt tokens", oracle.prompt_tokens, "ttft_ms", round(oracle.ttft_s * 1e3, 1), "decode", round(oracle.decode_tok_s, 1),
           [("MATCH" if c.exact else "MISMATCH", c.same_kernels) for c in checks], round(time.time() - t0, 1), "s", flush=True)
 PY
-F=$(python3 -c "from ppharness.model.files import resolve_model; print(resolve_model('synthetic:llama-3.2-1b,type=q4_k'))")
+F=$(python3 -c "from ppharness.model.sources.files import resolve_model; print(resolve_model('synthetic:llama-3.2-1b,type=q4_k'))")
 python3 - "$F" <<'PY' 2>&1 | tee -a $OUT/log.txt
 import sys, time, statistics
 from ppharness.model.gguf_file import GGUFFile
-from ppharness.model.slicing import ModelSlice
-from ppharness.model.decoding import warm_up
+from ppharness.model.engine.slicing import ModelSlice
+from ppharness.model.decode.rules import warm_up
 f = GGUFFile(sys.argv[1]); t0 = time.time()
 m = ModelSlice(f, 0, f.config.blocks, True, True, 512); warm_up(m); print("1b q4_k load+warm", round(time.time() - t0, 1))
 for n in (30, 100, 300):

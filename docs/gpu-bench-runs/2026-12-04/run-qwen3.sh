@@ -5,7 +5,7 @@ export PYTHONPATH=/tmp/site:$PWD PPHARNESS_CACHE=/tmp/ppcache PYTHONUNBUFFERED=1
 (bash .llamacpp/build.sh .llamacpp/llama.cpp-src.tar.xz /tmp/lcpp cuda > $OUT/build.log 2>&1; echo "build exit $?" >> $OUT/build.log) &
 build=$!
 t=$(date +%s)
-F=$(python3 -c "from ppharness.model.files import resolve_model; print(resolve_model('$src'))") || exit 1
+F=$(python3 -c "from ppharness.model.sources.files import resolve_model; print(resolve_model('$src'))") || exit 1
 echo "model $F $(du -h $F | cut -f1) in $(( $(date +%s) - t )) s"
 wait $build; tail -1 $OUT/build.log
 B=/tmp/lcpp/build/bin

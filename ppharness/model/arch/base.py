@@ -3,22 +3,104 @@ checks and metadata keys the mixture-of-experts architectures share."""
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ppharness.errors import ModelError
+from ppharness.model.gguf.names import BLOCK_TENSOR
 
 if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-    from ppharness.model.config import ModelConfig
-    from ppharness.model.spec import ModelSpec
-    from ppharness.model.synthetic import TensorWriter
+    from ppharness.model.gguf.config import ModelConfig
 
 Shape = tuple[int, ...]  # a tensor's shape in tinygrad's (out, in) order
-BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")  # a block's tensor: blk.{layer}.{part}
+
+
+class SyntheticSpec(Protocol):
+    """What an architecture reads of a synthetic model's spec (``ppharness.model.synthetic.spec.ModelSpec``) to
+    check it, list its tensors and write them."""
+
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def ffn(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def tied_embeddings(self) -> bool: ...
+    @property
+    def arch(self) -> str: ...
+    @property
+    def experts(self) -> int: ...
+    @property
+    def experts_used(self) -> int: ...
+    @property
+    def expert_ffn(self) -> int: ...
+    @property
+    def shared_ffn(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dense_blocks(self) -> int: ...
+    @property
+    def q_lora_rank(self) -> int: ...
+    @property
+    def kv_lora_rank(self) -> int: ...
+    @property
+    def rope_dim(self) -> int: ...
+    @property
+    def v_head_dim(self) -> int: ...
+    @property
+    def shared_experts(self) -> int: ...
+    @property
+    def expert_groups(self) -> int: ...
+    @property
+    def groups_used(self) -> int: ...
+    @property
+    def routed_scale(self) -> float: ...
+    @property
+    def gating(self) -> str: ...
+    @property
+    def yarn_factor(self) -> float: ...
+    @property
+    def yarn_original_context(self) -> int: ...
+    @property
+    def yarn_log_mul(self) -> float: ...
+    @property
+    def yarn_beta_fast(self) -> float: ...
+    @property
+    def yarn_beta_slow(self) -> float: ...
+    @property
+    def rope_scaling(self) -> str: ...
+    @property
+    def rope_scaling_factor(self) -> float: ...
+    @property
+    def rope_original_context(self) -> int: ...
+    @property
+    def hd(self) -> int: ...
+
+
+class TensorSink(Protocol):
+    """Where an architecture writes a synthetic model's tensors (``ppharness.model.synthetic.writer.TensorWriter``):
+    weights drawn in order from one seeded generator, stored in the type the spec gives each."""
+
+    rng: np.random.Generator
+
+    def rand(self, *shape: int, std: float) -> NDArray[np.float16]: ...
+    def norm(self, n: int) -> NDArray[np.float32]: ...
+    def vector(self, n: int, std: float) -> NDArray[np.float32]: ...
+    def matrix(self, name: str, arr: NDArray[Any]) -> None: ...
+    def add(self, name: str, arr: NDArray[Any]) -> None: ...
 
 
 class AttentionShape(Protocol):
@@ -58,10 +140,10 @@ class Architecture(ABC):
     # --- a synthetic model ------------------------------------------------------------------------------------------
 
     @abstractmethod
-    def check(self, spec: ModelSpec) -> None:
+    def check(self, spec: SyntheticSpec) -> None:
         """ModelError unless ``spec``'s architecture-specific fields fit this architecture."""
 
-    def tensors(self, spec: ModelSpec) -> dict[str, Shape]:
+    def tensors(self, spec: SyntheticSpec) -> dict[str, Shape]:
         """Every tensor of the synthetic model ``spec``, name -> shape, in the order the writer stores them."""
         d = spec.dim
         out: dict[str, Shape] = {"token_embd.weight": (spec.vocab, d)}
@@ -73,19 +155,19 @@ class Architecture(ABC):
         return out
 
     @abstractmethod
-    def block_tensors(self, spec: ModelSpec, i: int) -> dict[str, Shape]:
+    def block_tensors(self, spec: SyntheticSpec, i: int) -> dict[str, Shape]:
         """Block ``i``'s tensors (``blk.{i}.*``), in the order the writer stores them."""
 
-    def cache_heads(self, spec: ModelSpec) -> int:
+    def cache_heads(self, spec: SyntheticSpec) -> int:
         """The KV head count the file states."""
         return spec.kv_heads
 
     @abstractmethod
-    def write_keys(self, spec: ModelSpec, w: Any) -> None:
+    def write_keys(self, spec: SyntheticSpec, w: Any) -> None:
         """The metadata keys of this architecture, on the ``gguf.GGUFWriter`` ``w``, after the rope base."""
 
     @abstractmethod
-    def write_block(self, spec: ModelSpec, i: int, out: TensorWriter) -> None:
+    def write_block(self, spec: SyntheticSpec, i: int, out: TensorSink) -> None:
         """Block ``i``'s tensors, drawn from ``out``'s generator in ``block_tensors``' order."""
 
     # --- a GGUF file ------------------------------------------------------------------------------------------------
@@ -132,7 +214,7 @@ class Architecture(ABC):
         return 1
 
 
-def check_experts(spec: ModelSpec) -> None:
+def check_experts(spec: SyntheticSpec) -> None:
     """A mixture-of-experts spec's routed experts."""
     if not (1 <= spec.experts_used <= spec.experts and spec.expert_ffn >= 1):
         raise ModelError(
@@ -141,7 +223,7 @@ def check_experts(spec: ModelSpec) -> None:
         )
 
 
-def check_no_mla(spec: ModelSpec) -> None:
+def check_no_mla(spec: SyntheticSpec) -> None:
     """A spec without deepseek2's fields."""
     mla = (spec.q_lora_rank, spec.kv_lora_rank, spec.rope_dim, spec.v_head_dim, spec.dense_blocks)
     if any(mla) or spec.shared_experts or spec.expert_groups or spec.yarn_factor:
@@ -150,18 +232,18 @@ def check_no_mla(spec: ModelSpec) -> None:
         )
 
 
-def check_no_rope_factors(spec: ModelSpec) -> None:
+def check_no_rope_factors(spec: SyntheticSpec) -> None:
     """A spec without Llama-3's rope frequency factors."""
     if spec.rope_scaling or spec.rope_scaling_factor or spec.rope_original_context:
         raise ModelError(f"Llama-3's rope factors (rope_scaling) belong to arch=llama, not {spec.arch}")
 
 
-def check_no_shared_ffn(spec: ModelSpec) -> None:
+def check_no_shared_ffn(spec: SyntheticSpec) -> None:
     if spec.shared_ffn:
         raise ModelError(f"a shared expert belongs to qwen2moe, not {spec.arch}")
 
 
-def write_expert_keys(spec: ModelSpec, w: Any) -> None:
+def write_expert_keys(spec: SyntheticSpec, w: Any) -> None:
     """The routed experts' metadata keys (and the gated shared expert's width, where there is one)."""
     w.add_expert_count(spec.experts)
     w.add_expert_used_count(spec.experts_used)

@@ -36,20 +36,20 @@ from ppharness.model.arch.base import (
     Architecture,
     AttentionShape,
     Shape,
+    SyntheticSpec,
+    TensorSink,
     check_experts,
     check_no_rope_factors,
     check_no_shared_ffn,
     write_expert_keys,
 )
-from ppharness.model.batch import Rows, per_row, place, slot_view
+from ppharness.model.layers.rows import Rows, per_row, place, slot_view
 
 if TYPE_CHECKING:
     from tinygrad.tensor import Tensor
     from tinygrad.uop.ops import UOp
 
-    from ppharness.model.config import ModelConfig
-    from ppharness.model.spec import ModelSpec
-    from ppharness.model.synthetic import TensorWriter
+    from ppharness.model.gguf.config import ModelConfig
 
 
 def yarn_corr_dims(cfg: ModelConfig) -> tuple[float, float]:
@@ -112,7 +112,9 @@ def deepseek2_block_class() -> Any:
             self.weight = Tensor.zeros(*shape)
 
     class DeepseekBlock:
-        slot_cache: Tensor  # a batched slice's latent cache of every request slot (ppharness.model.batch.slot_cache)
+        slot_cache: (
+            Tensor  # a batched slice's latent cache of every request slot (ppharness.model.layers.rows.slot_cache)
+        )
 
         def __init__(self, cfg: ModelConfig, max_context: int, routed: bool):
             d, h, c, r = cfg.dim, cfg.heads, cfg.kv_lora_rank, cfg.rope_dim
@@ -174,7 +176,7 @@ def deepseek2_block_class() -> Any:
             return cast("Tensor", x.float() + self.attn_output(o).float())
 
         def _attention_rows(self, x: Tensor, rows: Rows) -> Tensor:
-            """``_attention`` for a batch of decode rows (``ppharness.model.batch``): row r in slot r at its own
+            """``_attention`` for a batch of decode rows (``ppharness.model.layers.rows``): row r in slot r at its own
             position, its latent written there in the slots' cache, attending over [0, L) with the positions after
             its own masked."""
             cfg = self.cfg
@@ -247,7 +249,7 @@ class Deepseek2(Architecture):
     )
     f32_tensors = ("ffn_norm.weight", "ffn_gate_inp.weight")
 
-    def check(self, spec: ModelSpec) -> None:
+    def check(self, spec: SyntheticSpec) -> None:
         check_experts(spec)
         if not (spec.kv_lora_rank >= 1 and spec.rope_dim >= 2 and spec.rope_dim % 2 == 0 and spec.v_head_dim >= 1):
             raise ModelError(
@@ -270,7 +272,7 @@ class Deepseek2(Architecture):
         check_no_shared_ffn(spec)
         check_no_rope_factors(spec)
 
-    def block_tensors(self, spec: ModelSpec, i: int) -> dict[str, Shape]:
+    def block_tensors(self, spec: SyntheticSpec, i: int) -> dict[str, Shape]:
         """llama.cpp's names, with MLA's key and value up-projections split per head (``attn_k_b``, ``attn_v_b``) as
         its converter writes them since it computes MLA in the compressed space."""
         d, h, hd, r, c, v = spec.dim, spec.heads, spec.hd, spec.rope_dim, spec.kv_lora_rank, spec.v_head_dim
@@ -301,10 +303,10 @@ class Deepseek2(Architecture):
             out[b + "ffn_down_shexp.weight"] = (d, s)
         return out
 
-    def cache_heads(self, spec: ModelSpec) -> int:
+    def cache_heads(self, spec: SyntheticSpec) -> int:
         return 1  # MLA: one compressed KV "head"
 
-    def write_keys(self, spec: ModelSpec, w: Any) -> None:
+    def write_keys(self, spec: SyntheticSpec, w: Any) -> None:
         """deepseek2's metadata as llama.cpp's converter writes it for MLA: the cache's key and value widths
         (``key_length`` = kv_lora_rank + rope_dim, ``value_length`` = kv_lora_rank, one KV head) and each head's
         (``key_length_mla``, ``value_length_mla``)."""
@@ -322,7 +324,7 @@ class Deepseek2(Architecture):
         w.add_expert_shared_count(spec.shared_experts)
         w.add_expert_weights_scale(spec.routed_scale or 1.0)
         w.add_expert_weights_norm(True)
-        sigmoid = spec.gating_func == "sigmoid"
+        sigmoid = (spec.gating or self.gating) == "sigmoid"
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
         if spec.expert_groups:
             w.add_expert_group_count(spec.expert_groups)
@@ -338,7 +340,7 @@ class Deepseek2(Architecture):
                 w.add_rope_scaling_yarn_beta_slow(spec.yarn_beta_slow)
         write_expert_keys(spec, w)
 
-    def write_block(self, spec: ModelSpec, i: int, out: TensorWriter) -> None:
+    def write_block(self, spec: SyntheticSpec, i: int, out: TensorSink) -> None:
         """Block ``i``'s tensors in ``block_tensors``' order: norms F32, the router F32 (rows scaled log-normally as
         the qwen writer's) with its F32 selection bias, every other matrix in the spec's weight type; each matrix's
         scale 1/sqrt(its input width)."""

@@ -13,7 +13,7 @@ scaled by ``1/sqrt(head_dim)``, the final norm and the head (``token_embd`` wher
 llama.cpp's ``LLAMA_ROPE_TYPE_NEOX``, the pair ``(x[i], x[i + head_dim/2])``, HF's ``rotate_half``: llama.cpp's
 converter stores Qwen's query and key rows as HF has them (unlike llama's, not permuted), and tinygrad's block rotates
 the two halves, so the rows are used as the file stores them. Neither graph reads ``rope_freqs.weight``; a file with
-one is refused (``ppharness.model.support``). The block is llama's (``ppharness.model.arch.llama.dense_block``), with
+one is refused (``ppharness.model.support``). The block is llama's (``ppharness.model.layers.block.dense_block``), with
 the norms and biases the file has.
 """
 
@@ -22,22 +22,28 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ppharness.errors import ModelError
-from ppharness.model.arch.base import Architecture, Shape, check_no_mla, check_no_rope_factors, check_no_shared_ffn
+from ppharness.model.arch.base import (
+    Architecture,
+    Shape,
+    SyntheticSpec,
+    TensorSink,
+    check_no_mla,
+    check_no_rope_factors,
+    check_no_shared_ffn,
+)
 from ppharness.model.arch.llama import (
     ATTENTION_PARTS,
     FFN_PARTS,
     attention_tensors,
-    dense_block,
     ffn_tensors,
     write_attention,
     write_ffn,
     write_rope_keys,
 )
+from ppharness.model.layers.block import dense_block
 
 if TYPE_CHECKING:
-    from ppharness.model.config import ModelConfig
-    from ppharness.model.spec import ModelSpec
-    from ppharness.model.synthetic import TensorWriter
+    from ppharness.model.gguf.config import ModelConfig
 
 QK_NORM_PARTS = frozenset({"attn_q_norm.weight", "attn_k_norm.weight"})
 QKV_BIAS_PARTS = frozenset({"attn_q.bias", "attn_k.bias", "attn_v.bias"})
@@ -46,7 +52,7 @@ QKV_BIAS_PARTS = frozenset({"attn_q.bias", "attn_k.bias", "attn_v.bias"})
 QKV_BIAS_STD = 0.5
 
 
-def qwen_attention_tensors(spec: ModelSpec, i: int, qk_norm: bool, qkv_bias: bool) -> dict[str, Shape]:
+def qwen_attention_tensors(spec: SyntheticSpec, i: int, qk_norm: bool, qkv_bias: bool) -> dict[str, Shape]:
     """Block ``i``'s attention norm and projections, with the per-head query and key norms and the q/k/v biases."""
     hd, b = spec.hd, f"blk.{i}."
     out = attention_tensors(spec, i)
@@ -61,7 +67,7 @@ def qwen_attention_tensors(spec: ModelSpec, i: int, qk_norm: bool, qkv_bias: boo
 
 
 def write_qwen_attention(
-    spec: ModelSpec, i: int, out: TensorWriter, qk_norm: bool, qkv_bias: bool, bias_std: float
+    spec: SyntheticSpec, i: int, out: TensorSink, qk_norm: bool, qkv_bias: bool, bias_std: float
 ) -> None:
     """``qwen_attention_tensors``' weights: llama's, then the norms (about 1, F32) and the biases (F32, normal of
     spread ``bias_std``)."""
@@ -81,7 +87,7 @@ class DenseQwen(Architecture):
         # norms
         self.block_parts = ATTENTION_PARTS | FFN_PARTS | QKV_BIAS_PARTS | (QK_NORM_PARTS if qk_norm else frozenset())
 
-    def check(self, spec: ModelSpec) -> None:
+    def check(self, spec: SyntheticSpec) -> None:
         if spec.experts or spec.experts_used:
             moe = "qwen3moe" if self.qk_norm else "qwen2moe"
             raise ModelError(f"{self.name} is dense: experts need arch={moe}")
@@ -89,13 +95,13 @@ class DenseQwen(Architecture):
         check_no_rope_factors(spec)
         check_no_shared_ffn(spec)
 
-    def block_tensors(self, spec: ModelSpec, i: int) -> dict[str, Shape]:
+    def block_tensors(self, spec: SyntheticSpec, i: int) -> dict[str, Shape]:
         return qwen_attention_tensors(spec, i, self.qk_norm, self.qkv_bias) | ffn_tensors(spec, i)
 
-    def write_keys(self, spec: ModelSpec, w: Any) -> None:
+    def write_keys(self, spec: SyntheticSpec, w: Any) -> None:
         write_rope_keys(spec, w)
 
-    def write_block(self, spec: ModelSpec, i: int, out: TensorWriter) -> None:
+    def write_block(self, spec: SyntheticSpec, i: int, out: TensorSink) -> None:
         write_qwen_attention(spec, i, out, self.qk_norm, self.qkv_bias, QKV_BIAS_STD)
         write_ffn(spec, i, out)
 

@@ -7,7 +7,7 @@
 
 A block's router is ``ffn_gate_inp`` and its routed experts are stacked in ``ffn_{gate,up,down}_exps``, as llama.cpp
 names them; the block on tinygrad (``moe_block_class``) computes attention and what precedes the routed experts
-(``pre``), which ``ppharness.model.moe`` routes and combines on the host.
+(``pre``), which ``ppharness.model.layers.moe`` routes and combines on the host.
 """
 
 from __future__ import annotations
@@ -20,30 +20,25 @@ import numpy as np
 from ppharness.model.arch.base import (
     Architecture,
     Shape,
+    SyntheticSpec,
+    TensorSink,
     check_experts,
     check_no_mla,
     check_no_rope_factors,
     check_no_shared_ffn,
     write_expert_keys,
 )
-from ppharness.model.arch.llama import (
-    ATTENTION_PARTS,
-    FFN_PARTS,
-    attention_rows,
-    block_args,
-    dense_block,
-    write_rope_keys,
-)
+from ppharness.model.arch.llama import ATTENTION_PARTS, FFN_PARTS, write_rope_keys
 from ppharness.model.arch.qwen import qwen_attention_tensors, write_qwen_attention
-from ppharness.model.batch import Rows
+from ppharness.model.layers.attention import attention_rows
+from ppharness.model.layers.block import block_args, dense_block
+from ppharness.model.layers.rows import Rows
 
 if TYPE_CHECKING:
     from tinygrad.tensor import Tensor
     from tinygrad.uop.ops import UOp
 
-    from ppharness.model.config import ModelConfig
-    from ppharness.model.spec import ModelSpec
-    from ppharness.model.synthetic import TensorWriter
+    from ppharness.model.gguf.config import ModelConfig
 
 
 MOE_BIAS_STD = 0.02  # the spread of a qwen2moe file's q/k/v biases
@@ -111,7 +106,7 @@ def moe_block_class() -> Any:
     return MoEBlock
 
 
-def write_experts(spec: ModelSpec, i: int, out: TensorWriter) -> None:
+def write_experts(spec: SyntheticSpec, i: int, out: TensorSink) -> None:
     """Block ``i``'s router and experts, as llama.cpp names them: the router ``ffn_gate_inp`` (F32, as llama.cpp's
     converter keeps it), the stacked routed experts ``ffn_{gate,up,down}_exps`` and, for qwen2moe, the shared
     expert ``ffn_*_shexp`` with its gate. Router rows are scaled by a seeded log-normal factor so that some experts
@@ -148,14 +143,14 @@ class QwenMoE(Architecture):
         self.name, self.renormalise = name, renormalise
         self.qk_norm, self.qkv_bias, self.shared = qk_norm, qkv_bias, shared
 
-    def check(self, spec: ModelSpec) -> None:
+    def check(self, spec: SyntheticSpec) -> None:
         check_experts(spec)
         check_no_mla(spec)
         check_no_rope_factors(spec)
         if not self.shared:
             check_no_shared_ffn(spec)
 
-    def block_tensors(self, spec: ModelSpec, i: int) -> dict[str, Shape]:
+    def block_tensors(self, spec: SyntheticSpec, i: int) -> dict[str, Shape]:
         d, e, f, b = spec.dim, spec.experts, spec.expert_ffn, f"blk.{i}."
         out = qwen_attention_tensors(spec, i, self.qk_norm, self.qkv_bias)
         out[b + "ffn_norm.weight"] = (d,)
@@ -170,11 +165,11 @@ class QwenMoE(Architecture):
             out[b + "ffn_down_shexp.weight"] = (d, s)
         return out
 
-    def write_keys(self, spec: ModelSpec, w: Any) -> None:
+    def write_keys(self, spec: SyntheticSpec, w: Any) -> None:
         write_rope_keys(spec, w)
         write_expert_keys(spec, w)
 
-    def write_block(self, spec: ModelSpec, i: int, out: TensorWriter) -> None:
+    def write_block(self, spec: SyntheticSpec, i: int, out: TensorSink) -> None:
         write_qwen_attention(spec, i, out, self.qk_norm, self.qkv_bias, MOE_BIAS_STD)
         out.add(f"blk.{i}.ffn_norm.weight", out.norm(spec.dim))
         write_experts(spec, i, out)

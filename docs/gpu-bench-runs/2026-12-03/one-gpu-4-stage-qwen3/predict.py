@@ -2,11 +2,11 @@ import json
 
 import msgspec
 
-from ppharness.model.spec import parse_synthetic
+from ppharness.model.synthetic.spec import parse_synthetic
 from ppharness.plan.compile import scenario_plan
-from ppharness.plan.doc import load_cluster
 from ppharness.plan.graph import spec_graph
-from ppharness.plan.simulate import simulate
+from ppharness.plan.predict.simulate import simulate
+from ppharness.plan.reader import load_cluster
 
 src = "synthetic:qwen3-30b-a3b,blocks=8"
 graph = spec_graph(parse_synthetic(src), src, 256)
