@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
 from ppharness.model.arch import of_config, read_config
-from ppharness.model.formats.codecs import held_type, packs
+from ppharness.model.formats.codecs import check_format, packs
 from ppharness.model.formats.packed import Packed
 from ppharness.model.formats.table import FORMATS
 from ppharness.model.gguf.config import ModelConfig
@@ -86,7 +86,7 @@ class GGUFFile:
         blocks' (out, in) layout (``Architecture.file_tensor``'s row order); ``rows`` as ``tensor``'s. None for a
         tensor whose type is held as float16 (F16, F32) or that is not a matrix."""
         t = self._tensor(name)
-        held_type(int(t.tensor_type), name)
+        check_format(int(t.tensor_type), name)
         if not packs(int(t.tensor_type)) or len(t.shape) < 2:
             return None
         shape = tuple(int(d) for d in reversed(t.shape))

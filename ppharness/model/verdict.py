@@ -9,7 +9,7 @@ packing a matrix on a node):
 - every tensor is one that architecture computes with, and no metadata key changes the computation in a way it does
   not implement (``ppharness.model.support.check_file``);
 - the metadata has every key the engine reads (``ppharness.model.arch.read_config``);
-- every matrix is stored in a type the engine holds (``ppharness.model.formats.codecs``, as ``held_type`` decides);
+- every matrix is stored in a type the engine holds (``ppharness.model.formats.codecs.check_format``);
 - the tokenizer is one the engine builds (``ppharness.model.text.tokenizer.tokenizer_problem``).
 
 The ``LoadVerdict`` holds the answer (``loads``, ``reasons``) and the facts ``ppharness model info`` shows.

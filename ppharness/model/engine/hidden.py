@@ -87,7 +87,7 @@ class Hidden:
         return f"Hidden({self.shape}, {self.dtype}, on the {where})"
 
 
-def held(x: object) -> TypeIs[Tensor]:
+def left_on_device(x: object) -> TypeIs[Tensor]:
     """Whether ``x`` is a device tensor (a handle a co-located stage left on the device), not ids or a host array."""
     return not isinstance(x, list | tuple | np.ndarray) and hasattr(x, "uop")
 

@@ -160,7 +160,7 @@ class ModelSlice(BatchedRows):
         # slot of its own whose cache is then copied byte for byte into the request's slot, so that it serves every slot
         self._prefill = Prefill(self)
         self._decode_in: Tensor | None = None  # (1,1) ids or (1,1,D) hidden, reused by every decode step
-        self.device_out = False  # decode outputs left on the device for a co-located next stage (hidden.held)
+        self.device_out = False  # decode outputs left on the device for a co-located next stage (hidden.left_on_device)
         self._directs: list[DirectStep | Literal[False] | None] = [
             None
         ] * slots  # each slot's lean call (None: not yet)
@@ -529,7 +529,7 @@ class ModelSlice(BatchedRows):
         """
         if not 1 <= position < self.max_context:
             raise ModelError(f"position {position} is outside the context of {self.max_context}")
-        if hidden.held(x):  # a co-located stage's output, left on its device
+        if hidden.left_on_device(x):  # a co-located stage's output, left on its device
             if self.batched or (self.moe and not self.fused) or self._decode_in is None:
                 return self.decode(x.numpy(), position, slot)
             self.use(slot)

@@ -24,7 +24,7 @@ def packs(ggml_type: int) -> bool:
     return codec is not None and codec.packs
 
 
-def held_type(ggml_type: int, name: str) -> None:
+def check_format(ggml_type: int, name: str) -> None:
     """ModelError unless a matrix of ``ggml_type`` is one this engine computes with."""
     if ggml_type not in CODECS:
         raise ModelError(

@@ -126,7 +126,7 @@ class ExpertParallel:
         self, x: list[int] | npt.NDArray[np.float16] | Tensor, position: int, slot: int = 0
     ) -> npt.NDArray[np.float16] | int:
         # a plan co-locates no stage that fans out to expert nodes; a device handle is taken all the same
-        host = x.numpy() if hidden.held(x) else x
+        host = x.numpy() if hidden.left_on_device(x) else x
         if not 1 <= position < self.model.max_context:
             raise ModelError(f"position {position} is outside the context of {self.model.max_context}")
         if self.model.batched:
