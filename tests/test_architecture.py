@@ -53,7 +53,7 @@ PLAN_FLOORS: list[tuple[str, ...]] = [
     ("compile", "predict"),  # a plan made ready to run; the cost model, the fan-out, the simulator
     ("search", "experts"),  # the planner; the expert planner
     ("show", "validation", "consumer"),  # a plan for people; predictions against measurements; consumer clusters
-    ("speculation",),  # what speculation buys, predicted
+    ("speculation_gain",),  # what speculation buys, predicted
 ]
 
 # The floors inside ppharness/run/, lowest first.

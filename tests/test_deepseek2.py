@@ -20,7 +20,7 @@ import pytest
 from ppharness.errors import ModelError
 from ppharness.model.arch.deepseek2 import attention_scale, rope_angles
 from ppharness.model.decode.oracle import oracle_decode
-from ppharness.model.engine.experts import ExpertBank
+from ppharness.model.engine.expert_bank import ExpertBank
 from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.layers.moe import ExpertCall, combine, route

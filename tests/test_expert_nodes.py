@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ppharness.model.engine.experts import ExpertBank
+from ppharness.model.engine.expert_bank import ExpertBank
 from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.synthetic.spec import preset_spec

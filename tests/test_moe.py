@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from ppharness.errors import ModelError
 from ppharness.model.decode.oracle import oracle_decode
-from ppharness.model.engine.experts import ExpertBank
+from ppharness.model.engine.expert_bank import ExpertBank
 from ppharness.model.engine.hidden import digest
 from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile

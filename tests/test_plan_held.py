@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from ppharness.errors import PlanError
-from ppharness.model.engine.experts import ExpertBank
+from ppharness.model.engine.expert_bank import ExpertBank
 from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.synthetic.spec import PRESETS, ModelSpec

@@ -23,7 +23,7 @@ from ppharness.errors import ModelError, ScenarioError
 from ppharness.model.decode.drafts import DEFAULT_K, NGramDraft, build_draft, parse_draft
 from ppharness.model.decode.oracle import oracle_decode
 from ppharness.model.engine.slicing import ModelSlice
-from ppharness.plan.speculation import acceptance, distinct_experts, predict, tokens_per_trip
+from ppharness.plan.speculation_gain import acceptance, distinct_experts, predict, tokens_per_trip
 from ppharness.run.inprocess import InProcessChain, judge, load_slices, run_inprocess
 from ppharness.run.stage.speculation import Speculation, accepted, current, rows_ok
 from ppharness.scenario.schema import scenario_from_args

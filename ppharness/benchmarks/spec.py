@@ -1,5 +1,5 @@
 """``ppharness bench spec``: greedy and speculative decoding on the same chain, over emulated WAN links, with the
-prediction (``ppharness.plan.speculation``) printed beside what was measured.
+prediction (``ppharness.plan.speculation_gain``) printed beside what was measured.
 
 One chain is started with the draft (``serving.speculate``); each repeat sends the prompt twice, greedy (a request
 with ``speculate=False``: windows of one row, the same kernels) then speculative, and both answers are checked
@@ -31,7 +31,7 @@ from ppharness.errors import HarnessError
 from ppharness.model.decode.oracle import oracle_decode
 from ppharness.model.sources.files import resolve_model
 from ppharness.network.spec import Impairment, Network
-from ppharness.plan.speculation import SpecPrediction, acceptance, predict
+from ppharness.plan.speculation_gain import SpecPrediction, acceptance, predict
 from ppharness.run.seed.orchestrator import Chain, decode_tok_s
 from ppharness.scenario.schema import Scenario, scenario_from_args
 from ppharness.trace.report import percentile
@@ -201,7 +201,7 @@ def report(res: SpecBenchResult) -> str:
         f"  efficiency: {res.efficiency:.2f} (speed-up over tokens per trip: 1 when a window costs what a row does)",
         f"  compute per trip (the stages' p50s, summed): one row {res.greedy_compute_ms:.1f} ms, a window "
         f"{res.window_compute_ms:.1f} ms; link delays {res.delay_sum_ms:.0f} ms",
-        "  predicted (ppharness.plan.speculation; inputs measured here) beside measured:",
+        "  predicted (ppharness.plan.speculation_gain; inputs measured here) beside measured:",
         f"    alpha {p['alpha']:.3f}, drafts per window {p['k']:.2f}",
         f"    tokens per trip  predicted {p['tokens_per_trip']:.2f}  measured {res.tokens_per_trip:.2f}  "
         f"({_err(p['tokens_per_trip'], res.tokens_per_trip)})",

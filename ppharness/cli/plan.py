@@ -52,7 +52,7 @@ from ppharness.plan.provenance import stale_warnings
 from ppharness.plan.reader import file_kind, load_cluster, load_plan
 from ppharness.plan.search.budget import DEFAULT_SECONDS, MAX_SECONDS, Budget
 from ppharness.plan.search.planner import policy_plan
-from ppharness.plan.speculation import parse_alpha_k, plan_with_speculation
+from ppharness.plan.speculation_gain import parse_alpha_k, plan_with_speculation
 from ppharness.run.loop import ticking
 
 MODEL_HELP = (

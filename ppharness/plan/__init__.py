@@ -5,5 +5,5 @@ document, its bounds, its text form and its invariants); ``graph``, ``stages``, 
 model's graph, stage ranges and names, chains built in code, what a device was measured with); ``reader`` (the one
 reader of every plan and cluster file: JSON, YAML and the text form); ``compile`` (a plan made ready to run) and
 ``predict`` (the cost model and the simulator); ``search`` (the planner) and ``experts`` (the expert planner); and
-above them ``show``, ``validation``, ``consumer`` and ``speculation``.
+above them ``show``, ``validation``, ``consumer`` and ``speculation_gain``.
 """

@@ -31,7 +31,7 @@ from ppharness.model.arch import of_config
 from ppharness.model.engine import hidden
 from ppharness.model.engine.batched import BatchedRows
 from ppharness.model.engine.direct import DirectStep
-from ppharness.model.engine.experts import ExpertBank, all_experts
+from ppharness.model.engine.expert_bank import ExpertBank, all_experts
 from ppharness.model.engine.prefill import Prefill
 from ppharness.model.formats.packed import Packed, PackedEmbedding
 from ppharness.model.gguf.names import BLOCK_TENSOR

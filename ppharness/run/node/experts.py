@@ -42,7 +42,7 @@ from ppharness.wire.messages import ExpertRequest, ExpertResult, Message
 if TYPE_CHECKING:
     from tinygrad.tensor import Tensor
 
-    from ppharness.model.engine.experts import ExpertBank
+    from ppharness.model.engine.expert_bank import ExpertBank
     from ppharness.model.engine.slicing import ModelSlice
     from ppharness.model.gguf.config import ModelConfig
     from ppharness.model.layers.moe import ExpertCall

@@ -30,7 +30,7 @@ import msgspec
 from ppharness.errors import HarnessError
 from ppharness.model.decode.drafts import build_draft
 from ppharness.model.decode.rules import warm_up, warm_windows
-from ppharness.model.engine.experts import ExpertBank
+from ppharness.model.engine.expert_bank import ExpertBank
 from ppharness.model.engine.slicing import ModelSlice
 from ppharness.model.gguf_file import GGUFFile
 from ppharness.model.sources.files import resolve_model

@@ -67,10 +67,8 @@ class Stage:
     ready model calls as one batch (the scheduler) and hands every output on (the outbound side). A loop
     (``ppharness.run.loop``) holds a stage as a worker (``step``) and, under a policy that resends
     (``state.reliable``), as a timer (``due_in``/``tick``: the outbox's resends); whoever drives a stage by hand calls
-    ``deliver``, which is ``handle`` and then every step. What it records is ``state`` (``StageState``).
-
-    ``names`` is the directory (name -> address) from the cluster; next and previous stages are computed locally.
-    ``seed`` is the orchestrator's address: the only member that may send requests, and the only one answered.
+    ``deliver``, which is ``handle`` and then every step. What it records is ``state`` (``StageState``, which says
+    what its arguments mean).
     """
 
     def __init__(

@@ -113,7 +113,7 @@ class PlanSpeculation:
             f"with speculation (alpha {self.alpha:g}, K = {self.k}, a draft of {self.draft_ms:g} ms on stage 0): a "
             f"window of {self.k + 1} rows costs {self.trip_ms:.1f} ms per trip (greedy: {self.greedy_ms:.1f} ms per "
             f"token) and commits {self.tokens_per_trip:.2f} tokens on average: {self.tok_s:.1f} tok/s for one request "
-            f"(greedy {1000 / self.greedy_ms:.1f}); ppharness.plan.speculation says what is assumed"
+            f"(greedy {1000 / self.greedy_ms:.1f}); ppharness.plan.speculation_gain says what is assumed"
         )
 
 
