@@ -7,9 +7,8 @@ Pure functions of the node specs and the scenario's ``provider.vastai`` settings
   ``num_gpus`` GPUs, a node per GPU, ``pp-host`` starting them); any other node is an instance of its own. Each
   instance's search is the scenario's settings with its device's ``source.offer`` applied
   (``ProviderSettings.for_device``); instances with equal searches are found by one search.
-- ``instance_env``: the node (or the host's nodes, in ``ppharness.run.node.host``'s encoding) with what each node needs
-on a
-  rented machine: its own container port ``PP_PORT`` (``node_port`` + its index in the run), requested as
+- ``instance_env``: the node (or the host's nodes, in ``ppharness.run.node.host``'s encoding) with what each node
+  needs on a rented machine: its own container port ``PP_PORT`` (``node_port`` + its index in the run), requested as
   ``-p P:P`` (udp for iroh) so that vast.ai maps it to a public port the node reads from ``VAST_TCP_PORT_<P>`` /
   ``VAST_UDP_PORT_<P>`` and advertises with ``PUBLIC_IPADDR``; ``PP_BIND_HOST=0.0.0.0``; ``CUDA_VISIBLE_DEVICES`` for
   a GPU of a host.

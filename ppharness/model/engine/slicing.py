@@ -242,8 +242,7 @@ class ModelSlice(BatchedRows):
 
     def _load_packed(self, f: GGUFFile, owned: dict[str, str], f32: set[str]) -> dict[str, Packed]:
         """Every owned matrix the file stores in a packed type (``ppharness.model.formats.packed``) that a projection or
-        the
-        embedding reads, loaded as it is packed and put in place of the module's float16 weight; {local name:
+        the embedding reads, loaded as it is packed and put in place of the module's float16 weight; {local name:
         Packed}. A tied head shares the embedding's bytes."""
         from tinygrad import nn
 

@@ -7,8 +7,7 @@ Each is the exact block layout of ggml (``block_q4_K``, ``block_q5_K``, ``block_
 chosen here. The rows are super-blocks of 256 elements; a row of another length is refused (the synthetic writer
 stores such a tensor in a fallback type, ``ppharness.model.synthetic.spec.tensor_type``). The choice of the scales is
 simple, not llama.cpp's iterative search, and covers every value without clipping, so each element is within half its
-sub-block's
-step of the input:
+sub-block's step of the input:
 
 - Q4_K (144 bytes: f16 ``d``, f16 ``dmin``, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles) and Q5_K (176:
   the same with 32 bytes ``qh`` of fifth bits before the nibbles): value = ``d * sc * q - dmin * m`` over 8 sub-blocks
