@@ -27,7 +27,6 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ppharness.errors import ModelError
-from ppharness.model.arch import of_config
 from ppharness.model.engine import hidden
 from ppharness.model.engine.batched import BatchedRows
 from ppharness.model.engine.direct import DirectStep
@@ -130,7 +129,7 @@ class ModelSlice(BatchedRows):
         if not 0 <= lo < hi <= cfg.blocks and not (lo == hi and first and last and cfg.blocks == 0):
             raise ModelError(f"block range [{lo}, {hi}) is not inside the model's {cfg.blocks} blocks")
         self.file, self.config, self.lo, self.hi, self.first, self.last = gguf_file, cfg, lo, hi, first, last
-        self.moe = cfg.moe  # its blocks route experts (read on every step: kept, not derived)
+        self.moe = cfg.moe  # its blocks route experts
         if weights not in WEIGHTS:
             raise ModelError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
         self.weights = weights
@@ -146,7 +145,7 @@ class ModelSlice(BatchedRows):
         self._caches: list[list[Tensor | None]] = [[] for _ in range(slots + 1)]
         self.taps = taps
         self._tapped: list[Tensor] = []  # with taps: every block's output of the last step (tinygrad tensors)
-        self.architecture = arch = of_config(cfg)
+        self.architecture = arch = gguf_file.architecture
         self.blk = [arch.block(cfg, self.max_context, lo + i) for i in range(hi - lo)]
         if first:
             self.token_embd = nn.Embedding(cfg.vocab, cfg.dim)

@@ -5,11 +5,12 @@ are unpacked as ggml's ``dequantize_row_*`` defines them; Q4_0 and Q4_1 also mul
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from ppharness.model.formats.bits import _half, _nibbles
 from ppharness.model.formats.codec import Codec, gguf_quantise
-from ppharness.model.formats.table import named
+from ppharness.model.formats.table import Format, named
 
 if TYPE_CHECKING:
     from tinygrad.tensor import Tensor
@@ -34,31 +35,30 @@ def _q4_1(b: Tensor) -> Tensor:
     return out
 
 
-def half_product(raw: Tensor, x: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """``x`` (..., in) times a Q4_0 or Q4_1 matrix's transpose, (..., out) float32: each block unpacked as its two
-    halves (low nibbles: its first 16 values, high: its last 16), each half summed against its half of ``x`` and the
-    two sums added. The same values as unpacking whole rows, without interleaving the halves into one row (which
-    tinygrad compiles to a select per value: about twice the time on the CPU)."""
+def half_product(f: Format, raw: Tensor, x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``x`` (..., in) times the transpose of a matrix of ``f`` (Q4_0 or Q4_1), (..., out) float32: each block
+    unpacked as its two halves (low nibbles: its first 16 values, high: its last 16), each half summed against its half
+    of ``x`` and the two sums added. The same values as unpacking whole rows, without interleaving the halves into one
+    row (which tinygrad compiles to a select per value: about twice the time on the CPU)."""
     from tinygrad.dtype import dtypes
 
     rows, cols = shape
-    size = int(raw.shape[-1]) // (cols // Q4_0.block)
-    nb = cols // Q4_0.block
+    nb, size = cols // f.block, f.bytes
     b = raw.reshape(rows, nb, size)
     q = b[..., size - 16 : size].cast(dtypes.uint32)
     d, low, high = _half(b, 0), (q & 15).cast(dtypes.float32), q.rshift(4).cast(dtypes.float32)
-    if size == Q4_0.bytes:
+    if f is Q4_0:  # d * (q - 8)
         low, high = d * (low - 8.0), d * (high - 8.0)
-    else:
+    else:  # Q4_1: d * q + m
         m = _half(b, 2)
         low, high = d * low + m, d * high + m
-    xb = x.float().reshape(*x.shape[:-1], 1, nb, Q4_0.block)
+    xb = x.float().reshape(*x.shape[:-1], 1, nb, f.block)
     out: Tensor = (low * xb[..., :16]).sum((-1, -2)) + (high * xb[..., 16:]).sum((-1, -2))
     return out
 
 
 CODECS = (
-    Codec(Q4_0, gguf_quantise(Q4_0), unpack=_q4_0, product=half_product),
-    Codec(Q4_1, gguf_quantise(Q4_1), unpack=_q4_1, product=half_product),
+    Codec(Q4_0, gguf_quantise(Q4_0), unpack=_q4_0, product=functools.partial(half_product, Q4_0)),
+    Codec(Q4_1, gguf_quantise(Q4_1), unpack=_q4_1, product=functools.partial(half_product, Q4_1)),
     Codec(Q8_0, gguf_quantise(Q8_0), unpack=_q8_0),
 )
