@@ -396,8 +396,7 @@ def _traced_chain(f: GGUFFile, slices: list[Any], tokens: int, colocated: bool) 
         def serve(members: list[int]) -> None:
             loop = Loop(inbox if inbox is not None else ends[members[0]], lambda _: None)
             for i in members:
-                loop.add_timer(stages[i])
-                loop.add_worker(stages[i])
+                stages[i].serve_on(loop)
 
             def handle(sender: str, msg: Message, rx: Received | None) -> bool:
                 stages[inbox.member if inbox is not None else members[0]].handle(sender, msg, rx)

@@ -98,9 +98,7 @@ class InProcessChain:
         ]
         self.loops = [Loop(t, lambda _: None) for t in self.transports[:n]]
         for stage, loop in zip(self.stages, self.loops, strict=True):
-            if stage.state.reliable:  # the outbox's resends
-                loop.add_timer(stage)
-            loop.add_worker(stage)
+            stage.serve_on(loop)
 
     def ask(self, request: InferenceRequest) -> None:
         """The client sends ``request`` to stage 0."""

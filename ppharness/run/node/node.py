@@ -496,9 +496,7 @@ class Node:
             max_batch=plan.max_batch,
             speculation=stage_speculation(plan, loaded, self.log),
         )
-        if stage.state.reliable:  # the outbox's resends: nothing waits for an acknowledgement under policy none
-            self.loop.add_timer(stage)
-        self.loop.add_worker(stage)  # its steps
+        stage.serve_on(self.loop)
         if plan.batched:  # its steps run what every waiting message made ready
             self.loop.drain = DRAIN
         return stage

@@ -46,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ppharness.run.loop import Loop
 from ppharness.run.reliable import RetryPolicy
 from ppharness.run.stage.inbound import Inbound
 from ppharness.run.stage.outbound import Outbound
@@ -66,9 +67,9 @@ class Stage:
     Receipt records, a step computes: ``handle`` (the inbound side) only checks and records, ``step()`` runs the
     ready model calls as one batch (the scheduler) and hands every output on (the outbound side). A loop
     (``ppharness.run.loop``) holds a stage as a worker (``step``) and, under a policy that resends
-    (``state.reliable``), as a timer (``due_in``/``tick``: the outbox's resends); whoever drives a stage by hand calls
-    ``deliver``, which is ``handle`` and then every step. What it records is ``state`` (``StageState``, which says
-    what its arguments mean).
+    (``state.reliable``), as a timer (``due_in``/``tick``: the outbox's resends), as ``serve_on`` registers it;
+    whoever drives a stage by hand calls ``deliver``, which is ``handle`` and then every step. What it records is
+    ``state`` (``StageState``, which says what its arguments mean).
     """
 
     def __init__(
@@ -139,6 +140,13 @@ class Stage:
         if s.first and s.waiting:
             self.inbound.admission.admit_waiting()
         return True
+
+    def serve_on(self, loop: Loop) -> None:
+        """Turn on ``loop``: as its worker (``step``) and, under a policy that resends (``state.reliable``), as its
+        timer (the outbox's resends; under policy none nothing waits for an acknowledgement)."""
+        if self.state.reliable:
+            loop.add_timer(self)
+        loop.add_worker(self)
 
     def due_in(self) -> float | None:
         """Seconds until a message awaiting its acknowledgement is due to be sent again (None: nothing waits)."""
